@@ -1,0 +1,38 @@
+"""`dsflash` console command. Each subcommand lives beside the code it drives and registers itself
+through a `register(subparsers)` function; this file only lists them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# module path of each subcommand's `register`; imported lazily so `dsflash --help` stays fast
+COMMANDS = [
+    "dsflash.golden.check",  # check-golden
+    "dsflash.checkpoint.make",  # make-checkpoint
+    "dsflash.model.logits_cmd",  # logits
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsflash", description="DeepSeek-V4.1-Flash inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for mod in COMMANDS:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue  # a command still being written is simply not offered
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
