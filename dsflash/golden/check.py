@@ -1,0 +1,225 @@
+"""`dsflash check-golden DIR [DIR ...] [--json OUT]`: run the engine on golden cases and apply the tolerance rules.
+
+Per text case the engine runs (README "Tolerances" -> "What the engine runs for one case"):
+- replay: one prefill of full.input_ids with the full.* selections forced;
+- own selection: the same prefill with the engine's own lowest-index selection, compared with full_lowtie.*;
+- the battery: each battery.input_ids[n] prefilled alone, replayed with battery.* sequence n and with its own
+  selection (compared with battery_lowtie.*);
+- the drafter, fed the stored DSpark context (README "How replay is meant").
+
+One line per case and quantity, then the case's tier. The exit status is non-zero when any case is FAIL,
+an unsupported image case, unreadable, or its engine raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from dsflash.golden.case import GoldenCase, GoldenCaseError, load_case, replay_selections
+from dsflash.golden.rules import (
+    FAITHFUL_LOGITS_ABS,
+    UNSUPPORTED_IMAGE,
+    CaseVerdict,
+    RuleResult,
+    image_case_verdict,
+    judge_case,
+)
+
+PREFILL_KEYS = ("logits", "handoff_streams", "handoff_pre_mix")
+
+
+class GoldenEngine(Protocol):
+    """What check_case needs from an engine (implemented by dsflash.golden.adapter.GoldenEngine)."""
+
+    def prefill(self, ids: np.ndarray, selections: dict | None) -> dict[str, np.ndarray]:
+        """One prefill of ids (int64 [S]) at start_pos 0 from a fresh state; selections None = own selection
+        (lowest index wins), else the dict of replay_selections. Returns "logits" float32 [S, V],
+        "handoff_streams" float32 [S, hc, D], "handoff_pre_mix" float32 [S, hc]."""
+        ...
+
+    def draft(self, prefill_main_hidden: np.ndarray, anchors: np.ndarray, ctx_rows: np.ndarray,
+              start_pos: np.ndarray) -> np.ndarray:
+        """Draft rounds fed the stored DSpark context: prefill_main_hidden [T, n_taps*D] for positions 0..T-1,
+        then round r with anchor anchors[r] and context row ctx_rows[r] at start_pos[r]. Returns float32
+        [R, B, V]."""
+        ...
+
+
+@dataclass
+class CaseCheck:
+    """Outcome of checking one case directory: a verdict, or the error that stopped it."""
+
+    case_dir: str
+    name: str
+    verdict: CaseVerdict | None = None
+    error: str | None = None
+    not_run: list[str] = field(default_factory=list)  # engine steps that raised NotImplementedError
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.verdict is not None and self.verdict.ok
+
+    def to_dict(self) -> dict:
+        out = {"case_dir": self.case_dir, "case": self.name, "ok": self.ok, "error": self.error,
+               "not_run": self.not_run}
+        if self.verdict is not None:
+            out.update(self.verdict.to_dict())
+        return out
+
+
+def _prefill_arrays(out: dict) -> dict[str, np.ndarray]:
+    return {k: np.asarray(out[k], np.float32) for k in PREFILL_KEYS}
+
+
+def _battery_prefills(case: GoldenCase, engine: GoldenEngine, replay: bool) -> dict[str, np.ndarray]:
+    """Every battery sequence prefilled alone; outputs stacked to [N, S, ...]."""
+    outs = []
+    for n, ids in enumerate(case.golden["battery.input_ids"]):
+        selections = replay_selections(case, "battery.", seq=n) if replay else None
+        outs.append(_prefill_arrays(engine.prefill(ids, selections)))
+    return {k: np.stack([o[k] for o in outs]) for k in PREFILL_KEYS}
+
+
+def image_case_check(case: GoldenCase) -> CaseCheck:
+    """Image cases are out of scope for now: tier UNSUPPORTED (image case), counted as a failure."""
+    return CaseCheck(case_dir=str(case.path), name=case.name, verdict=image_case_verdict())
+
+
+def check_case(case: GoldenCase | str | os.PathLike, engine: GoldenEngine) -> CaseCheck:
+    """Run the engine on one case (path or loaded GoldenCase) and apply the rules. An engine step raising
+    NotImplementedError is recorded in not_run and its rules count as missing (FAIL). An image case is
+    UNSUPPORTED without running the engine. Raises GoldenCaseError for an unreadable case."""
+    if not isinstance(case, GoldenCase):
+        case = load_case(case)
+    if case.is_image_case:
+        return image_case_check(case)
+    check = CaseCheck(case_dir=str(case.path), name=case.name)
+    g = case.golden
+
+    def attempt(step: str, run: Callable[[], object]):
+        try:
+            return run()
+        except NotImplementedError as e:
+            check.not_run.append(f"{step}: {e}" if str(e) else step)
+            return None
+
+    full_ids = g["full.input_ids"]
+    replay = attempt("replay", lambda: _prefill_arrays(engine.prefill(full_ids, replay_selections(case, "full."))))
+    own = attempt("own selection", lambda: _prefill_arrays(engine.prefill(full_ids, None)))
+    battery = attempt("battery replay", lambda: _battery_prefills(case, engine, replay=True))
+    battery_own = attempt("battery own selection", lambda: _battery_prefills(case, engine, replay=False))
+    draft_logits = attempt("drafter", lambda: np.asarray(engine.draft(
+        g["prefill_dspark_main_hidden"], g["decode_next_ids"], g["decode_dspark_main_hidden"], g["draft_start_pos"]),
+        np.float32))
+    check.verdict = judge_case(case, replay, own, battery, battery_own, draft_logits)
+    return check
+
+
+def _verdict_mark(rule: RuleResult | None) -> str:
+    if rule is None:
+        return "[missing]"
+    return "[pass]" if rule.passed else "[FAIL]"
+
+
+def _logits_line(label: str, rule: RuleResult | None) -> str:
+    if rule is None:
+        return f"{label:<40} not run {_verdict_mark(rule)}"
+    n = rule.numbers
+    return (f"{label:<40} max |Δ| {n['max_abs']:.3g}  mean |Δ| {n['mean_abs']:.3g}  clean {n['clean_share']:.1%}  "
+            f"top-1 {n['top1_share']:.1%}  bit-identical rows {n['bit_identical_rows']}/{n['rows']} "
+            f"{_verdict_mark(rule)}")
+
+
+def _handoff_line(label: str, rule: RuleResult | None) -> str:
+    if rule is None:
+        return f"{label:<40} not run {_verdict_mark(rule)}"
+    n = rule.numbers
+    return (f"{label:<40} max |Δ|/RMS {n['streams_max_rel_rms']:.3g}  max |Δ| {n['streams_max_abs']:.3g}  "
+            f"pre-mix max |Δ| {n['pre_mix_max_abs']:.3g}  bit-identical positions "
+            f"{n['positions_bit_identical']}/{n['positions']} {_verdict_mark(rule)}")
+
+
+def report_lines(check: CaseCheck) -> list[str]:
+    """One line per quantity (logits: max / mean |Δ|, clean-row share, top-1 agreement; hand-off: max/RMS,
+    pre-mix max), then the tier line."""
+    head = check.name
+    if check.error is not None:
+        return [f"{head}  ERROR  {check.error}"]
+    verdict = check.verdict
+    if verdict.tier == UNSUPPORTED_IMAGE:
+        return [f"{head}  tier {verdict.tier}"]
+    r = verdict.rules
+    lines = [f"{head}  not run: {step}" for step in check.not_run]
+    for mode, full, bat in (("replay", "full.", "battery."), ("own_selection", "full_lowtie.", "battery_lowtie.")):
+        lines += [
+            f"{head}  {_logits_line(f'{mode} {full}logits', r.get(f'{mode}.b_envelope'))}",
+            f"{head}  {_logits_line(f'{mode} {bat}logits', r.get(f'{mode}.a_clean_rows'))}",
+            f"{head}  {_handoff_line(f'{mode} {full}hand-off', r.get(f'{mode}.c_handoff'))}",
+            f"{head}  {_handoff_line(f'{mode} {bat}hand-off', r.get(f'{mode}.c_handoff_battery'))}",
+        ]
+    lines.append(f"{head}  {_logits_line('drafter draft_logits', r.get('drafter.d_envelope'))}")
+    if "faithful(info)" in r:
+        logits_max = r["faithful(info)"].numbers["logits_max_abs"]
+        lines.append(f"{head}  replay logits max |Δ| vs full.logits {logits_max:.3g} "
+                     f"(FAITHFUL needs <= {FAITHFUL_LOGITS_ABS:g} and a bit-identical hand-off)")
+    tier = f"{head}  tier {verdict.tier}"
+    if verdict.failed:
+        tier += "  failed: " + ", ".join(verdict.failed)
+    if verdict.missing:
+        tier += "  missing: " + ", ".join(verdict.missing)
+    lines.append(tier)
+    return lines
+
+
+def golden_engine(case_dir: Path) -> GoldenEngine:
+    # imported here: the adapter brings in the model (torch); reading cases and applying rules needs only numpy
+    from dsflash.golden.adapter import GoldenEngine as AdapterEngine
+
+    return AdapterEngine(case_dir)
+
+
+def check_golden(case_dirs: Sequence[str | os.PathLike], json_out: str | os.PathLike | None = None,
+                 make_engine: Callable[[Path], GoldenEngine] = golden_engine) -> int:
+    """Check every case directory, print the report, optionally write every number as JSON; returns the exit
+    status (0 only when every case is PASS or FAITHFUL). A case that cannot be read or whose engine raises is
+    reported and the remaining cases are still checked."""
+    checks = []
+    for case_dir in case_dirs:
+        try:
+            case = load_case(case_dir)
+            check = image_case_check(case) if case.is_image_case else check_case(case, make_engine(case.path))
+        except GoldenCaseError as e:
+            check = CaseCheck(case_dir=str(case_dir), name=str(case_dir), error=f"unreadable case: {e}")
+        except Exception as e:  # one broken engine run must not hide the other cases' results
+            traceback.print_exc()
+            check = CaseCheck(case_dir=str(case_dir), name=str(case_dir), error=f"{type(e).__name__}: {e}")
+        for line in report_lines(check):
+            print(line, flush=True)
+        checks.append(check)
+    all_ok = all(c.ok for c in checks)
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps({"ok": all_ok, "cases": [c.to_dict() for c in checks]}, indent=1))
+    return 0 if all_ok else 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    return check_golden(args.case_dirs, args.json_out)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "check-golden", help="check the engine against golden case directories",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("case_dirs", nargs="+", metavar="DIR",
+                   help="golden case directory (config.json, model.safetensors, golden.safetensors, meta.json)")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write every number of every case to this JSON file")
+    p.set_defaults(func=_run)
