@@ -1,0 +1,130 @@
+"""CPU reference backend: the model's six kernels as plain torch ops, the oracle every other backend
+is tested against.
+
+Numerics follow DeepSeek's kernels (spec §3): block-scaled FP8/FP4 GEMMs accumulate each 32-wide K
+block in fp32 and add the scaled partials in K order; sparse attention runs an online softmax over
+blocks of 64 indices with bf16 probabilities; the mHC split is fp32 throughout.
+
+Batch invariance: a row's result must not depend on how many rows share the call. CPU BLAS and
+torch's vectorised elementwise loops are only invariant for row counts that are multiples of a tile
+(scalar tails and small-M GEMM paths round differently), so every GEMM here pads its rows to a
+multiple of ROW_TILE, and the model pads whole chunks the same way (see model/transformer.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dsflash.numerics.quant import ACT_BLOCK, fp8_act_codes
+
+ROW_TILE = 64
+SPARSE_ATTN_BLOCK = 64
+
+
+def pad_rows(x: torch.Tensor, multiple: int = ROW_TILE, value: float = 0.0) -> torch.Tensor:
+    n = x.size(0)
+    extra = -n % multiple
+    if not extra:
+        return x
+    return torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])
+
+
+@dataclass
+class Weight:
+    """A linear layer's weight as the kernels use it.
+
+    kind: "fp8" (E4M3 values with one scale per 32x32 tile), "fp4" (E2M1 values, one scale per 32
+    inputs), "bf16" or "fp32" (plain matmul in that dtype, no activation quantisation).
+    For fp8/fp4, `values` holds the code values as float32 [out, in] and `scale` the per-(row, K-block)
+    float32 scale [out, in/32], so the GEMM is one exact product per K block.
+    """
+
+    kind: str
+    values: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.values.size(0)
+
+    @property
+    def in_features(self) -> int:
+        return self.values.size(1)
+
+
+def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, w: Weight) -> torch.Tensor:
+    """sum_k (A_k @ B_k^T) * a_s[:, k] * b_s[:, k] over 32-wide K blocks, partials added in K order."""
+    m, k = a.shape
+    nb = k // ACT_BLOCK
+    partial = torch.bmm(
+        a.view(m, nb, ACT_BLOCK).transpose(0, 1),
+        w.values.view(-1, nb, ACT_BLOCK).permute(1, 2, 0),
+    )  # [nb, m, n]
+    scaled = partial * a_s.t().unsqueeze(-1) * w.scale.t().unsqueeze(1)
+    acc = torch.zeros(m, w.out_features, dtype=torch.float32)
+    for kb in range(nb):
+        acc += scaled[kb]
+    return acc
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """y = x @ W^T by the weight's storage kind. x: [N, in]. Quantised weights take an FP8 activation
+    (per-32 power-of-two scales) and give bf16; bf16/fp32 weights give their own dtype."""
+    n = x.size(0)
+    xp = pad_rows(x)
+    if w.kind in ("fp8", "fp4"):
+        codes, scales = fp8_act_codes(xp)
+        y = _block_scaled_gemm(codes, scales, w).to(torch.bfloat16)
+    else:
+        y = F.linear(xp, w.values)
+    return y[:n]
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """Single-KV-head attention over gathered rows with a per-head sink.
+
+    q [N, H, D] bf16; kv [R, D] bf16 (K = V); sink [H] fp32; idx [N, K] int (-1 = no row).
+    Online softmax over blocks of 64 indices; probabilities rounded to bf16 before the value product,
+    relative to the running maximum. A row with no valid index gives zeros. Returns bf16 [N, H, D].
+    """
+    n, h, d = q.shape
+    scale_t = torch.tensor(scale, dtype=torch.float32)
+    qf = q.float().unsqueeze(0)
+    kvf = kv.float()
+    acc = torch.zeros(1, n, h, d, dtype=torch.float32)
+    sum_exp = torch.zeros(1, n, h, dtype=torch.float32)
+    run_max = torch.full((1, n, h), -1e30, dtype=torch.float32)
+    for start in range(0, idx.size(1), SPARSE_ATTN_BLOCK):
+        blk = idx[:, start:start + SPARSE_ATTN_BLOCK].long().unsqueeze(0)
+        valid = blk != -1
+        rows = kvf[blk.clamp_min(0)] * valid.unsqueeze(-1)
+        s = torch.einsum("bmhd,bmkd->bmhk", qf, rows)
+        s = torch.where(valid.unsqueeze(2), s, -torch.inf) * scale_t
+        prev = run_max
+        run_max = torch.maximum(prev, s.amax(dim=-1))
+        rescale = torch.exp(prev - run_max)
+        p = torch.exp(s - run_max.unsqueeze(-1))
+        sum_exp = sum_exp * rescale + p.sum(dim=-1)
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).float(), rows)
+    sum_exp = sum_exp + torch.exp(sink.float() - run_max)
+    return (acc / sum_exp.unsqueeze(-1)).to(torch.bfloat16)[0]
+
+
+def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC coefficients from the 24 mixes (fp32): pre, post and the Sinkhorn-normalised comb [.., hc, hc]
+    (row = source stream, column = destination), 1 softmax + `iters` alternating normalisations."""
+    m = mixes.float()
+    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
+    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb

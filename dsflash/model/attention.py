@@ -1,0 +1,205 @@
+"""CSA2 attention (spec §6): a sliding window of this layer's own FP8 KV plus, for ratio>0 layers,
+`index_topk` compressed rows of the nearest KV source picked by the nearest index source.
+
+Index layout per query (fixed, so a row's arithmetic never depends on the chunk it came in):
+`window_size` window slots, ascending positions from max(0, t - window + 1), -1 where the slot is
+before the sequence; then `index_topk` compressed rows ascending, -1 padded. This is the layout of
+DeepSeek's one-shot prefill whenever the prompt is at least one window and `index_topk` groups long.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsflash.config import ModelArgs
+from dsflash.engine.state import GrowingRows
+from dsflash.kernels.cpu import linear, sparse_attn
+from dsflash.model.common import Chunk, rms_norm
+from dsflash.model.rope import Rope
+from dsflash.model.weights import WeightLoader
+from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
+
+
+def window_indices(positions: torch.Tensor, window: int, first_row_pos: int) -> torch.Tensor:
+    """[N, window] rows of the window source (whose row 0 holds position `first_row_pos`), -1 = none."""
+    start = (positions - window + 1).clamp_min(0).unsqueeze(1)
+    pos = start + torch.arange(window)
+    return torch.where(pos > positions.unsqueeze(1), -1, pos - first_row_pos)
+
+
+def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values per row; among exactly equal values the lowest index wins."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """Level one of the two-level top-k (layer 20): keep the best `topk_blocks` blocks of `block`
+    entries per query, always including the block of its newest visible entry. Returns a bool mask
+    shaped like `scores` ([N, entries], invisible entries already -inf)."""
+    width = scores.size(-1)
+    padded = F.pad(scores, (0, -width % block), value=-torch.inf)
+    block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
+    n_blocks = block_scores.size(-1)
+    newest = (visible - 1) // block
+    block_scores = block_scores.masked_fill(torch.arange(n_blocks) == newest, torch.inf)
+    picks = topk_lowest_index(block_scores, min(topk_blocks, n_blocks))
+    kept = torch.gather(block_scores, -1, picks) > -torch.inf
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, picks, kept)
+    return keep.repeat_interleave(block, dim=-1)[..., :width]
+
+
+class Compressor:
+    """Pools `ratio` consecutive tokens into one latent (pre-RoPE). Ratio 1 is a plain projection;
+    ratio > 1 is a per-channel softmax gate over the group's tokens, in fp32."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str):
+        self.ratio = args.compress_ratios[layer]
+        self.eps = args.norm_eps
+        self.norm = w.tensor(prefix + "norm.weight")
+        self.wkv = w.linear(prefix + "wkv", widen=self.ratio > 1)
+        self.wgate = w.linear(prefix + "wgate", widen=True) if self.ratio > 1 else None
+
+    def __call__(self, x: torch.Tensor, chunk: Chunk, layer: int) -> tuple[torch.Tensor, int]:
+        """Latents of the groups completed by the chunk's real rows, and the first new group's id."""
+        state, ratio = chunk.state, self.ratio
+        if ratio == 1:
+            return rms_norm(linear(x, self.wkv)[: chunk.n], self.norm, self.eps), chunk.p0
+        xf = x.float()
+        kv, score = linear(xf, self.wkv)[: chunk.n], linear(xf, self.wgate)[: chunk.n]
+        held_kv, held_score = state.pending.get(layer, (kv[:0], score[:0]))
+        kv, score = torch.cat([held_kv, kv]), torch.cat([held_score, score])
+        complete = kv.size(0) - kv.size(0) % ratio
+        state.pending[layer] = (kv[complete:].clone(), score[complete:].clone())
+        first_group = chunk.p0 // ratio
+        kv = kv[:complete].unflatten(0, (-1, ratio))
+        score = score[:complete].unflatten(0, (-1, ratio))
+        pooled = (kv * score.softmax(dim=1)).sum(dim=1)
+        return rms_norm(pooled.to(torch.bfloat16), self.norm, self.eps), first_group
+
+
+class Indexer:
+    """Scores compressed entries per query with FP4 queries against FP4 index keys and keeps the top
+    `index_topk` (spec §6.4). A KV source also owns the index-key projection of its latents."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, owns_keys: bool, is_index: bool):
+        self.args, self.layer = args, layer
+        self.ratio = args.compress_ratios[layer]
+        self.eps = args.norm_eps
+        if owns_keys:
+            self.wk = w.linear(prefix + "wk")
+            self.k_norm = w.tensor(prefix + "k_norm.weight")
+        if is_index:
+            self.wq_b = w.linear(prefix + "wq_b")
+            self.weights_proj = w.linear(prefix + "weights_proj")
+        self.is_candidate_source = layer == args.candidate_source_layer
+        self.uses_candidates = 0 <= args.candidate_source_layer < layer
+
+    def index_keys(self, latent: torch.Tensor, group_pos: torch.Tensor, rope: Rope) -> torch.Tensor:
+        k = rms_norm(linear(latent, self.wk), self.k_norm, self.eps)
+        rope.rotate(k, group_pos)
+        return fp4_fake_quant(k, 32, e4m3_scale=False)
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, chunk: Chunk, rope: Rope) -> torch.Tensor:
+        """[rows, index_topk] compressed entries per query, ascending, -1 padded."""
+        a = self.args
+        q = linear(qr, self.wq_b).unflatten(-1, (a.index_n_heads, a.index_head_dim))
+        rope.rotate(q, chunk.positions)
+        q = fp4_fake_quant(q, 32, e4m3_scale=False)
+        weights = linear(x, self.weights_proj) * (a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5)
+        scores = torch.einsum("shd,td->sht", q, keys)
+        scores = (scores.relu_() * weights.unsqueeze(-1)).sum(dim=1)
+        visible = ((chunk.positions + 1) // self.ratio).unsqueeze(-1)
+        scores.masked_fill_(torch.arange(keys.size(0)) >= visible, -torch.inf)
+        if self.is_candidate_source:
+            chunk.candidates = select_candidate_blocks(scores, visible, a.candidate_topk_blocks, a.candidate_block_size)
+        elif self.uses_candidates:
+            scores = scores.masked_fill(~chunk.candidates, -torch.inf)
+        k = min(a.index_topk, keys.size(0))
+        picks = topk_lowest_index(scores, k).sort(dim=-1).values
+        picks = torch.where(picks < visible, picks, -1)
+        out = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64)
+        out[:, :k] = picks
+        forced = chunk.select and chunk.select.rows(chunk.select.index_topk, self.layer, chunk.positions[: chunk.n])
+        if forced is not None:
+            out[: chunk.n] = -1
+            out[: chunk.n, : forced.size(1)] = forced
+        return out
+
+
+class Attention:
+    def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, ropes: tuple[Rope, Rope]):
+        self.args, self.layer = args, layer
+        self.ratio = args.compress_ratios[layer]
+        self.eps = args.norm_eps
+        self.rope = ropes[1] if self.ratio else ropes[0]
+        self.attn_sink = w.tensor(prefix + "attn_sink").float()
+        self.wq_a = w.linear(prefix + "wq_a")
+        self.q_norm = w.tensor(prefix + "q_norm.weight")
+        self.wq_b = w.linear(prefix + "wq_b")
+        self.wkv = w.linear(prefix + "wkv")
+        self.kv_norm = w.tensor(prefix + "kv_norm.weight")
+        self.wo_a = w.tensor(prefix + "wo_a.weight").view(args.o_groups, args.o_lora_rank, -1)
+        self.wo_b = w.linear(prefix + "wo_b")
+        backbone = layer < args.n_layers
+        self.is_kv_source = backbone and layer in args.kv_source_layers
+        self.is_index_source = backbone and layer in args.index_source_layers
+        self.kv_source = args.kv_source_of(layer) if self.ratio else None
+        self.compressor = Compressor(args, layer, w, prefix + "compressor.") if self.is_kv_source else None
+        self.indexer = None
+        if self.is_kv_source or self.is_index_source:
+            self.indexer = Indexer(args, layer, w, prefix + "indexer.", self.is_kv_source, self.is_index_source)
+
+    def projections(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qr, q, window kv) of the rows: q RoPE'd, kv RoPE'd and FP8-valued over all of its channels."""
+        a = self.args
+        qr = rms_norm(linear(x, self.wq_a), self.q_norm, self.eps)
+        q = linear(qr, self.wq_b).unflatten(-1, (a.n_heads, a.head_dim))
+        self.rope.rotate(q, positions)
+        kv = rms_norm(linear(x, self.wkv), self.kv_norm, self.eps)
+        self.rope.rotate(kv, positions)
+        return qr, q, fp8_fake_quant(kv)
+
+    def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE, grouped `wo_a` (bf16, no activation quantisation), then FP8 `wo_b`."""
+        self.rope.rotate(o, positions, inverse=True)
+        o = o.view(o.size(0), self.args.o_groups, -1)
+        o = torch.einsum("sgd,grd->sgr", o, self.wo_a)
+        return linear(o.flatten(1), self.wo_b)
+
+    def __call__(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        a, state = self.args, chunk.state
+        win = a.window_size
+        qr, q, kv = self.projections(x, chunk.positions)
+        ring = state.window.setdefault(self.layer, torch.zeros(win, a.head_dim, dtype=torch.bfloat16))
+        # the window source: the ring unrolled to positions p0-win .. p0-1, then this chunk's rows
+        slots = torch.arange(chunk.p0 - win, chunk.p0) % win
+        source = torch.cat([ring[slots], kv])
+        idx = window_indices(chunk.positions, win, chunk.p0 - win)
+        if self.ratio:
+            comp_idx = self._compressed(x, qr, chunk)
+            comp = state.compressed[self.kv_source].rows
+            idx = torch.cat([idx, torch.where(comp_idx >= 0, comp_idx + source.size(0), -1)], dim=1)
+            source = torch.cat([source, comp])
+        o = sparse_attn(q, source, self.attn_sink, idx, a.head_dim ** -0.5)
+        real = kv[: chunk.n][-win:]
+        ring[chunk.positions[: chunk.n][-win:] % win] = real
+        return self.output(o, chunk.positions)
+
+    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """Write this source's new compressed entries, then return the chunk's compressed picks."""
+        a, state = self.args, chunk.state
+        if self.is_kv_source:
+            latent, first = self.compressor(x, chunk, self.layer)
+            group_pos = (torch.arange(latent.size(0)) + first) * self.ratio
+            keys = self.indexer.index_keys(latent, group_pos, self.rope)
+            self.rope.rotate(latent, group_pos)
+            entry = fp4_fake_quant(latent, 16, e4m3_scale=True)
+            state.compressed.setdefault(self.layer, GrowingRows(a.head_dim, torch.bfloat16)).append(entry)
+            state.index_keys.setdefault(self.layer, GrowingRows(a.index_head_dim, torch.bfloat16)).append(keys)
+        if self.is_index_source:
+            if state.compressed[self.kv_source].n == 0:
+                chunk.topk = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64)
+            else:
+                chunk.topk = self.indexer.select(x, qr, state.index_keys[self.kv_source].rows, chunk, self.rope)
+        return chunk.topk

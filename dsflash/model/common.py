@@ -1,0 +1,61 @@
+"""Pieces every module uses: RMSNorm, the per-chunk context, and the optional selection overrides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsflash.engine.state import SequenceState
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 statistics, the weight multiplied in fp32, result in the input dtype (spec §3)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight * y).to(x.dtype)
+
+
+@dataclass
+class Selections:
+    """Forced top-k choices by absolute position (replay of another implementation's picks).
+
+    index_topk[layer]: int [positions, k] compressed-cache rows, ascending, -1 padded.
+    moe_ids[layer]: int [positions, k] expert ids in the order the router returned them.
+    Positions past the arrays' ends use the engine's own choice.
+    """
+
+    index_topk: dict[int, torch.Tensor] = field(default_factory=dict)
+    moe_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def rows(self, table: dict[int, torch.Tensor], layer: int, positions: torch.Tensor) -> torch.Tensor | None:
+        t = table.get(layer)
+        if t is None or int(positions.max()) >= t.size(0):
+            return None
+        return t[positions]
+
+
+@dataclass
+class Chunk:
+    """What one forward over a chunk of rows shares between layers.
+
+    Rows n..len(positions)-1 are padding (see kernels/cpu.py on batch invariance): computed like real
+    rows at the following positions, never written to the state.
+    """
+
+    state: SequenceState
+    positions: torch.Tensor  # int64 [rows incl. padding]
+    n: int  # real rows
+    select: Selections | None = None
+    image_mask: torch.Tensor | None = None  # bool [rows]
+    topk: torch.Tensor | None = None  # published by the latest index source: [rows, index_topk]
+    candidates: torch.Tensor | None = None  # published by the candidate source: bool [rows, entries]
+    trace: dict | None = None  # debugging: per-layer intermediate outputs when a dict is given
+
+    @property
+    def p0(self) -> int:
+        return int(self.positions[0])
+
+    @property
+    def rows(self) -> int:
+        return self.positions.numel()

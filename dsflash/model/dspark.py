@@ -1,0 +1,109 @@
+"""DSpark drafter (spec §10), stored as `mtp.S.*`: three ratio-0 blocks over a block of
+[anchor, noise x (B-1)] rows that attend bidirectionally to each other and to each stage's ring of
+target context KV, then the shared head plus a sequential Markov correction and a confidence head."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from dsflash.config import ModelArgs
+from dsflash.kernels.cpu import linear, pad_rows, sparse_attn
+from dsflash.model.attention import Attention
+from dsflash.model.common import Chunk, rms_norm
+from dsflash.model.mhc import Block, collapse
+from dsflash.model.rope import Rope
+from dsflash.model.weights import WeightLoader
+from dsflash.numerics.quant import fp8_fake_quant
+
+
+class DSparkAttention(Attention):
+    """Block rows attend to the stage's ring (slot order, the slots filled so far) and to every block row."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, ropes: tuple[Rope, Rope]):
+        super().__init__(args, layer, w, prefix, ropes)
+        self.stage = layer - args.n_layers
+
+    def ring(self, state) -> torch.Tensor:
+        return state.dspark_window.setdefault(
+            self.stage, torch.zeros(self.args.window_size, self.args.head_dim, dtype=torch.bfloat16))
+
+    def write_context(self, state, main_x: torch.Tensor, positions: torch.Tensor, n: int) -> None:
+        kv = rms_norm(linear(main_x, self.wkv), self.kv_norm, self.eps)
+        self.rope.rotate(kv, positions)
+        kv = fp8_fake_quant(kv)[:n]
+        win = self.args.window_size
+        self.ring(state)[positions[:n][-win:] % win] = kv[-win:]
+
+    def __call__(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        win = self.args.window_size
+        _, q, kv = self.projections(x, chunk.positions)
+        p = chunk.p0 - 1  # the target position whose context was written last
+        filled = min(win, p + 1)
+        idx = torch.cat([torch.arange(filled), win + torch.arange(chunk.n)]).expand(chunk.rows, -1)
+        source = torch.cat([self.ring(chunk.state), kv[: chunk.n]])
+        o = sparse_attn(q, source, self.attn_sink, idx.contiguous(), self.args.head_dim ** -0.5)
+        return self.output(o, chunk.positions)
+
+
+def argmax_sampler(logits: torch.Tensor) -> int:
+    return int(logits.argmax())
+
+
+class DSpark:
+    def __init__(self, args: ModelArgs, w: WeightLoader, ropes: tuple[Rope, Rope], embed: torch.Tensor,
+                 head: torch.Tensor):
+        self.args = args
+        self.embed, self.head = embed, head
+        self.stages = []
+        for s in range(args.n_mtp_layers):
+            layer, prefix = args.n_layers + s, f"mtp.{s}."
+            attn = DSparkAttention(args, layer, w, prefix + "attn.", ropes)
+            self.stages.append(Block(args, layer, w, prefix, attn))
+        last = f"mtp.{args.n_mtp_layers - 1}."
+        self.main_proj = w.linear("mtp.0.main_proj")
+        self.main_norm = w.tensor("mtp.0.main_norm.weight")
+        self.norm = w.tensor(last + "norm.weight")
+        self.markov_embed = w.tensor(last + "markov_head.embed.weight")
+        self.markov_head = w.tensor(last + "markov_head.head.weight").float()
+        self.confidence = w.tensor(last + "confidence_head.proj.weight").float()
+
+    def write_context(self, state, main_hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store the context KV of target rows (main_hidden = the taps' stream means, [N, n_taps*D])."""
+        n = positions.numel()
+        rows = pad_rows(main_hidden)
+        pos = torch.arange(int(positions[0]), int(positions[0]) + rows.size(0))
+        main_x = rms_norm(linear(rows, self.main_proj), self.main_norm, self.args.norm_eps)
+        for block in self.stages:
+            block.attn.write_context(state, main_x, pos, n)
+        state.dspark_pos = int(positions[-1]) + 1
+
+    def draft(self, state, anchor: int, sampler: Callable[[torch.Tensor], int] = argmax_sampler
+              ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """One draft round after the target row at position state.dspark_pos - 1 produced `anchor`.
+        Returns ([anchor, d_1..d_B], logits [B, V] with the Markov bias added, raw confidence [B])."""
+        a = self.args
+        b = a.dspark_block_size
+        p0 = state.dspark_pos
+        ids = torch.tensor([anchor] + [a.dspark_noise_token_id] * (b - 1))
+        rows = pad_rows(F.embedding(ids, self.embed))
+        chunk = Chunk(state, torch.arange(p0, p0 + rows.size(0)), b)
+        h = rows.unsqueeze(1).repeat(1, a.hc_mult, 1)
+        pre = torch.zeros(rows.size(0), a.hc_mult)
+        pre[:, 0] = 1.0
+        for block in self.stages:
+            h, pre = block(h, pre, chunk)
+        x = rms_norm(collapse(h, pre), self.norm, a.norm_eps)
+        logits = F.linear(x.float(), self.head)[:b]
+        out, embeds = [anchor], []
+        for i in range(b):
+            e = self.markov_embed[out[-1]]
+            bias = F.linear(pad_rows(e.float().unsqueeze(0)), self.markov_head)[0]
+            logits[i] += bias
+            embeds.append(e)
+            out.append(sampler(logits[i]))
+        hidden = torch.cat([x[:b], torch.stack(embeds)], dim=-1).float()
+        confidence = F.linear(pad_rows(hidden), self.confidence)[:b, 0]
+        return out, logits, confidence

@@ -1,0 +1,102 @@
+"""Engram (spec §8): hashed n-gram memory gated into the four residual streams before a block.
+
+The static layout (compressed token map, primes, multipliers) is derived once per model; the hash of
+a position depends on its own and the three previous compressed ids, kept in the sequence state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dsflash.config import ModelArgs, engram_primes
+from dsflash.engine.state import GrowingRows
+from dsflash.kernels.cpu import linear
+from dsflash.model.common import Chunk
+from dsflash.model.weights import WeightLoader
+
+DEAD = -1  # compressed id of an image position: no n-gram reaches across it
+
+
+def hash_multipliers(layer_ids: tuple[int, ...], max_ngram: int, compressed_vocab: int) -> torch.Tensor:
+    """Odd int64 multipliers per (engram layer, look-back), from numpy's seeded generator as DeepSeek
+    derives them, bounded so that id x multiplier cannot overflow int64."""
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
+    rows = [np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram,), dtype=np.int64) * 2 + 1
+            for layer in layer_ids]
+    return torch.tensor(np.stack(rows))
+
+
+@dataclass
+class EngramLayout:
+    token_map: torch.Tensor  # int64 [vocab] -> compressed id
+    pad: int  # compressed id of the pad token
+    primes: torch.Tensor  # int64 [n_engram_layers, max_ngram-1, heads]
+    offsets: torch.Tensor  # int64 [n_engram_layers, (max_ngram-1)*heads]
+    multipliers: torch.Tensor  # int64 [n_engram_layers, max_ngram]
+
+    @classmethod
+    def build(cls, args: ModelArgs, token_map: list[int]) -> EngramLayout:
+        primes = torch.tensor(engram_primes(args))
+        flat = primes.flatten(1)
+        offsets = torch.cumsum(flat, dim=1) - flat
+        n_classes = max(token_map) + 1
+        return cls(torch.tensor(token_map), token_map[args.engram_pad_id], primes, offsets,
+                   hash_multipliers(tuple(args.engram_layer_ids), args.engram_max_ngram_size, n_classes))
+
+    def hash_ids(self, chunk: Chunk, ids: torch.Tensor, max_ngram: int) -> torch.Tensor:
+        """Row ids [rows, n_engram_layers, (max_ngram-1)*heads] of the chunk's positions; commits the
+        real rows' compressed ids to the sequence's history."""
+        state = chunk.state
+        compressed = self.token_map[ids]
+        if chunk.image_mask is not None:
+            compressed = torch.where(chunk.image_mask, DEAD, compressed)
+        if state.engram_ids is None:
+            state.engram_ids = GrowingRows(1, torch.int64)
+        history = state.engram_ids.rows[max(0, chunk.p0 - max_ngram):, 0]
+        base = chunk.p0 - history.numel()
+        seq = torch.cat([history, compressed])
+        positions = chunk.positions
+        tokens, blocked = [], torch.zeros_like(positions, dtype=torch.bool)
+        for shift in range(max_ngram):
+            source = seq[(positions - shift - base).clamp_min(0)]
+            blocked = blocked | (positions < shift) | (source == DEAD)
+            tokens.append(torch.where(blocked, self.pad, source))
+        tokens = torch.stack(tokens, dim=-1)
+        products = tokens.unsqueeze(1) * self.multipliers  # [rows, layers, max_ngram]
+        rolling, hashes = products[..., 0], []
+        for i in range(1, max_ngram):
+            rolling = torch.bitwise_xor(rolling, products[..., i])
+            hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
+        state.engram_ids.append(compressed[: chunk.n].unsqueeze(1))
+        return torch.cat(hashes, dim=-1) + self.offsets
+
+
+class Engram:
+    def __init__(self, args: ModelArgs, w: WeightLoader, prefix: str):
+        self.dim, self.hc, self.eps = args.dim, args.hc_mult, args.norm_eps
+        self.table = w.tensor(prefix + "embed.weight")  # FP8 rows, dequantised on lookup
+        self.table_scale = w.tensor(prefix + "embed.scale")
+        self.wkv = w.linear(prefix + "wkv")
+        # only ever used as a product
+        self.qk_weight = w.tensor(prefix + "q_weight").float() * w.tensor(prefix + "k_weight").float()
+
+    def rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        values = self.table[hash_ids].float()
+        scales = self.table_scale[hash_ids].float()
+        return (values.unflatten(-1, (-1, 32)) * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+
+    def __call__(self, h: torch.Tensor, hash_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+        kv = linear(self.rows(hash_ids).flatten(-2), self.wkv)
+        key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
+        key = key.float().unflatten(-1, (self.hc, self.dim))
+        hf = h.float()
+        # normalised per (token, stream) over the model width, not jointly over the streams
+        rstd = torch.rsqrt(hf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (hf * self.qk_weight * key).sum(-1) * rstd * self.dim ** -0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        if image_mask is not None:
+            gate = gate.masked_fill(image_mask.unsqueeze(-1), 0)
+        return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)

@@ -1,0 +1,65 @@
+"""A block with manifold-constrained hyper-connections (mHC, spec §5).
+
+The residual stream is `hc_mult` copies. Each sub-layer (attention, FFN) computes from its input the
+coefficients pre/post/comb; V4.1's single-pass mHC uses a site's `pre` to collapse the input of the
+*next* site (attention uses the previous layer's FFN pre, the FFN uses this layer's attention pre).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsflash.config import ModelArgs
+from dsflash.kernels.cpu import hc_split_sinkhorn
+from dsflash.model.attention import Attention
+from dsflash.model.common import Chunk, rms_norm
+from dsflash.model.moe import MoE
+from dsflash.model.weights import WeightLoader
+
+
+def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of the streams ([N, hc, D] x [N, hc] -> [N, D]) in fp32, back in h's dtype."""
+    return torch.sum(pre.unsqueeze(-1) * h.float(), dim=1).to(h.dtype)
+
+
+def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out_k = post_k * y + sum_j comb[j, k] * residual_j, in fp32, back in y's dtype."""
+    out = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=1)
+    return out.type_as(y)
+
+
+class MixSite:
+    """One site's mHC parameters: fn [(2+hc)*hc, hc*D], base, scale (all fp32)."""
+
+    def __init__(self, args: ModelArgs, w: WeightLoader, prefix: str):
+        self.fn = w.tensor(prefix + "_fn").float()
+        self.base = w.tensor(prefix + "_base").float()
+        self.scale = w.tensor(prefix + "_scale").float()
+        self.hc, self.iters, self.hc_eps, self.eps = args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = h.flatten(1).float()
+        # one RMS statistic per token over all hc*D values
+        mixes = F.linear(x, self.fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
+        return hc_split_sinkhorn(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)
+
+
+class Block:
+    def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, attention: Attention):
+        self.layer = layer
+        self.eps = args.norm_eps
+        self.attn = attention
+        self.ffn = MoE(args, layer, w, prefix + "ffn.")
+        self.attn_norm = w.tensor(prefix + "attn_norm.weight")
+        self.ffn_norm = w.tensor(prefix + "ffn_norm.weight")
+        self.attn_site = MixSite(args, w, prefix + "hc_attn")
+        self.ffn_site = MixSite(args, w, prefix + "hc_ffn")
+
+    def __call__(self, h: torch.Tensor, pre: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        attn_pre, attn_post, attn_comb = self.attn_site(h)
+        y = self.attn(rms_norm(collapse(h, pre), self.attn_norm, self.eps), chunk)
+        h = expand(y, h, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = self.ffn_site(h)
+        z = self.ffn(rms_norm(collapse(h, attn_pre), self.ffn_norm, self.eps), chunk)
+        return expand(z, h, ffn_post, ffn_comb), ffn_pre

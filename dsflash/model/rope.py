@@ -1,0 +1,65 @@
+"""Rotary position embedding (spec §3): interleaved pairs on the last `rope_head_dim` channels.
+
+Two variants per model: "main" (rope_theta, no YaRN) for ratio-0 layers and DSpark stages, and
+"compress" (compress_rope_theta with YaRN) for every rotation in a ratio>0 layer. The complex
+factors are computed in blocks of 64 positions, so a position's factor never depends on how many
+positions were asked for (no scalar tails in the vectorised cos/sin).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsflash.config import ModelArgs
+
+_POSITION_BLOCK = 64
+
+
+class Rope:
+    def __init__(self, args: ModelArgs, compressed: bool):
+        dim = args.rope_head_dim
+        base = args.compress_rope_theta if compressed else args.rope_theta
+        original = args.original_seq_len if compressed else 0
+        freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        if original > 0:
+            def corrected_dim(rotations: float) -> float:
+                return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+            low = max(math.floor(corrected_dim(args.beta_fast)), 0)
+            high = min(math.ceil(corrected_dim(args.beta_slow)), dim - 1)
+            ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+            smooth = 1 - ramp
+            freqs = freqs / args.rope_factor * (1 - smooth) + freqs * smooth
+        self.freqs = freqs
+        self.dim = dim
+        self._blocks: dict[int, torch.Tensor] = {}
+
+    def _block(self, b: int) -> torch.Tensor:
+        t = self._blocks.get(b)
+        if t is None:
+            pos = torch.arange(b * _POSITION_BLOCK, (b + 1) * _POSITION_BLOCK)
+            angles = torch.outer(pos, self.freqs)
+            t = self._blocks[b] = torch.polar(torch.ones_like(angles), angles)
+        return t
+
+    def factors(self, positions: torch.Tensor) -> torch.Tensor:
+        """complex64 [N, dim/2] for int64 positions [N]."""
+        blocks = positions // _POSITION_BLOCK
+        out = torch.empty(positions.numel(), self.dim // 2, dtype=torch.complex64)
+        for b in blocks.unique().tolist():
+            sel = blocks == b
+            out[sel] = self._block(b)[positions[sel] - b * _POSITION_BLOCK]
+        return out
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the last `dim` channels of x ([N, dim_total] or [N, H, dim_total]) in place."""
+        tail = x[..., -self.dim:]
+        z = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)))
+        f = self.factors(positions)
+        if inverse:
+            f = f.conj()
+        f = f.view(x.size(0), 1, -1) if x.ndim == 3 else f
+        tail.copy_(torch.view_as_real(z * f).flatten(-2))
+        return x

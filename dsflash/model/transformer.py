@@ -1,0 +1,111 @@
+"""DeepSeek-V4.1-Flash text model: embed -> 4 streams -> [Engram] + mHC blocks -> collapse -> head.
+
+`Transformer.forward` processes one chunk of rows of one sequence and advances its state; any chunking
+gives the same bits for a position. The model can be built over a layer range so each side of the
+split loads only its part (the box: embed, Engram, layers [0, first_decoder); the back: the rest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dsflash.checkpoint.reader import Checkpoint
+from dsflash.config import ModelArgs
+from dsflash.engine.state import SequenceState
+from dsflash.kernels.cpu import ROW_TILE
+from dsflash.model.attention import Attention
+from dsflash.model.common import Chunk, Selections, rms_norm
+from dsflash.model.dspark import DSpark
+from dsflash.model.engram import Engram, EngramLayout
+from dsflash.model.mhc import Block, collapse
+from dsflash.model.rope import Rope
+from dsflash.model.weights import WeightLoader
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # fp32 [n, V] (None without the head)
+    handoff_streams: torch.Tensor | None  # bf16 [n, hc, D]: output of the last encoder layer
+    handoff_pre_mix: torch.Tensor | None  # fp32 [n, hc]
+    main_hidden: torch.Tensor | None  # bf16 [n, n_taps*D]: the DSpark taps (stream means of layer inputs)
+    streams: torch.Tensor  # bf16 [n, hc, D] after the last layer run
+    pre_mix: torch.Tensor  # fp32 [n, hc]
+
+
+class Transformer:
+    def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None,
+                 layers: range | None = None, head: bool = True, dspark: bool = True):
+        self.args = args
+        self.layers = layers if layers is not None else range(args.n_layers)
+        w = WeightLoader(ckpt)
+        self.ropes = (Rope(args, compressed=False), Rope(args, compressed=True))
+        self.embed = w.tensor("embed.weight")
+        self.blocks = {}
+        self.engram = {}
+        for i in self.layers:
+            prefix = f"layers.{i}."
+            attn = Attention(args, i, w, prefix + "attn.", self.ropes)
+            self.blocks[i] = Block(args, i, w, prefix, attn)
+            if i in args.engram_layer_ids:
+                self.engram[i] = Engram(args, w, prefix + "engram.")
+        self.engram_layout = None
+        if self.engram:
+            if token_map is None:
+                raise ValueError("Engram layers need the compressed token map")
+            self.engram_layout = EngramLayout.build(args, token_map)
+        self.has_head = head and self.layers.stop == args.n_layers
+        self.norm = w.tensor("norm.weight") if self.has_head else None
+        self.head = w.tensor("head.weight").float() if self.has_head else None
+        self.dspark = None
+        if dspark and self.has_head and args.n_mtp_layers and args.dspark_block_size:
+            self.dspark = DSpark(args, w, self.ropes, self.embed, self.head)
+
+    def forward(self, state: SequenceState, ids: torch.Tensor | None = None, *,
+                streams: torch.Tensor | None = None, pre_mix: torch.Tensor | None = None,
+                select: Selections | None = None, image_mask: torch.Tensor | None = None,
+                trace: dict | None = None) -> ForwardOutput:
+        """Run the chunk's rows at positions state.pos .. state.pos+n-1 through this model's layers.
+
+        The first layer-range (starting at 0) takes token `ids`; a later range takes the incoming
+        `streams`/`pre_mix` of those rows instead. Rows are padded to a multiple of ROW_TILE.
+        """
+        a = self.args
+        n = ids.numel() if ids is not None else streams.size(0)
+        rows = n + (-n % ROW_TILE)
+        positions = torch.arange(state.pos, state.pos + rows)
+        mask = None
+        if image_mask is not None:
+            mask = torch.cat([image_mask, image_mask.new_zeros(rows - n)])
+        chunk = Chunk(state, positions, n, select, mask, trace=trace)
+        if self.layers.start == 0:
+            ids = torch.cat([ids, ids[-1:].expand(rows - n)])
+            h = F.embedding(ids, self.embed).unsqueeze(1).repeat(1, a.hc_mult, 1)
+            pre = torch.zeros(rows, a.hc_mult)
+            pre[:, 0] = 1.0
+            hashes = self.engram_layout.hash_ids(chunk, ids, a.engram_max_ngram_size) if self.engram else None
+        else:
+            h = torch.cat([streams, streams[-1:].expand(rows - n, -1, -1)])
+            pre = torch.cat([pre_mix, pre_mix[-1:].expand(rows - n, -1)])
+        taps, handoff = [], None
+        last_encoder = a.first_decoder_layer - 1
+        for i in self.layers:
+            if i in self.engram:
+                slot = a.engram_layer_ids.index(i)
+                h = self.engram[i](h, hashes[:, slot], mask)
+            if i in a.dspark_target_layer_ids:
+                taps.append(h.mean(dim=1))
+            h, pre = self.blocks[i](h, pre, chunk)
+            if trace is not None:
+                trace.setdefault("layer_out", {})[i] = (h[:n], pre[:n])
+            if i == last_encoder:
+                handoff = (h[:n], pre[:n])
+        state.pos += n
+        logits = None
+        if self.has_head:
+            x = rms_norm(collapse(h, pre), self.norm, a.norm_eps)
+            logits = F.linear(x.float(), self.head)[:n]
+        main_hidden = torch.cat(taps, dim=-1)[:n] if taps else None
+        return ForwardOutput(logits, *(handoff or (None, None)), main_hidden, h[:n], pre[:n])

@@ -1,0 +1,51 @@
+"""Turn stored checkpoint tensors into the forms the kernels use (spec §3 "Linear layers by storage dtype").
+
+FP8 and FP4 weights become exact float32 code values plus per-(row, 32-input block) float32 scales;
+tensors DeepSeek's reference holds in fp32 although the checkpoint stores bf16 (ratio-2 compressor,
+output head, Markov head, confidence head) are widened here, once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsflash.checkpoint.reader import Checkpoint
+from dsflash.kernels.cpu import Weight
+
+_FP4_TABLE = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[out, in/2] bytes -> float32 [out, in]; element 2k sits in the low nibble."""
+    b = packed.view(torch.uint8)
+    return torch.stack([_FP4_TABLE[(b & 0x0F).long()], _FP4_TABLE[(b >> 4).long()]], dim=-1).flatten(-2)
+
+
+class WeightLoader:
+    """Reads one checkpoint and hands out kernel-ready tensors by official name."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+
+    def has(self, name: str) -> bool:
+        return self.ckpt.has(name)
+
+    def raw(self, name: str) -> torch.Tensor:
+        return self.ckpt.get(name)
+
+    def linear(self, prefix: str, widen: bool = False) -> Weight:
+        """`prefix.weight` (+ `prefix.scale`) as a Weight; `widen` promotes a bf16 weight to fp32."""
+        w = self.ckpt.get(prefix + ".weight")
+        if w.dtype == torch.float8_e4m3fn:
+            out_f, in_f = w.shape
+            scale = self.ckpt.get(prefix + ".scale").float().repeat_interleave(32, dim=0)[:out_f]
+            return Weight("fp8", w.float(), scale.contiguous())
+        if w.dtype in (torch.int8, torch.uint8):
+            return Weight("fp4", unpack_fp4(w), self.ckpt.get(prefix + ".scale").float())
+        if widen or w.dtype == torch.float32:
+            return Weight("fp32", w.float())
+        return Weight("bf16", w)
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = self.ckpt.get(name)
+        return t if dtype is None else t.to(dtype)

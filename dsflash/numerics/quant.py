@@ -1,0 +1,75 @@
+"""Activation and KV fake-quantisation (spec §3), bit-exact with DeepSeek's kernels.
+
+All functions take bf16 input (the kernels are compiled for bf16) and work on blocks along the last
+dimension. Scales are powers of two computed with the kernels' exponent-bit trick, or E4M3 for the
+compressed KV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+ACT_BLOCK = 32  # one FP8 activation scale per 32 values; weights use 32x32 tiles
+# the kernels multiply by reciprocals held as float32 constants, not divide by the maximum
+_FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+_FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
+
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
+# round-to-nearest-even boundaries between consecutive E2M1 magnitudes; at an exact tie the value
+# goes up only where the upper code is even (0.75 -> 1, 1.75 -> 2, 3.5 -> 4)
+_E2M1_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+_E2M1_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
+
+
+def pow2_scale(amax: torch.Tensor, max_inv: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(amax * max_inv)), from the exponent bits plus one when the mantissa is non-zero."""
+    bits = (amax.float() * max_inv).contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & ((1 << 23) - 1)
+    return ((exponent + (mantissa != 0).to(torch.int32)) << 23).view(torch.float32)
+
+
+def e4m3_saturate(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> float8_e4m3fn, round to nearest even, saturating at ±448 (a plain cast gives NaN)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """float32 in [-6, 6] -> nearest E2M1 value (ties to the even code), sign of zero kept."""
+    mag = x.abs().unsqueeze(-1)
+    code = (mag > _E2M1_MIDS).sum(-1) + ((mag == _E2M1_MIDS) & _E2M1_TIE_UP).sum(-1)
+    return torch.where(torch.signbit(x), -E2M1_VALUES[code], E2M1_VALUES[code])
+
+
+def fp8_act_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [..., K] -> (E4M3 codes as float32 values [..., K], power-of-two scales [..., K/32])."""
+    assert x.dtype == torch.bfloat16
+    xg = x.float().unflatten(-1, (-1, ACT_BLOCK))
+    s = pow2_scale(xg.abs().amax(dim=-1).clamp_min(1e-4), _FP8_MAX_INV)
+    q = e4m3_saturate(xg / s.unsqueeze(-1))
+    return q.float().flatten(-2), s
+
+
+def fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """Q8: quantise to FP8 per 32 with a power-of-two scale and dequantise, back in bf16."""
+    assert x.dtype == torch.bfloat16
+    xg = x.float().unflatten(-1, (-1, ACT_BLOCK))
+    s = pow2_scale(xg.abs().amax(dim=-1).clamp_min(1e-4), _FP8_MAX_INV).unsqueeze(-1)
+    return (e4m3_saturate(xg / s).float() * s).flatten(-2).to(torch.bfloat16)
+
+
+def fp4_fake_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
+    """Q4: E2M1 values per `block`, with an E8M0 power-of-two scale (index keys and queries, block 32)
+    or an E4M3 scale (compressed KV, block 16). Returns bf16."""
+    assert x.dtype == torch.bfloat16
+    xg = x.float().unflatten(-1, (-1, block))
+    amax = xg.abs().amax(dim=-1)
+    if e4m3_scale:
+        # an all-zero group keeps a non-zero scale
+        s = e4m3_saturate(amax.clamp_min(6 * 2**-9) / FP4_MAX).float()
+    else:
+        s = pow2_scale(amax.clamp_min(6 * 2**-126), _FP4_MAX_INV)
+    v = (xg / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
+    return (e2m1_round(v) * s.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
