@@ -181,6 +181,8 @@ class Attention:
             comp = state.compressed[self.kv_source].rows
             idx = torch.cat([idx, torch.where(comp_idx >= 0, comp_idx + source.size(0), -1)], dim=1)
             source = torch.cat([source, comp])
+            # valid entries first: which 64-block of the online softmax an entry falls in changes the bits
+            idx = torch.gather(idx, 1, torch.sort((idx < 0).to(torch.int8), dim=1, stable=True).indices)
         o = sparse_attn(q, source, self.attn_sink, idx, a.head_dim ** -0.5)
         real = kv[: chunk.n][-win:]
         ring[chunk.positions[: chunk.n][-win:] % win] = real

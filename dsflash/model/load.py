@@ -1,0 +1,46 @@
+"""Build a model from a checkpoint directory: config, weights and the Engram token map."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsflash.checkpoint.reader import Checkpoint
+from dsflash.model.transformer import Transformer
+
+
+class StubVocabulary:
+    """Token texts of a checkpoint that ships no tokenizer (DeepSeek's tiny test models): token 2k
+    reads "w{k}" and 2k+1 " W{k}", which normalise alike, so Engram sees vocab/2 classes."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        (i,) = ids
+        return f"w{i // 2}" if i % 2 == 0 else f" W{i // 2}"
+
+    def id_to_token(self, i: int) -> str:
+        return self.decode([i])
+
+
+def engram_token_map(path: Path, vocab_size: int) -> tuple[list[int], int]:
+    from dsflash.tokenizer import compressed_token_map, load_tokenizer
+
+    source = load_tokenizer(path) if (path / "tokenizer.json").exists() else StubVocabulary(vocab_size)
+    return compressed_token_map(source)
+
+
+def load_model(path: str | Path, layers: range | None = None, head: bool = True, dspark: bool = True) -> Transformer:
+    path = Path(path)
+    ckpt = Checkpoint(path)
+    args = ckpt.args
+    token_map = None
+    if args.engram_layer_ids:
+        token_map, classes = engram_token_map(path, args.vocab_size)
+        if classes != args.engram_compressed_vocab_size:
+            raise ValueError(f"{path}: the tokenizer gives {classes} Engram token classes, config "
+                             f"engram_compressed_vocab_size is {args.engram_compressed_vocab_size}")
+    return Transformer(args, ckpt, token_map, layers=layers, head=head, dspark=dspark)
