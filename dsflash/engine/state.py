@@ -1,11 +1,14 @@
 """One sequence's model state (spec §6.7): what a position needs from the positions before it.
 
-- window[layer]: the layer's last `window_size` FP8-valued KV rows, a ring indexed by position.
-- compressed[src] / index_keys[src]: per KV source, the RoPE'd FP4 compressed KV and index keys,
-  one entry per completed group, in group order.
-- pending[src]: the raw fp32 (kv, score) rows of a ratio>1 source's incomplete group.
-- engram_ids: the compressed token id of every position (Engram hashes look back 3 of them).
-- dspark_window[stage]: each DSpark stage's ring of context KV at target positions.
+- window[layer]: the layer's FP8-valued KV rows by position (the last window_size are attended).
+- compressed[src] / index_keys[src]: per KV source, the RoPE'd FP4 compressed KV and index keys, one
+  entry per completed group, in group order.
+- raw[src]: a ratio>1 source's fp32 (kv, score) rows by position, for the incomplete group.
+- engram_ids: the compressed token id of every position (Engram hashes look back three of them).
+- dspark[stage]: each DSpark stage's context KV by target position.
+
+Rings keep ROLLBACK_ROWS positions more than the model reads, so the last step's rows (at most that
+many) can be undone exactly by `truncate` without recomputing anything.
 """
 
 from __future__ import annotations
@@ -14,18 +17,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+ROLLBACK_ROWS = 64
+
+
+class RollbackError(ValueError):
+    """A rollback reaches further back than the rings keep; restore a snapshot instead."""
+
 
 class GrowingRows:
-    """An append-only [n, width] tensor with amortised growth."""
+    """An append-only [n, *shape] tensor with amortised growth."""
 
-    def __init__(self, width: int, dtype: torch.dtype):
-        self._buf = torch.empty(0, width, dtype=dtype)
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        self._buf = torch.empty(0, *shape, dtype=dtype)
         self.n = 0
 
     def append(self, rows: torch.Tensor) -> None:
         need = self.n + rows.size(0)
         if need > self._buf.size(0):
-            grown = torch.empty(max(need, 2 * self._buf.size(0), 64), self._buf.size(1), dtype=self._buf.dtype)
+            grown = self._buf.new_empty(max(need, 2 * self._buf.size(0), 64), *self._buf.shape[1:])
             grown[: self.n] = self._buf[: self.n]
             self._buf = grown
         self._buf[self.n:need] = rows
@@ -39,13 +48,50 @@ class GrowingRows:
         return self._buf[: self.n]
 
 
+class PositionRing:
+    """Rows addressed by absolute position; the last `capacity` positions written are kept."""
+
+    def __init__(self, capacity: int, shape: tuple[int, ...], dtype: torch.dtype):
+        self.data = torch.zeros(capacity, *shape, dtype=dtype)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.size(0)
+
+    def write(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        keep = min(positions.numel(), self.capacity)
+        self.data[positions[-keep:] % self.capacity] = rows[-keep:]
+
+    def read(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.data[positions % self.capacity]
+
+
 @dataclass
 class SequenceState:
     pos: int = 0  # committed tokens
-    window: dict[int, torch.Tensor] = field(default_factory=dict)
+    window: dict[int, PositionRing] = field(default_factory=dict)
     compressed: dict[int, GrowingRows] = field(default_factory=dict)
     index_keys: dict[int, GrowingRows] = field(default_factory=dict)
-    pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    engram_ids: GrowingRows | None = None
-    dspark_window: dict[int, torch.Tensor] = field(default_factory=dict)
-    dspark_pos: int = 0  # target positions whose DSpark context is in the rings
+    raw: dict[int, PositionRing] = field(default_factory=dict)
+    engram_ids: GrowingRows = field(default_factory=lambda: GrowingRows((), torch.int64))
+    dspark: dict[int, PositionRing] = field(default_factory=dict)
+    dspark_pos: int = 0  # target positions whose DSpark context has been written
+
+    def ring(self, table: dict, key: int, window: int, shape: tuple[int, ...], dtype: torch.dtype) -> PositionRing:
+        r = table.get(key)
+        if r is None:
+            r = table[key] = PositionRing(window + ROLLBACK_ROWS, shape, dtype)
+        return r
+
+    def truncate(self, keep: int, ratios: dict[int, int]) -> None:
+        """Forget positions >= keep. `ratios` maps each KV source to its compression ratio."""
+        if keep > self.pos or keep < 0:
+            raise RollbackError(f"cannot roll back to {keep}: the sequence has {self.pos} tokens")
+        if self.pos - keep > ROLLBACK_ROWS:
+            raise RollbackError(f"rollback of {self.pos - keep} rows exceeds the {ROLLBACK_ROWS} the state keeps")
+        for src, rows in self.compressed.items():
+            rows.truncate(keep // ratios[src])
+            self.index_keys[src].truncate(keep // ratios[src])
+        self.engram_ids.truncate(keep)
+        self.dspark_pos = min(self.dspark_pos, keep)
+        self.pos = keep

@@ -67,13 +67,15 @@ class Compressor:
             return rms_norm(linear(x, self.wkv)[: chunk.n], self.norm, self.eps), chunk.p0
         xf = x.float()
         kv, score = linear(xf, self.wkv)[: chunk.n], linear(xf, self.wgate)[: chunk.n]
-        held_kv, held_score = state.pending.get(layer, (kv[:0], score[:0]))
-        kv, score = torch.cat([held_kv, kv]), torch.cat([held_score, score])
-        complete = kv.size(0) - kv.size(0) % ratio
-        state.pending[layer] = (kv[complete:].clone(), score[complete:].clone())
+        rows = torch.stack([kv, score], dim=1)
+        raw = state.ring(state.raw, layer, ratio, tuple(rows.shape[1:]), torch.float32)
+        # the chunk's groups, including the one its first rows complete from earlier positions
         first_group = chunk.p0 // ratio
-        kv = kv[:complete].unflatten(0, (-1, ratio))
-        score = score[:complete].unflatten(0, (-1, ratio))
+        held = raw.read(torch.arange(first_group * ratio, chunk.p0))
+        raw.write(chunk.positions[: chunk.n], rows)
+        rows = torch.cat([held, rows])
+        grouped = rows[: rows.size(0) // ratio * ratio].unflatten(0, (-1, ratio))
+        kv, score = grouped[:, :, 0], grouped[:, :, 1]
         pooled = (kv * score.softmax(dim=1)).sum(dim=1)
         return rms_norm(pooled.to(torch.bfloat16), self.norm, self.eps), first_group
 
@@ -171,10 +173,9 @@ class Attention:
         a, state = self.args, chunk.state
         win = a.window_size
         qr, q, kv = self.projections(x, chunk.positions)
-        ring = state.window.setdefault(self.layer, torch.zeros(win, a.head_dim, dtype=torch.bfloat16))
-        # the window source: the ring unrolled to positions p0-win .. p0-1, then this chunk's rows
-        slots = torch.arange(chunk.p0 - win, chunk.p0) % win
-        source = torch.cat([ring[slots], kv])
+        ring = state.ring(state.window, self.layer, win, (a.head_dim,), torch.bfloat16)
+        # the window source: positions p0-win .. p0-1 (rows before 0 are never indexed), then the chunk
+        source = torch.cat([ring.read(torch.arange(chunk.p0 - win, chunk.p0)), kv])
         idx = window_indices(chunk.positions, win, chunk.p0 - win)
         if self.ratio:
             comp_idx = self._compressed(x, qr, chunk)
@@ -184,8 +185,7 @@ class Attention:
             # valid entries first: which 64-block of the online softmax an entry falls in changes the bits
             idx = torch.gather(idx, 1, torch.sort((idx < 0).to(torch.int8), dim=1, stable=True).indices)
         o = sparse_attn(q, source, self.attn_sink, idx, a.head_dim ** -0.5)
-        real = kv[: chunk.n][-win:]
-        ring[chunk.positions[: chunk.n][-win:] % win] = real
+        ring.write(chunk.positions[: chunk.n], kv[: chunk.n])
         return self.output(o, chunk.positions)
 
     def _compressed(self, x: torch.Tensor, qr: torch.Tensor, chunk: Chunk) -> torch.Tensor:
@@ -197,8 +197,8 @@ class Attention:
             keys = self.indexer.index_keys(latent, group_pos, self.rope)
             self.rope.rotate(latent, group_pos)
             entry = fp4_fake_quant(latent, 16, e4m3_scale=True)
-            state.compressed.setdefault(self.layer, GrowingRows(a.head_dim, torch.bfloat16)).append(entry)
-            state.index_keys.setdefault(self.layer, GrowingRows(a.index_head_dim, torch.bfloat16)).append(keys)
+            state.compressed.setdefault(self.layer, GrowingRows((a.head_dim,), torch.bfloat16)).append(entry)
+            state.index_keys.setdefault(self.layer, GrowingRows((a.index_head_dim,), torch.bfloat16)).append(keys)
         if self.is_index_source:
             if state.compressed[self.kv_source].n == 0:
                 chunk.topk = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from dsflash.config import ModelArgs
 from dsflash.kernels.cpu import linear, pad_rows, sparse_attn
 from dsflash.model.attention import Attention
+from dsflash.engine.state import PositionRing
 from dsflash.model.common import Chunk, rms_norm
 from dsflash.model.mhc import Block, collapse
 from dsflash.model.rope import Rope
@@ -26,16 +27,21 @@ class DSparkAttention(Attention):
         super().__init__(args, layer, w, prefix, ropes)
         self.stage = layer - args.n_layers
 
-    def ring(self, state) -> torch.Tensor:
-        return state.dspark_window.setdefault(
-            self.stage, torch.zeros(self.args.window_size, self.args.head_dim, dtype=torch.bfloat16))
+    def history(self, state) -> PositionRing:
+        return state.ring(state.dspark, self.stage, self.args.window_size, (self.args.head_dim,), torch.bfloat16)
+
+    def ring(self, state, last: int) -> torch.Tensor:
+        """The reference's window ring after target position `last`: slot = position % window_size."""
+        win = self.args.window_size
+        ring = torch.zeros(win, self.args.head_dim, dtype=torch.bfloat16)
+        positions = torch.arange(max(0, last - win + 1), last + 1)
+        ring[positions % win] = self.history(state).read(positions)
+        return ring
 
     def write_context(self, state, main_x: torch.Tensor, positions: torch.Tensor, n: int) -> None:
         kv = rms_norm(linear(main_x, self.wkv), self.kv_norm, self.eps)
         self.rope.rotate(kv, positions)
-        kv = fp8_fake_quant(kv)[:n]
-        win = self.args.window_size
-        self.ring(state)[positions[:n][-win:] % win] = kv[-win:]
+        self.history(state).write(positions[:n], fp8_fake_quant(kv)[:n])
 
     def __call__(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         win = self.args.window_size
@@ -43,7 +49,7 @@ class DSparkAttention(Attention):
         p = chunk.p0 - 1  # the target position whose context was written last
         filled = min(win, p + 1)
         idx = torch.cat([torch.arange(filled), win + torch.arange(chunk.n)]).expand(chunk.rows, -1)
-        source = torch.cat([self.ring(chunk.state), kv[: chunk.n]])
+        source = torch.cat([self.ring(chunk.state, p), kv[: chunk.n]])
         o = sparse_attn(q, source, self.attn_sink, idx.contiguous(), self.args.head_dim ** -0.5)
         return self.output(o, chunk.positions)
 

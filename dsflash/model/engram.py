@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from dsflash.config import ModelArgs, engram_primes
-from dsflash.engine.state import GrowingRows
 from dsflash.kernels.cpu import linear
 from dsflash.model.common import Chunk
 from dsflash.model.weights import WeightLoader
@@ -53,9 +52,7 @@ class EngramLayout:
         compressed = self.token_map[ids]
         if chunk.image_mask is not None:
             compressed = torch.where(chunk.image_mask, DEAD, compressed)
-        if state.engram_ids is None:
-            state.engram_ids = GrowingRows(1, torch.int64)
-        history = state.engram_ids.rows[max(0, chunk.p0 - max_ngram):, 0]
+        history = state.engram_ids.rows[max(0, chunk.p0 - max_ngram):chunk.p0]
         base = chunk.p0 - history.numel()
         seq = torch.cat([history, compressed])
         positions = chunk.positions
@@ -70,7 +67,7 @@ class EngramLayout:
         for i in range(1, max_ngram):
             rolling = torch.bitwise_xor(rolling, products[..., i])
             hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
-        state.engram_ids.append(compressed[: chunk.n].unsqueeze(1))
+        state.engram_ids.append(compressed[: chunk.n])
         return torch.cat(hashes, dim=-1) + self.offsets
 
 
