@@ -38,7 +38,7 @@ class ForwardOutput:
 class Transformer:
     def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None,
                  layers: range | None = None, head: bool = True, dspark: bool = True):
-        self.args = args
+        self.args, self.ckpt = args, ckpt
         self.layers = layers if layers is not None else range(args.n_layers)
         w = WeightLoader(ckpt)
         self.ropes = (Rope(args, compressed=False), Rope(args, compressed=True))

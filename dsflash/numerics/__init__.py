@@ -1,0 +1,4 @@
+"""Numerics shared by every backend. NUMERICS_VERSION keys every cache and snapshot: bump it whenever
+any arithmetic changes (a rounding point, a summation order, an index layout)."""
+
+NUMERICS_VERSION = 1

@@ -1,0 +1,92 @@
+"""Sampling as a pure function of (seed, absolute position, logits).
+
+The noise for a position comes from a counter-based hash of (seed, position, token id), never from a
+stateful generator, so the same seed gives the same text whether tokens were drafted, resumed from a
+cache or rebuilt after a box restart. Sampling is Gumbel-max over the filtered, tempered logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+        return x ^ (x >> np.uint64(31))
+
+
+def uniform_noise(seed: int, position: int, n: int) -> torch.Tensor:
+    """float64 uniforms in (0, 1) for token ids 0..n-1 at one position."""
+    with np.errstate(over="ignore"):
+        key = _splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+        key = _splitmix64(key ^ np.uint64(position & 0xFFFFFFFFFFFFFFFF))
+        bits = _splitmix64(key + np.arange(n, dtype=np.uint64))
+    return torch.from_numpy(((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53)
+
+
+def filtered_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Tempered fp64 logits with top-k, top-p and min-p applied (-inf outside)."""
+    x = logits.double() / p.temperature
+    if p.top_k and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, -torch.inf)
+    probs = torch.softmax(x, dim=-1)
+    if p.min_p > 0:
+        x = x.masked_fill(probs < p.min_p * probs.max(), -torch.inf)
+        probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True, stable=True)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+        x[order[drop]] = -torch.inf
+    return x
+
+
+def sample(logits: torch.Tensor, position: int, p: SamplingParams) -> int:
+    """The token at `position` given its fp32 logits [V]."""
+    if p.greedy:
+        return int(torch.argmax(logits))
+    x = filtered_logits(logits, p)
+    gumbel = -torch.log(-torch.log(uniform_noise(p.seed, position, x.numel())))
+    return int(torch.argmax(x + gumbel))
+
+
+def logprobs(logits: torch.Tensor, token: int, top: int = 0) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability of `token` under the untempered distribution, and the `top` most likely tokens."""
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    best = []
+    if top:
+        v, i = torch.topk(lp, top)
+        best = list(zip(i.tolist(), v.tolist(), strict=True))
+    return float(lp[token]), best

@@ -1,0 +1,107 @@
+"""Session snapshots: a self-describing binary file (format in docs/snapshot-format.md).
+
+    magic "DSFLSNAP" | u32 format version | u32 header length | header JSON | payload
+
+The header names the numerics version, the model identity, the token count, the payload size and its
+SHA-256; the payload is a safetensors blob of the token ids and every state tensor. Anything that does
+not match is refused with the reason, before a single tensor is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from dsflash.engine.state import GrowingRows, PositionRing, SequenceState
+from dsflash.numerics import NUMERICS_VERSION
+
+MAGIC = b"DSFLSNAP"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sII")
+
+
+class SnapshotError(ValueError):
+    """A snapshot is truncated, corrupted, or made by another model or numerics version."""
+
+
+def _state_tensors(state: SequenceState) -> dict[str, torch.Tensor]:
+    t: dict[str, torch.Tensor] = {"engram_ids": state.engram_ids.rows.clone()}
+    for name, table in (("window", state.window), ("raw", state.raw), ("dspark", state.dspark)):
+        for k, ring in table.items():
+            t[f"{name}.{k}"] = ring.data
+    for name, table in (("compressed", state.compressed), ("index_keys", state.index_keys)):
+        for k, rows in table.items():
+            t[f"{name}.{k}"] = rows.rows.clone()
+    return t
+
+
+def encode(state: SequenceState, tokens: list[int], model_id: str, extras: dict[str, torch.Tensor]) -> bytes:
+    """`extras`: the session's own tensors (names without a dot), returned as they were by decode."""
+    tensors = _state_tensors(state)
+    tensors.update(extras)
+    tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)
+    payload = st_save({k: v.contiguous() for k, v in tensors.items()})
+    header = json.dumps({
+        "numerics": NUMERICS_VERSION,
+        "model": model_id,
+        "tokens": len(tokens),
+        "pos": state.pos,
+        "dspark_pos": state.dspark_pos,
+        "payload_bytes": len(payload),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "sections": sorted(tensors),
+    }).encode()
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + payload
+
+
+def read_header(blob: bytes) -> dict:
+    if len(blob) < _PREFIX.size:
+        raise SnapshotError(f"truncated snapshot: {len(blob)} bytes, shorter than its {_PREFIX.size}-byte prefix")
+    magic, version, hlen = _PREFIX.unpack_from(blob)
+    if magic != MAGIC:
+        raise SnapshotError("not a dsflash snapshot (bad magic)")
+    if version != FORMAT_VERSION:
+        raise SnapshotError(f"snapshot format version {version}, this build reads {FORMAT_VERSION}")
+    try:
+        header = json.loads(blob[_PREFIX.size:_PREFIX.size + hlen])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SnapshotError(f"corrupted snapshot header ({e})") from e
+    return header
+
+
+def decode(blob: bytes, model_id: str) -> tuple[SequenceState, list[int], dict[str, torch.Tensor]]:
+    header = read_header(blob)
+    if header.get("numerics") != NUMERICS_VERSION:
+        raise SnapshotError(f"snapshot made with numerics version {header.get('numerics')}, "
+                            f"this build computes version {NUMERICS_VERSION}")
+    if header.get("model") != model_id:
+        raise SnapshotError(f"snapshot belongs to model {header.get('model')}, not to the loaded {model_id}")
+    start = _PREFIX.size + len(json.dumps(header).encode())
+    payload = blob[start:]
+    if len(payload) != header["payload_bytes"]:
+        raise SnapshotError(f"truncated snapshot: payload {len(payload)} bytes, header says {header['payload_bytes']}")
+    if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        raise SnapshotError("corrupted snapshot: payload checksum mismatch")
+    tensors = st_load(payload)
+    state = SequenceState(pos=header["pos"], dspark_pos=header["dspark_pos"])
+    ids = tensors.pop("tokens")
+    engram = tensors.pop("engram_ids")
+    state.engram_ids = GrowingRows(tuple(engram.shape[1:]), engram.dtype)
+    state.engram_ids.append(engram)
+    extras = {k: tensors.pop(k) for k in list(tensors) if "." not in k}
+    for key, t in tensors.items():
+        name, k = key.split(".")
+        if name in ("window", "raw", "dspark"):
+            ring = PositionRing(t.size(0), tuple(t.shape[1:]), t.dtype)
+            ring.data.copy_(t)
+            getattr(state, name)[int(k)] = ring
+        else:
+            rows = GrowingRows(tuple(t.shape[1:]), t.dtype)
+            rows.append(t)
+            getattr(state, name)[int(k)] = rows
+    return state, ids.tolist(), extras

@@ -1,0 +1,142 @@
+"""Decoding loop with DSpark speculative decoding (spec §10).
+
+Each cycle verifies [anchor, d_1..d_k] in one `step`; the target samples every row with the
+position-keyed sampler, drafts are accepted while they equal the target's own sample, and the first
+disagreement (or the row after the last draft) gives the next anchor. Output is therefore exactly the
+tokens of plain decoding, greedy or seeded. The draft depth is chosen from measured costs: the time of
+a verify of L rows and the observed acceptance of each draft slot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from dsflash.engine.sampling import SamplingParams, sample
+from dsflash.engine.session import Session
+
+
+@dataclass
+class DecodeStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    generated: int = 0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        return self.generated / self.cycles if self.cycles else 0.0
+
+    def as_dict(self) -> dict:
+        prefilled = self.prompt_tokens - self.cached_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "ttft_s": self.ttft_s, "prefill_tok_s": prefilled / self.prefill_s if self.prefill_s else 0.0,
+            "decode_tok_s": (self.generated - 1) / self.decode_s if self.decode_s and self.generated > 1 else 0.0,
+            "generated": self.generated, "accept_rate": self.accept_rate,
+            "tokens_per_cycle": self.tokens_per_cycle,
+        }
+
+
+@dataclass
+class DraftDepth:
+    """Chooses k to maximise expected tokens per second of a cycle, from measured verify times by row
+    count and the acceptance seen at each draft slot (optimistic until measured)."""
+
+    max_k: int
+    step_s: dict[int, float] = field(default_factory=dict)
+    draft_s: float = 0.0
+    tried: list[int] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tried = [0] * self.max_k
+        self.hits = [0] * self.max_k
+
+    def choose(self) -> int:
+        best_k, best_rate, reach = 0, 0.0, 1.0
+        for k in range(self.max_k + 1):
+            if k:
+                reach *= (self.hits[k - 1] + 1) / (self.tried[k - 1] + 1)  # Laplace: unmeasured slots look good
+            expected = 1 + sum(self._reach(i) for i in range(1, k + 1))
+            cost = self.step_s.get(k + 1) or self.step_s.get(1) or 1.0
+            rate = expected / (cost + (self.draft_s if k else 0.0))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def _reach(self, i: int) -> float:
+        p = 1.0
+        for j in range(i):
+            p *= (self.hits[j] + 1) / (self.tried[j] + 1)
+        return p
+
+    def record(self, rows: int, seconds: float, drafted: int, accepted: int, draft_s: float) -> None:
+        old = self.step_s.get(rows)
+        self.step_s[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if drafted:
+            self.draft_s = draft_s if not self.draft_s else 0.8 * self.draft_s + 0.2 * draft_s
+        for i in range(drafted):
+            self.tried[i] += 1
+            self.hits[i] += i < accepted
+
+
+def decode(session: Session, first_logits, max_new: int, params: SamplingParams, stop: set[int],
+           dspark: int = 0, stats: DecodeStats | None = None,
+           stopped: Callable[[], bool] | None = None) -> Iterator[int]:
+    """Yield up to `max_new` tokens after the session's last row (whose logits are `first_logits`)."""
+    stats = stats or DecodeStats()
+    depth = DraftDepth(min(dspark, session.model.args.dspark_block_size)) if dspark and session.model.dspark else None
+    t0 = time.perf_counter()
+    tok = sample(first_logits, session.pos, params)
+    emitted = 0
+    while True:
+        yield tok
+        emitted += 1
+        stats.generated += 1
+        if tok in stop or emitted >= max_new or (stopped and stopped()):
+            break
+        k = depth.choose() if depth else 0
+        td = time.perf_counter()
+        drafts = session.draft(tok)[:k] if k else []
+        td = time.perf_counter() - td
+        p = session.pos
+        ts = time.perf_counter()
+        logits = session.step(p, [tok] + drafts)
+        ts = time.perf_counter() - ts
+        accepted = 0
+        for j, d in enumerate(drafts):
+            target = sample(logits[j], p + j + 1, params)
+            if target != d:
+                break
+            accepted += 1
+        new_anchor = sample(logits[accepted], p + accepted + 1, params)
+        stats.cycles += 1
+        stats.drafted += len(drafts)
+        stats.accepted += accepted
+        if depth:
+            depth.record(len(drafts) + 1, ts, len(drafts), accepted, td)
+        session.rollback(p + accepted + 1)
+        session.last_logits = logits[accepted]
+        done = False
+        for d in drafts[:accepted]:
+            yield d
+            emitted += 1
+            stats.generated += 1
+            if d in stop or emitted >= max_new or (stopped and stopped()):
+                done = True
+                break
+        if done:
+            break
+        tok = new_anchor
+    stats.decode_s = time.perf_counter() - t0

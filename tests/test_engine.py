@@ -1,0 +1,91 @@
+"""The engine's bit-exact invariants on the tiny golden checkpoint (CPU reference backend):
+step == prefill, rollback == never drafted, resume == fresh, DSpark == plain decoding."""
+
+import random
+
+import pytest
+import torch
+
+from dsflash.engine.sampling import SamplingParams
+from dsflash.engine.session import Engine
+from dsflash.engine.snapshot import SnapshotError
+from dsflash.engine.spec import DecodeStats, decode
+from dsflash.engine.state import RollbackError
+from tests.conftest import GOLDEN_CASES
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40"))
+
+
+def prompt(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 511) for _ in range(n)]
+
+
+def test_steps_with_rollbacks_equal_one_prefill(engine):
+    rng = random.Random(1)
+    ids = prompt(60, seed=1)
+    whole = engine.session()
+    whole_logits = whole.model.forward(whole.state, torch.tensor(ids)).logits
+    s = engine.session()
+    s.prefill(ids[:20], chunk=7)
+    while s.pos < len(ids):
+        # append real rows plus junk rows, then roll the junk back, as a rejected draft would
+        real = ids[s.pos:s.pos + rng.randint(1, 4)]
+        junk = [rng.randrange(3, 511) for _ in range(rng.randint(0, 8 - len(real)))]
+        p = s.pos
+        logits = s.step(p, real + junk)
+        assert torch.equal(logits[: len(real)], whole_logits[p:p + len(real)])
+        s.rollback(p + len(real))
+    assert s.tokens == ids
+
+
+def test_rollback_beyond_the_rings_is_refused(engine):
+    s = engine.session()
+    s.prefill(prompt(100))
+    with pytest.raises(RollbackError):
+        s.rollback(10)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=3)])
+def test_dspark_output_equals_plain_decoding(engine, params):
+    ids = prompt(30, seed=2)
+    outputs = []
+    for k in (0, 2):
+        s = engine.session()
+        stats = DecodeStats()
+        outputs.append(list(decode(s, s.prefill(ids), 12, params, stop=set(), dspark=k, stats=stats)))
+        if k:
+            assert stats.drafted > 0
+    assert outputs[0] == outputs[1]
+
+
+def test_resume_from_snapshot_equals_fresh(engine):
+    ids = prompt(50, seed=4)
+    fresh = engine.session()
+    fresh_logits = fresh.prefill(ids)
+    fresh_out = list(decode(fresh, fresh.last_logits, 8, SamplingParams(), stop=set(), dspark=2))
+    first = engine.session()
+    first.prefill(ids[:33])
+    resumed = type(first).restore(engine, first.snapshot())
+    resumed.prefill(ids[33:])
+    assert torch.equal(resumed.last_logits, fresh_logits)
+    assert list(decode(resumed, resumed.last_logits, 8, SamplingParams(), stop=set(), dspark=2)) == fresh_out
+
+
+def test_bad_snapshots_are_refused(engine):
+    s = engine.session()
+    s.prefill(prompt(20))
+    blob = s.snapshot()
+    with pytest.raises(SnapshotError, match="truncated"):
+        type(s).restore(engine, blob[:-10])
+    with pytest.raises(SnapshotError, match="checksum"):
+        type(s).restore(engine, blob[:-1] + bytes([blob[-1] ^ 1]))
+    with pytest.raises(SnapshotError, match="magic"):
+        type(s).restore(engine, b"XXXXXXXX" + blob[8:])
+    other = Engine(engine.model, engine.max_context)
+    other._identity = "another-model"
+    with pytest.raises(SnapshotError, match="belongs to model"):
+        type(s).restore(other, blob)
