@@ -1,17 +1,98 @@
-"""Lazy checkpoint access: safetensors files opened with mmap, tensors read on first use."""
+"""Lazy checkpoint access: safetensors files opened with mmap, tensors read on first use.
+
+Each file's header is parsed and checked here before safetensors opens it, so a truncated or damaged
+file is refused with the reason (which byte range, which tensor) rather than a library error code.
+`open_checkpoint` also checks every tensor name, dtype and shape against the config (expect.py).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import struct
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from dsflash.config import ModelArgs, load_config
+from dsflash.checkpoint.expect import expected_tensors
+from dsflash.config import RUNTIME_FIELDS, ModelArgs, load_config
 
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, unreadable or does not match its config; the message says which tensor."""
+
+
+# bytes per element of every safetensors dtype a checkpoint may hold
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8,
+}
+# a header larger than this is damage, not data (the released checkpoint's headers are a few MB)
+MAX_HEADER_BYTES = 1 << 30
+
+TensorInfo = tuple[str, list[int]]  # safetensors dtype string, shape
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and check one safetensors header: every tensor's byte range must match its dtype and
+    shape, and the ranges must tile the data area exactly (no gap, no overlap, nothing missing)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: {size} bytes, too short for the 8-byte header length")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(f"{path}: header length field says {n} bytes, but the file has {size - 8} "
+                                  "bytes after it (truncated file or damaged header)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid UTF-8 JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    header.pop("__metadata__", None)
+
+    tensors: dict[str, TensorInfo] = {}
+    ranges = []
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = (isinstance(dtype, str) and all(isinstance(x, int) and x >= 0 for x in [*shape, begin, end])
+                  and begin <= end)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {info!r}")
+        if dtype not in DTYPE_SIZES:
+            raise CheckpointError(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
+        need = math.prod(shape) * DTYPE_SIZES[dtype]
+        if end - begin != need:
+            raise CheckpointError(f"{path}: tensor {name!r}: {dtype} {shape} needs {need} bytes, "
+                                  f"its data_offsets span {end - begin}")
+        tensors[name] = (dtype, list(shape))
+        ranges.append((begin, end, name))
+
+    data_size = size - 8 - n
+    position = 0
+    for begin, end, name in sorted(ranges):
+        if begin != position:
+            what = "overlaps the previous tensor" if begin < position else f"leaves a gap of {begin - position} bytes"
+            raise CheckpointError(f"{path}: tensor {name!r} at data byte {begin} {what}")
+        position = end
+    if position > data_size:
+        last = max(ranges)[2]
+        raise CheckpointError(f"{path}: truncated: tensor data ends at byte {position} (tensor {last!r}), "
+                              f"the file holds {data_size} bytes of data")
+    if position < data_size:
+        raise CheckpointError(f"{path}: {data_size - position} unexpected bytes after the last tensor")
+    return tensors
 
 
 class Checkpoint:
@@ -23,20 +104,23 @@ class Checkpoint:
         self.args = args or load_config(self.path)
         self._files = {}
         self._where: dict[str, str] = {}
+        self._info: dict[str, TensorInfo] = {}
         files = sorted(self.path.glob("*.safetensors"))
         files = [f for f in files if f.name != "golden.safetensors"]
         if not files:
             raise CheckpointError(f"{self.path}: no *.safetensors weight files")
         for f in files:
+            tensors = read_header(f)
             try:
                 h = safe_open(str(f), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for truncated headers
+            except Exception as e:  # safetensors raises its own error types for what read_header let through
                 raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
             self._files[f.name] = h
-            for k in h.keys():
+            for k, info in tensors.items():
                 if k in self._where:
                     raise CheckpointError(f"tensor {k!r} appears in both {self._where[k]} and {f.name}")
                 self._where[k] = f.name
+                self._info[k] = info
 
     def names(self) -> list[str]:
         return sorted(self._where)
@@ -55,5 +139,58 @@ class Checkpoint:
             raise CheckpointError(f"{self.path / fname}: tensor {name!r} unreadable ({e})") from e
 
     def dtype_shape(self, name: str) -> tuple[str, list[int]]:
-        sl = self._files[self._where[name]].get_slice(name)
-        return sl.get_dtype(), list(sl.get_shape())
+        try:
+            dtype, shape = self._info[name]
+        except KeyError as e:
+            raise CheckpointError(f"{self.path}: missing tensor {name!r}") from e
+        return dtype, list(shape)
+
+
+def _describe(info: tuple[str, tuple[int, ...] | list[int]]) -> str:
+    return f"{info[0]} {list(info[1])}"
+
+
+# a mismatch report lists this many problems, then counts the rest
+MAX_REPORTED = 20
+
+
+def validate_checkpoint(ckpt: Checkpoint) -> None:
+    """Refuse a checkpoint whose tensors differ from what its config requires: missing, extra,
+    mis-typed or mis-shaped tensors are all listed, each with the expected and the actual value."""
+    expected = expected_tensors(ckpt.args)
+    problems = []
+    for name, want in expected.items():
+        if not ckpt.has(name):
+            problems.append(f"missing tensor {name!r}: expected {_describe(want)}")
+            continue
+        got = ckpt.dtype_shape(name)
+        if (got[0], tuple(got[1])) != want:
+            problems.append(f"tensor {name!r}: expected {_describe(want)}, got {_describe(got)}")
+    for name in ckpt.names():
+        if name not in expected:
+            problems.append(f"unexpected tensor {name!r} ({_describe(ckpt.dtype_shape(name))}): "
+                            "not part of a checkpoint of this config")
+    if problems:
+        shown = problems[:MAX_REPORTED]
+        if len(problems) > MAX_REPORTED:
+            shown.append(f"... and {len(problems) - MAX_REPORTED} more")
+        raise CheckpointError(f"{ckpt.path}: checkpoint does not match its config ({len(problems)} problems):\n  "
+                              + "\n  ".join(shown))
+
+
+def open_checkpoint(path: str | Path, args: ModelArgs | None = None) -> Checkpoint:
+    """Open a checkpoint directory (config.json unless `args` is given) and validate every tensor."""
+    ckpt = Checkpoint(path, args)
+    validate_checkpoint(ckpt)
+    return ckpt
+
+
+def model_identity(args: ModelArgs, ckpt: Checkpoint) -> str:
+    """Hex SHA-256 of the model config (runtime limits and unknown keys left out) and the tensor index
+    (names, dtypes, shapes): two processes agree on it only when they hold the same model layout."""
+    # float fields as floats, so that `"rope_theta": 10000` and `10000.0` name the same model
+    config = {f.name: float(getattr(args, f.name)) if f.type == "float" else getattr(args, f.name)
+              for f in fields(args) if f.name not in (*RUNTIME_FIELDS, "extra")}
+    index = [[name, *ckpt.dtype_shape(name)] for name in ckpt.names()]
+    blob = json.dumps({"config": config, "tensors": index}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
