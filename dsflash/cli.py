@@ -12,6 +12,7 @@ COMMANDS = [
     "dsflash.golden.check",  # check-golden
     "dsflash.checkpoint.make",  # make-checkpoint
     "dsflash.model.logits_cmd",  # logits
+    "dsflash.engine.generate_cmd",  # generate
 ]
 
 

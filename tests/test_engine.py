@@ -89,3 +89,26 @@ def test_bad_snapshots_are_refused(engine):
     other._identity = "another-model"
     with pytest.raises(SnapshotError, match="belongs to model"):
         type(s).restore(other, blob)
+
+
+def test_prefix_cache_resume_equals_fresh(engine, tmp_path):
+    from dsflash.engine.generate_cmd import prepare_session
+    from dsflash.engine.prefix_cache import PrefixCache
+
+    ids = prompt(40, seed=5)
+    cache = PrefixCache(engine.identity, disk_dir=tmp_path)
+    fresh_stats, resumed_stats = DecodeStats(), DecodeStats()
+    fresh, fresh_logits = prepare_session(engine, ids[:30], cache, 8, fresh_stats)
+    assert fresh_stats.cached_tokens == 0
+    # a fresh cache object reads the disk entries; the longest cached prefix of the new prompt is 30
+    cache = PrefixCache(engine.identity, disk_dir=tmp_path)
+    resumed, logits = prepare_session(engine, ids, cache, 8, resumed_stats)
+    assert resumed_stats.cached_tokens == 30
+    plain = engine.session()
+    assert torch.equal(logits, plain.prefill(ids))
+    # a corrupt cache file is dropped and treated as a miss
+    for f in tmp_path.glob("*.dsnap"):
+        f.write_bytes(f.read_bytes()[:100])
+    cache = PrefixCache(engine.identity, disk_dir=tmp_path)
+    again, again_logits = prepare_session(engine, ids, cache, 8, DecodeStats())
+    assert torch.equal(again_logits, logits)

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
+from dsflash.engine.state import PositionRing
 from dsflash.kernels.cpu import linear, pad_rows, sparse_attn
 from dsflash.model.attention import Attention
-from dsflash.engine.state import PositionRing
 from dsflash.model.common import Chunk, rms_norm
 from dsflash.model.mhc import Block, collapse
 from dsflash.model.rope import Rope

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     for n, s in enumerate(seqs):
         select = None
         if case is not None:
-            select = selections_from_arrays(replay_selections(case, prefix, seq=n if prefix.startswith("battery") else None))
+            seq = n if prefix.startswith("battery") else None
+            select = selections_from_arrays(replay_selections(case, prefix, seq=seq))
         state, ids, parts = SequenceState(), torch.tensor(s), []
         step = args.chunk or len(s)
         for i in range(0, len(s), step):

@@ -1,0 +1,120 @@
+"""`dsflash generate`: one prompt, streamed, with timing; the command-line face of the engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from dsflash.engine.prefix_cache import PrefixCache
+from dsflash.engine.sampling import SamplingParams
+from dsflash.engine.session import DEFAULT_CHUNK, Engine, Session
+from dsflash.engine.snapshot import SnapshotError
+from dsflash.engine.spec import DecodeStats, decode
+from dsflash.tokenizer import EOS_ID, load_tokenizer
+
+
+class Progress:
+    """A one-line progress report on stderr for prefills that take longer than a second."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.t0, self.shown = enabled, time.perf_counter(), False
+
+    def __call__(self, done: int, total: int) -> None:
+        elapsed = time.perf_counter() - self.t0
+        if self.enabled and (self.shown or elapsed > 1.0):
+            self.shown = True
+            print(f"\rprefill {done}/{total} tokens  {done / elapsed:,.0f} tok/s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.shown:
+            print(file=sys.stderr)
+
+
+def prepare_session(engine: Engine, prompt: list[int], cache: PrefixCache | None, chunk: int,
+                    stats: DecodeStats, progress=None):
+    """Resume from the longest cached prefix, prefill the rest, snapshot on the chunk grid and at the
+    end of the prompt. Returns (session, last-row logits)."""
+    n, blob = cache.lookup(prompt) if cache else (0, None)
+    session = engine.session()
+    if blob:
+        try:
+            session = Session.restore(engine, blob)
+        except SnapshotError as e:  # a damaged entry costs a prefill, never the request
+            print(f"prefix cache: ignoring a {n}-token entry: {e}", file=sys.stderr)
+    stats.prompt_tokens, stats.cached_tokens = len(prompt), session.pos
+    t0 = time.perf_counter()
+    rest = prompt[session.pos:]
+    logits = session.last_logits
+    while rest:
+        take = min(chunk - session.pos % chunk, len(rest))
+        logits = session.prefill(rest[:take], chunk=chunk)
+        rest = rest[take:]
+        if progress:
+            progress(session.pos - stats.cached_tokens, len(prompt) - stats.cached_tokens)
+        if cache and (session.pos % chunk == 0 or not rest):
+            cache.put(session.tokens, session.snapshot())
+    stats.prefill_s = time.perf_counter() - t0
+    return session, logits
+
+
+def run(args: argparse.Namespace) -> int:
+    engine = Engine.load(args.model)
+    tokenizer = None
+    if args.prompt is not None:
+        tokenizer = load_tokenizer(args.model)
+        prompt = [0] + tokenizer.encode(args.prompt, add_special_tokens=False).ids
+    else:
+        prompt = json.loads(Path(args.prompt_tokens).read_text())
+        if (Path(args.model) / "tokenizer.json").exists():
+            tokenizer = load_tokenizer(args.model)
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+    cache = PrefixCache(engine.identity, disk_dir=args.cache_dir) if args.cache_dir else None
+    stats = DecodeStats()
+    t0 = time.perf_counter()
+    progress = Progress(not args.json)
+    session, logits = prepare_session(engine, prompt, cache, args.chunk, stats, progress)
+    progress.close()
+    out, text = [], ""
+    for tok in decode(session, logits, args.n, params, stop={EOS_ID} if not args.ignore_eos else set(),
+                      dspark=args.dspark, stats=stats):
+        if not out:
+            stats.ttft_s = time.perf_counter() - t0
+        out.append(tok)
+        if tokenizer is not None:
+            new = tokenizer.decode(out, skip_special_tokens=False)
+            if not args.json:
+                print(new[len(text):], end="", flush=True)
+            text = new
+        elif not args.json:
+            print(tok, end=" ", flush=True)
+    report = {"tokens": out, "text": text if tokenizer else None, **stats.as_dict()}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"\n--\nTTFT {stats.ttft_s * 1000:.0f} ms · prefill {report['prefill_tok_s']:,.0f} tok/s "
+              f"({stats.cached_tokens} cached) · decode {report['decode_tok_s']:.1f} tok/s · "
+              f"draft acceptance {stats.accept_rate:.0%} · {stats.tokens_per_cycle:.2f} tokens/cycle", file=sys.stderr)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate from one prompt, streaming, with timing")
+    p.add_argument("--model", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
+    src.add_argument("--prompt-tokens", help="JSON array of token ids")
+    p.add_argument("-n", type=int, default=64, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dspark", type=int, default=0, metavar="K", help="DSpark draft depth limit (0 = off)")
+    p.add_argument("--cache-dir", help="prefix-cache directory")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prefill chunk size")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(func=run)
