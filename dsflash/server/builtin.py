@@ -1,0 +1,29 @@
+"""The built-in checkpoint `dsflash serve` uses when no model is given: Tiny-A geometry (every V4.1
+block type once, the golden configuration) with seeded weights and a small trained tokenizer, so text
+works end to end. Made once into a cache directory; the same seed always gives the same bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from dsflash.checkpoint.make import make_checkpoint
+from dsflash.config import PRESETS
+from dsflash.tokenizer import build_tiny_tokenizer, compressed_token_map
+
+BUILTIN_SEED = 0
+
+
+def builtin_checkpoint(root: str | Path | None = None) -> Path:
+    root = Path(root or os.environ.get("DSFLASH_HOME", Path.home() / ".cache" / "dsflash"))
+    out = root / f"builtin-tiny-a-s{BUILTIN_SEED}"
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        return out
+    base = PRESETS["tiny-a"]
+    tokenizer = build_tiny_tokenizer(base.vocab_size)
+    _, classes = compressed_token_map(tokenizer)
+    args = dataclasses.replace(base, engram_compressed_vocab_size=classes)
+    make_checkpoint(args, BUILTIN_SEED, out)
+    tokenizer.save(str(out / "tokenizer.json"))
+    return out
