@@ -1,0 +1,897 @@
+"""HTTP server: OpenAI chat/completions, Anthropic messages, health and Prometheus metrics over one Engine.
+
+All engine work runs on one worker thread (a single-thread executor: one generation at a time, requests
+served FIFO). The worker turns tokens into text, applies stop strings, and posts events to the request's
+asyncio queue; the request side parses reasoning/content/DSML tool calls and formats the response. A client
+that goes away (stream or not) sets the job's cancel flag, which `decode(stopped=...)` checks every token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dsflash.engine.generate_cmd import prepare_session
+from dsflash.engine.prefix_cache import PrefixCache
+from dsflash.engine.sampling import SamplingParams, logprobs
+from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine
+from dsflash.engine.spec import DecodeStats, decode
+from dsflash.server.dsml import ContentDelta, DsmlParser, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
+from dsflash.server.encoding import EncodingError, encode_messages
+from dsflash.tokenizer import BOS_ID, EOS_ID
+
+REASONING_LEVELS = {"none": None, "minimal": 10, "low": 25, "medium": 50, "high": 75, "xhigh": 100, "max": 100}
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", extra: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.extra = extra or {}
+
+
+def _loc_name(loc: tuple) -> str:
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- metrics
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.sum += v
+        self.count += 1
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+
+
+class Metrics:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+        self.prompt_tokens = self.prefill_tokens = self.generated_tokens = self.cached_tokens = 0
+        self.ttft = Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.itl = Histogram((0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.queued = 0
+        self.running = 0
+
+    def inc(self, table: dict[str, int], key: str) -> None:
+        with self.lock:
+            table[key] = table.get(key, 0) + 1
+
+    def render(self) -> str:
+        with self.lock:
+            lines = []
+
+            def counter(name: str, help_: str, values: dict[str, int] | int, label: str = "") -> None:
+                lines.append(f"# HELP {name} {help_}")
+                lines.append(f"# TYPE {name} counter")
+                if isinstance(values, dict):
+                    for k, v in sorted(values.items()):
+                        lines.append(f'{name}{{{label}="{k}"}} {v}')
+                else:
+                    lines.append(f"{name} {values}")
+
+            def hist(name: str, help_: str, h: Histogram) -> None:
+                lines.append(f"# HELP {name} {help_}")
+                lines.append(f"# TYPE {name} histogram")
+                for b, c in zip(h.buckets, h.counts, strict=True):
+                    lines.append(f'{name}_bucket{{le="{b}"}} {c}')
+                lines.append(f'{name}_bucket{{le="+Inf"}} {h.count}')
+                lines.append(f"{name}_sum {h.sum}")
+                lines.append(f"{name}_count {h.count}")
+
+            counter("dsflash_requests_total", "HTTP requests by endpoint.", self.requests, "endpoint")
+            counter("dsflash_errors_total", "Failed requests by kind.", self.errors, "kind")
+            counter("dsflash_prompt_tokens_total", "Prompt tokens of generation requests.", self.prompt_tokens)
+            counter("dsflash_prefill_tokens_total", "Prompt tokens actually prefilled (not from the cache).",
+                    self.prefill_tokens)
+            counter("dsflash_cached_tokens_total", "Prompt tokens resumed from the prefix cache.", self.cached_tokens)
+            counter("dsflash_generated_tokens_total", "Generated tokens.", self.generated_tokens)
+            hist("dsflash_time_to_first_token_seconds", "Request arrival to first generated token.", self.ttft)
+            hist("dsflash_inter_token_latency_seconds", "Time between generated tokens.", self.itl)
+            lines.append("# HELP dsflash_queue_depth Generation requests waiting for the engine.")
+            lines.append("# TYPE dsflash_queue_depth gauge")
+            lines.append(f"dsflash_queue_depth {self.queued}")
+            lines.append("# HELP dsflash_running Generation requests running on the engine.")
+            lines.append("# TYPE dsflash_running gauge")
+            lines.append(f"dsflash_running {self.running}")
+            return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_new: int
+    params: SamplingParams
+    stop: list[str]
+    top_logprobs: int | None  # None: no logprobs
+    split: int  # also snapshot the prompt at this length (before the generation-prompt tail)
+    arrived: float
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Text:
+    text: str
+    logprobs: list[dict]
+
+
+@dataclass
+class Done:
+    finish: str  # stop | length | cancelled
+    stop_string: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    stats: dict
+
+
+@dataclass
+class Failed:
+    error: Exception
+
+
+class Worker:
+    def __init__(self, engine: Engine, tokenizer, cache: PrefixCache | None, dspark: int, metrics: Metrics,
+                 chunk: int = DEFAULT_CHUNK):
+        self.engine, self.tokenizer, self.cache, self.dspark = engine, tokenizer, cache, dspark
+        self.metrics, self.chunk = metrics, chunk
+        self.lock = threading.Lock()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsflash-engine")
+
+    def submit(self, job: Job, emit: Callable[[Any], None]) -> None:
+        with self.metrics.lock:
+            self.metrics.queued += 1
+        self.executor.submit(self._run, job, emit)
+
+    def _run(self, job: Job, emit: Callable[[Any], None]) -> None:
+        with self.metrics.lock:
+            self.metrics.queued -= 1
+        if job.cancel.is_set():
+            emit(Done("cancelled", None, len(job.prompt), 0, 0, {}))
+            return
+        with self.lock:
+            with self.metrics.lock:
+                self.metrics.running += 1
+            try:
+                self._generate(job, emit)
+            except Exception as e:  # reported to the request, never kills the worker
+                emit(Failed(e))
+            finally:
+                with self.metrics.lock:
+                    self.metrics.running -= 1
+
+    def _prepare(self, job: Job, stats: DecodeStats):
+        prompt, cache = job.prompt, self.cache
+        if cache is None or not 0 < job.split < len(prompt) or cache.lookup(prompt)[0] == len(prompt):
+            return prepare_session(self.engine, prompt, cache, self.chunk, stats)
+        # Snapshot also at the split, so the next turn of the conversation (whose text differs from this
+        # prompt's generation-prompt tail, e.g. `<think>` vs `</think>`) resumes from there.
+        session, logits = prepare_session(self.engine, prompt[:job.split], cache, self.chunk, stats)
+        t0 = time.perf_counter()
+        logits = session.prefill(prompt[job.split:], chunk=self.chunk)
+        cache.put(session.tokens, session.snapshot())
+        stats.prefill_s += time.perf_counter() - t0
+        stats.prompt_tokens = len(prompt)
+        return session, logits
+
+    def _generate(self, job: Job, emit: Callable[[Any], None]) -> None:
+        stats = DecodeStats()
+        session, first_logits = self._prepare(job, stats)
+        m = self.metrics
+        with m.lock:
+            m.prompt_tokens += stats.prompt_tokens
+            m.cached_tokens += stats.cached_tokens
+            m.prefill_tokens += stats.prompt_tokens - stats.cached_tokens
+        dspark = 0 if job.top_logprobs is not None else self.dspark  # logprobs need each token's own row
+        longest_stop = max((len(s) for s in job.stop), default=0)
+        out: list[int] = []
+        emitted = 0  # tokens yielded, EOS included
+        full, sent, finish, stop_string = "", 0, "length", None
+        pending_lp: list[dict] = []
+        last = None
+        t_dec = time.perf_counter()
+        for i, tok in enumerate(decode(session, first_logits, job.max_new, job.params, {EOS_ID}, dspark=dspark,
+                                       stats=stats, stopped=job.cancel.is_set)):
+            now = time.perf_counter()
+            with m.lock:
+                m.generated_tokens += 1
+                if last is None:
+                    stats.ttft_s = now - job.arrived
+                    m.ttft.observe(stats.ttft_s)
+                else:
+                    m.itl.observe(now - last)
+            last = now
+            emitted += 1
+            if job.top_logprobs is not None:
+                row = first_logits if i == 0 else session.last_logits
+                lp, best = logprobs(row, tok, job.top_logprobs)
+                pending_lp.append(self._lp_entry(tok, lp, best))
+            if tok == EOS_ID:
+                finish = "stop"
+                break
+            out.append(tok)
+            full = self.tokenizer.decode(out, skip_special_tokens=False)
+            if job.stop:
+                hit = None
+                for s in job.stop:
+                    at = full.find(s, max(0, sent - len(s)))
+                    if at != -1 and (hit is None or at < hit[0]):
+                        hit = (at, s)
+                if hit is not None:
+                    full = full[:hit[0]]
+                    finish, stop_string = "stop", hit[1]
+                    break
+            safe = len(full)
+            if full.endswith("\ufffd"):  # a partial UTF-8 sequence: wait for its next bytes
+                safe = len(full.rstrip("\ufffd"))
+            for k in range(min(longest_stop - 1, safe - sent), 0, -1):
+                if any(s.startswith(full[safe - k:safe]) for s in job.stop):
+                    safe -= k
+                    break
+            if safe > sent or pending_lp:
+                emit(Text(full[sent:safe], pending_lp))
+                sent, pending_lp = safe, []
+        stats.decode_s = time.perf_counter() - t_dec
+        if job.cancel.is_set():
+            finish = "cancelled"
+        if len(full) > sent or pending_lp:
+            emit(Text(full[sent:], pending_lp))
+        if finish == "stop" and stop_string is None and self.cache is not None:
+            try:  # the finished turn, for the conversation's next request
+                self.cache.put(list(session.tokens), session.snapshot())
+            except Exception:
+                pass
+        emit(Done(finish, stop_string, stats.prompt_tokens, stats.cached_tokens, emitted, stats.as_dict()))
+
+    def _lp_entry(self, tok: int, lp: float, best: list[tuple[int, float]]) -> dict:
+        def one(t: int, v: float) -> dict:
+            s = self.tokenizer.decode([t], skip_special_tokens=False)
+            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8", "replace"))}
+
+        return {**one(tok, lp), "top_logprobs": [one(t, v) for t, v in best]}
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning_effort: str | int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class AnthropicThinking(_Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class MessagesRequest(_Body):
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    max_tokens: int = Field(ge=1)
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stop_sequences: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    thinking: AnthropicThinking | None = None
+
+
+# ----------------------------------------------------------------------------------------------- app
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > 4:
+        raise ApiError(400, "stop: at most 4 stop strings", "stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop: stop strings must be non-empty", "stop")
+    return stops
+
+
+def _sampling(req, default_temperature: float = 1.0) -> SamplingParams:
+    temperature = default_temperature if req.temperature is None else req.temperature
+    seed = req.seed if getattr(req, "seed", None) is not None else secrets.randbits(63)
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    try:
+        return SamplingParams(temperature, req.top_p if req.top_p is not None else 1.0, top_k,
+                              getattr(req, "min_p", None) or 0.0, seed)
+    except ValueError as e:
+        raise ApiError(400, str(e), str(e).split(" ")[0]) from e
+
+
+def _reasoning_effort(value: str | int | None) -> tuple[bool | None, int | None]:
+    """(thinking override, effort) from OpenAI's reasoning_effort (named level or int 1..100)."""
+    if value is None:
+        return None, None
+    if isinstance(value, int):
+        if not 1 <= value <= 100:
+            raise ApiError(400, "reasoning_effort: must be an integer in [1, 100] or a level name",
+                           "reasoning_effort")
+        return None, value
+    if value not in REASONING_LEVELS:
+        raise ApiError(400, f"reasoning_effort: unknown level {value!r}; one of {sorted(REASONING_LEVELS)}",
+                       "reasoning_effort")
+    effort = REASONING_LEVELS[value]
+    return (False, None) if effort is None else (None, effort)
+
+
+def _anthropic_to_openai(req: MessagesRequest) -> tuple[list[dict], list[dict] | None]:
+    messages: list[dict] = []
+    if req.system is not None:
+        if isinstance(req.system, str):
+            system = req.system
+        else:
+            system = "\n\n".join(b.get("text", "") for b in req.system if b.get("type") == "text")
+        messages.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        role, content = m.get("role"), m.get("content")
+        where = f"messages[{i}]"
+        if role not in ("user", "assistant"):
+            raise ApiError(400, f"{where}.role: must be 'user' or 'assistant', got {role!r}", f"{where}.role")
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ApiError(400, f"{where}.content: must be a string or a list of content blocks", f"{where}.content")
+        texts, reasoning, calls, results = [], [], [], []
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            bw = f"{where}.content[{j}]"
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "thinking" and role == "assistant":
+                reasoning.append(str(block.get("thinking", "")))
+            elif kind == "redacted_thinking":
+                continue
+            elif kind == "tool_use" and role == "assistant":
+                calls.append({"id": block.get("id"), "type": "function",
+                              "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
+            elif kind == "tool_result" and role == "user":
+                c = block.get("content", "")
+                if isinstance(c, list):
+                    c = "\n\n".join(x.get("text", "") for x in c if isinstance(x, dict) and x.get("type") == "text")
+                results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": c})
+            else:
+                raise ApiError(400, f"{bw}.type: unsupported content block {kind!r} for role {role}", f"{bw}.type")
+        if role == "user":
+            messages.extend(results)
+            if texts or not results:
+                messages.append({"role": "user", "content": "\n\n".join(texts)})
+        else:
+            msg: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(texts)}
+            if reasoning:
+                msg["reasoning_content"] = "\n\n".join(reasoning)
+            if calls:
+                msg["tool_calls"] = calls
+            messages.append(msg)
+    tools = None
+    if req.tools:
+        tools = []
+        for i, t in enumerate(req.tools):
+            if not isinstance(t.get("name"), str):
+                raise ApiError(400, f"tools[{i}].name: must be a string", f"tools[{i}].name")
+            fn = {"name": t["name"], "parameters": t.get("input_schema", {"type": "object"})}
+            if t.get("description"):
+                fn["description"] = t["description"]
+            tools.append({"type": "function", "function": fn})
+    return messages, tools
+
+
+class Server:
+    def __init__(self, engine: Engine, tokenizer, cache: PrefixCache | None, model_name: str, dspark: int):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.metrics = Metrics()
+        self.worker = Worker(engine, tokenizer, cache, dspark, self.metrics)
+        self.created = _now()
+
+    # ------------------------------------------------------------------ prompt building
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def job(self, prompt: list[int], max_tokens: int | None, params: SamplingParams, stop: list[str],
+            top_logprobs: int | None, split: int, arrived: float) -> Job:
+        limit = self.engine.max_context
+        if len(prompt) >= limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
+                                f"{len(prompt)} tokens, which leaves no room to generate.",
+                           "messages", "context_length_exceeded",
+                           extra={"prompt_tokens": len(prompt), "max_context": limit})
+        room = limit - len(prompt)
+        if max_tokens is not None and max_tokens > room:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens; the request asks for "
+                                f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} to generate).",
+                           "max_tokens", "context_length_exceeded",
+                           extra={"prompt_tokens": len(prompt), "max_tokens": max_tokens, "max_context": limit})
+        return Job(prompt, max_tokens or room, params, stop, top_logprobs, split, arrived)
+
+    async def events(self, job: Job, request: Request) -> AsyncIterator[Any]:
+        """Run `job` on the worker; yield its Text events, then Done. Cancels on client disconnect."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.worker.submit(job, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancel.set()
+                    continue
+                if isinstance(ev, Failed):
+                    if isinstance(ev.error, ContextLengthError):
+                        raise ApiError(400, str(ev.error), "messages", "context_length_exceeded")
+                    raise ev.error
+                yield ev
+                if isinstance(ev, Done):
+                    return
+        finally:
+            job.cancel.set()  # no-op after Done; stops generation if the consumer went away
+
+
+def _openai_error(e: ApiError) -> JSONResponse:
+    body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code, **e.extra}}
+    return JSONResponse(body, status_code=e.status)
+
+
+def _anthropic_error(e: ApiError) -> JSONResponse:
+    kind = "invalid_request_error" if e.status < 500 else "api_error"
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, status_code=e.status)
+
+
+def _usage(done: Done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, model_name: str = "deepseek-v4.1-flash",
+               dspark: int = 0, prefix_cache: bool = True) -> FastAPI:
+    """The HTTP app. Without `cache`, a RAM-only prefix cache is made (unless `prefix_cache` is False)."""
+    if cache is None and prefix_cache:
+        cache = PrefixCache(engine.identity)
+    srv = Server(engine, tokenizer, cache, model_name, dspark)
+    app = FastAPI(title="dsflash", version="0.1")
+    app.state.server = srv
+    m = srv.metrics
+
+    def anthropic_path(request: Request) -> bool:
+        return request.url.path.startswith("/v1/messages")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        name = _loc_name(tuple(first.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            msg, name = f"body: malformed JSON ({first.get('ctx', {}).get('error', first.get('msg'))})", "body"
+        else:
+            msg = f"{name or 'body'}: {first.get('msg')}"
+        m.inc(m.errors, "invalid_request")
+        err = ApiError(400, msg, name or "body")
+        return _anthropic_error(err) if anthropic_path(request) else _openai_error(err)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        m.inc(m.errors, exc.code or ("invalid_request" if exc.status < 500 else "internal"))
+        return _anthropic_error(exc) if anthropic_path(request) else _openai_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        m.inc(m.errors, f"http_{exc.status_code}")
+        err = ApiError(exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404
+                       else "invalid_request_error")
+        return _anthropic_error(err) if anthropic_path(request) else _openai_error(err)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        m.inc(m.errors, "internal")
+        err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+        return _anthropic_error(err) if anthropic_path(request) else _openai_error(err)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "queued": m.queued, "running": m.running}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(m.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        m.inc(m.requests, "models")
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": srv.created,
+                                            "owned_by": "dsflash", "max_model_len": engine.max_context}]}
+
+    # ------------------------------------------------------------------ chat completions
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        arrived = time.perf_counter()
+        m.inc(m.requests, "chat_completions")
+        thinking, effort = _reasoning_effort(req.reasoning_effort)
+        kwargs = req.chat_template_kwargs or {}
+        if "thinking" in kwargs:
+            if not isinstance(kwargs["thinking"], bool | None):
+                raise ApiError(400, "chat_template_kwargs.thinking: must be a bool", "chat_template_kwargs.thinking")
+            thinking = kwargs["thinking"] if kwargs["thinking"] is not None else thinking
+        thinking = True if thinking is None else thinking
+        try:
+            text = encode_messages(req.messages, req.tools, thinking, effort)
+        except EncodingError as e:
+            raise ApiError(400, str(e), str(e).split(":")[0]) from e
+        prompt = srv.tokenize(text)
+        # the generation-prompt tail `<think>`/`</think>` differs from the next turn's text; snapshot before it
+        split = len(prompt) - 1
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        job = srv.job(prompt, max_tokens, _sampling(req), _stop_list(req.stop), top, split, arrived)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = _now()
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_chat_stream(job, request, cid, created, thinking, include_usage),
+                                     media_type="text/event-stream")
+        parser = DsmlParser(thinking)
+        content, reasoning, lps = [], [], []
+        calls: dict[int, dict] = {}
+        done = None
+        async for ev in srv.events(job, request):
+            if isinstance(ev, Done):
+                done = ev
+                evs = parser.finish()
+            else:
+                lps.extend(ev.logprobs)
+                evs = parser.feed(ev.text)
+            for e in evs:
+                if isinstance(e, ContentDelta):
+                    content.append(e.text)
+                elif isinstance(e, ReasoningDelta):
+                    reasoning.append(e.text)
+                elif isinstance(e, ToolCallStart):
+                    calls[e.index] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                      "function": {"name": e.name, "arguments": ""}}
+                elif isinstance(e, ToolCallArgumentsDelta):
+                    calls[e.index]["function"]["arguments"] += e.text
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not calls else None}
+        if thinking:
+            message["reasoning_content"] = "".join(reasoning)
+        finish = done.finish if done.finish != "cancelled" else "stop"
+        if calls:
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+            finish = "tool_calls" if done.finish == "stop" else finish
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": {"content": lps} if top is not None else None, "finish_reason": finish}],
+                "usage": _usage(done), "dsflash": done.stats}
+
+    async def _chat_stream(job: Job, request: Request, cid: str, created: int, thinking: bool,
+                           include_usage: bool) -> AsyncIterator[str]:
+        def chunk(delta: dict, finish: str | None = None, lps: list | None = None) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": {"content": lps} if lps else None,
+                      "finish_reason": finish}
+            return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                         "choices": [choice]})
+
+        parser = DsmlParser(thinking)
+        any_calls = False
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for ev in srv.events(job, request):
+                if isinstance(ev, Done):
+                    evs, lps = parser.finish(), []
+                else:
+                    evs, lps = parser.feed(ev.text), ev.logprobs
+                for e in evs:
+                    if isinstance(e, ContentDelta):
+                        yield chunk({"content": e.text}, lps=lps)
+                    elif isinstance(e, ReasoningDelta):
+                        yield chunk({"reasoning_content": e.text}, lps=lps)
+                    elif isinstance(e, ToolCallStart):
+                        any_calls = True
+                        yield chunk({"tool_calls": [{"index": e.index, "id": f"call_{uuid.uuid4().hex[:24]}",
+                                                     "type": "function",
+                                                     "function": {"name": e.name, "arguments": ""}}]}, lps=lps)
+                    elif isinstance(e, ToolCallArgumentsDelta):
+                        yield chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}, lps=lps)
+                    else:
+                        continue
+                    lps = []
+                if lps:
+                    yield chunk({}, lps=lps)
+                if isinstance(ev, Done):
+                    finish = ev.finish if ev.finish != "cancelled" else "stop"
+                    if any_calls and ev.finish == "stop":
+                        finish = "tool_calls"
+                    yield chunk({}, finish)
+                    if include_usage:
+                        yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                    "model": model_name, "choices": [], "usage": _usage(ev)})
+        except ApiError as e:
+            m.inc(m.errors, e.code or "invalid_request")
+            yield _sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
+        except Exception as e:
+            m.inc(m.errors, "internal")
+            yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ text completions
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        arrived = time.perf_counter()
+        m.inc(m.requests, "completions")
+        if req.echo:
+            raise ApiError(400, "echo: not supported", "echo")
+        if isinstance(req.prompt, str):
+            prompt = srv.tokenize(req.prompt)
+            if not prompt or prompt[0] != BOS_ID:
+                prompt = [BOS_ID] + prompt
+        else:
+            vocab = engine.model.args.vocab_size
+            if not req.prompt or any(not 0 <= t < vocab for t in req.prompt):
+                raise ApiError(400, f"prompt: token ids must be a non-empty list in [0, {vocab})", "prompt")
+            prompt = list(req.prompt)
+        top = req.logprobs
+        job = srv.job(prompt, req.max_tokens or 16, _sampling(req), _stop_list(req.stop), top, 0, arrived)
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        created = _now()
+
+        def lp_obj(lps: list[dict]) -> dict | None:
+            if top is None:
+                return None
+            return {"tokens": [x["token"] for x in lps], "token_logprobs": [x["logprob"] for x in lps],
+                    "top_logprobs": [{t["token"]: t["logprob"] for t in x["top_logprobs"]} for x in lps]}
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def stream():
+                def chunk(text: str, finish: str | None = None, lps=()) -> str:
+                    return _sse({"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                                 "choices": [{"index": 0, "text": text, "logprobs": lp_obj(list(lps)),
+                                              "finish_reason": finish}]})
+                try:
+                    async for ev in srv.events(job, request):
+                        if isinstance(ev, Done):
+                            yield chunk("", ev.finish if ev.finish != "cancelled" else "stop")
+                            if include_usage:
+                                yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                            "model": model_name, "choices": [], "usage": _usage(ev)})
+                        elif ev.text or ev.logprobs:
+                            yield chunk(ev.text, lps=ev.logprobs)
+                except Exception as e:
+                    m.inc(m.errors, "internal")
+                    yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+        texts, lps, done = [], [], None
+        async for ev in srv.events(job, request):
+            if isinstance(ev, Done):
+                done = ev
+            else:
+                texts.append(ev.text)
+                lps.extend(ev.logprobs)
+        return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "text": "".join(texts), "logprobs": lp_obj(lps),
+                             "finish_reason": done.finish if done.finish != "cancelled" else "stop"}],
+                "usage": _usage(done), "dsflash": done.stats}
+
+    # ------------------------------------------------------------------ anthropic messages
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, request: Request):
+        arrived = time.perf_counter()
+        m.inc(m.requests, "messages")
+        msgs, tools = _anthropic_to_openai(req)
+        thinking = req.thinking is not None and req.thinking.type != "disabled"
+        try:
+            text = encode_messages(msgs, tools, thinking)
+        except EncodingError as e:
+            raise ApiError(400, str(e), str(e).split(":")[0]) from e
+        prompt = srv.tokenize(text)
+        job = srv.job(prompt, req.max_tokens, _sampling(req), _stop_list(req.stop_sequences), None,
+                      len(prompt) - 1, arrived)
+        mid = f"msg_{uuid.uuid4().hex[:24]}"
+
+        def stop_reason(done: Done, calls: bool) -> str:
+            if done.stop_string is not None:
+                return "stop_sequence"
+            if done.finish == "length":
+                return "max_tokens"
+            return "tool_use" if calls else "end_turn"
+
+        def usage(done: Done) -> dict:
+            return {"input_tokens": done.prompt_tokens - done.cached_tokens, "output_tokens": done.completion_tokens,
+                    "cache_read_input_tokens": done.cached_tokens, "cache_creation_input_tokens": 0}
+
+        if req.stream:
+            return StreamingResponse(_messages_stream(job, request, mid, thinking, stop_reason, usage),
+                                     media_type="text/event-stream")
+        parser = DsmlParser(thinking)
+        blocks: list[dict] = []
+        args: dict[int, list[str]] = {}
+        done = None
+
+        def block(kind: str) -> dict:
+            if not blocks or blocks[-1]["type"] != kind or kind == "tool_use":
+                blocks.append({"type": kind, **({"thinking": "", "signature": ""} if kind == "thinking" else
+                                                {"text": ""} if kind == "text" else {})})
+            return blocks[-1]
+
+        async for ev in srv.events(job, request):
+            if isinstance(ev, Done):
+                done = ev
+                evs = parser.finish()
+            else:
+                evs = parser.feed(ev.text)
+            for e in evs:
+                if isinstance(e, ContentDelta):
+                    block("text")["text"] += e.text
+                elif isinstance(e, ReasoningDelta):
+                    block("thinking")["thinking"] += e.text
+                elif isinstance(e, ToolCallStart):
+                    b = block("tool_use")
+                    b.update(id=f"toolu_{uuid.uuid4().hex[:24]}", name=e.name, input={})
+                    args[e.index] = []
+                    b["_index"] = e.index
+                elif isinstance(e, ToolCallArgumentsDelta):
+                    args[e.index].append(e.text)
+        has_calls = False
+        for b in blocks:
+            if b["type"] == "tool_use":
+                has_calls = True
+                raw = "".join(args.pop(b.pop("_index"), []))
+                try:
+                    b["input"] = json.loads(raw) if raw else {}
+                except json.JSONDecodeError:
+                    b["input"] = {"_raw": raw}
+        return {"id": mid, "type": "message", "role": "assistant", "model": model_name, "content": blocks,
+                "stop_reason": stop_reason(done, has_calls), "stop_sequence": done.stop_string,
+                "usage": usage(done)}
+
+    async def _messages_stream(job: Job, request: Request, mid: str, thinking: bool, stop_reason, usage
+                               ) -> AsyncIterator[str]:
+        def event(name: str, data: dict) -> str:
+            return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
+
+        yield event("message_start", {"message": {
+            "id": mid, "type": "message", "role": "assistant", "model": model_name, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(job.prompt), "output_tokens": 0}}})
+        yield event("ping", {})
+        parser = DsmlParser(thinking)
+        index, open_kind, has_calls = -1, None, False
+
+        def open_block(kind: str, start: dict) -> list[str]:
+            nonlocal index, open_kind
+            out = []
+            if open_kind is not None:
+                out.append(event("content_block_stop", {"index": index}))
+            index += 1
+            open_kind = kind
+            out.append(event("content_block_start", {"index": index, "content_block": start}))
+            return out
+
+        try:
+            async for ev in srv.events(job, request):
+                evs = parser.finish() if isinstance(ev, Done) else parser.feed(ev.text)
+                for e in evs:
+                    if isinstance(e, ContentDelta):
+                        if open_kind != "text":
+                            for s in open_block("text", {"type": "text", "text": ""}):
+                                yield s
+                        yield event("content_block_delta", {"index": index,
+                                                            "delta": {"type": "text_delta", "text": e.text}})
+                    elif isinstance(e, ReasoningDelta):
+                        if open_kind != "thinking":
+                            for s in open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                                yield s
+                        yield event("content_block_delta", {"index": index,
+                                                            "delta": {"type": "thinking_delta", "thinking": e.text}})
+                    elif isinstance(e, ToolCallStart):
+                        has_calls = True
+                        for s in open_block("tool_use", {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
+                                                         "name": e.name, "input": {}}):
+                            yield s
+                    elif isinstance(e, ToolCallArgumentsDelta):
+                        yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+                                                                                      "partial_json": e.text}})
+                if isinstance(ev, Done):
+                    if open_kind is not None:
+                        yield event("content_block_stop", {"index": index})
+                    u = usage(ev)
+                    yield event("message_delta", {"delta": {"stop_reason": stop_reason(ev, has_calls),
+                                                            "stop_sequence": ev.stop_string}, "usage": u})
+                    yield event("message_stop", {})
+        except ApiError as e:
+            m.inc(m.errors, e.code or "invalid_request")
+            yield event("error", {"error": {"type": "invalid_request_error", "message": e.message}})
+        except Exception as e:
+            m.inc(m.errors, "internal")
+            yield event("error", {"error": {"type": "api_error", "message": f"{type(e).__name__}: {e}"}})
+
+    return app

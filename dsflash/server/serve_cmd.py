@@ -1,0 +1,42 @@
+"""`dsflash serve`: the OpenAI/Anthropic-compatible HTTP server (see `dsflash.server.app`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from dsflash.engine.prefix_cache import PrefixCache
+    from dsflash.engine.session import Engine
+    from dsflash.server.app import create_app
+    from dsflash.tokenizer import load_tokenizer
+
+    model = args.model
+    if model is None:
+        from dsflash.server.builtin import builtin_checkpoint
+
+        model = builtin_checkpoint()
+        print(f"dsflash serve: no --model given, using the built-in tiny checkpoint at {model}", file=sys.stderr)
+    engine = Engine.load(model, max_context=args.max_context)
+    tokenizer = load_tokenizer(model)
+    cache = PrefixCache(engine.identity, disk_dir=args.cache_dir) if args.cache_dir else None
+    name = args.served_model_name or "deepseek-v4.1-flash"
+    app = create_app(engine, tokenizer, cache=cache, model_name=name, dspark=args.dspark)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the model over HTTP (OpenAI and Anthropic APIs)")
+    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny checkpoint)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--cache-dir", help="prefix-cache directory (default: RAM only)")
+    p.add_argument("--dspark", type=int, default=0, metavar="K", help="DSpark draft depth limit (0 = off)")
+    p.add_argument("--max-context", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--served-model-name", default=None, help="model id reported by the API")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=run)

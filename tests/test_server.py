@@ -1,0 +1,267 @@
+"""`dsflash serve` end to end: a real uvicorn process on loopback over the tiny built-in checkpoint, driven by
+the `openai` and `anthropic` client packages and raw httpx."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_THINK = {"chat_template_kwargs": {"thinking": False}}
+
+SERVER_SCRIPT = textwrap.dedent("""
+    import sys
+    import uvicorn
+    from dsflash.engine.session import Engine
+    from dsflash.server.app import create_app
+    from dsflash.tokenizer import load_tokenizer
+
+    ckpt, port = sys.argv[1], int(sys.argv[2])
+    app = create_app(Engine.load(ckpt), load_tokenizer(ckpt), model_name="tiny")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from dsflash.server.builtin import builtin_checkpoint
+
+    tmp = tmp_path_factory.mktemp("serve")
+    ckpt = builtin_checkpoint(tmp)  # tiny-a weights (make_checkpoint) + build_tiny_tokenizer's tokenizer.json
+    assert (ckpt / "tokenizer.json").exists()
+    script = tmp / "serve.py"
+    script.write_text(SERVER_SCRIPT)
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, str(script), str(ckpt), str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {proc.stdout.read().decode(errors='replace')}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail("server did not come up")
+        time.sleep(0.2)
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server, api_key="x", max_retries=0)
+
+
+def _metrics(server: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(server + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_models_and_health(server, oai):
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+    assert [m.id for m in oai.models.list().data] == ["tiny"]
+
+
+def test_chat_stream_matches_non_stream_and_caches(server, oai):
+    messages = [{"role": "user", "content": "Hello there"}]
+    before = _metrics(server)
+    full = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                       extra_body=NO_THINK)
+    choice = full.choices[0]
+    assert choice.finish_reason in ("length", "stop")
+    assert full.usage.completion_tokens >= 1 and full.usage.prompt_tokens > 0
+
+    chunks = list(oai.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body=NO_THINK))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # same prompt again
+
+    follow = messages + [{"role": "assistant", "content": choice.message.content},
+                         {"role": "user", "content": "and then?"}]
+    second = oai.chat.completions.create(model="tiny", messages=follow, max_tokens=3, temperature=0,
+                                         extra_body=NO_THINK)
+    assert second.usage.prompt_tokens_details.cached_tokens >= full.usage.prompt_tokens
+
+    after = _metrics(server)
+    assert after['dsflash_requests_total{endpoint="chat_completions"}'] >= \
+        before.get('dsflash_requests_total{endpoint="chat_completions"}', 0) + 3
+    assert after["dsflash_generated_tokens_total"] > before["dsflash_generated_tokens_total"]
+    assert after["dsflash_cached_tokens_total"] > before["dsflash_cached_tokens_total"]
+    assert after["dsflash_time_to_first_token_seconds_count"] >= before["dsflash_time_to_first_token_seconds_count"] + 3
+
+
+def test_chat_thinking_logprobs_and_stop(oai):
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                    temperature=0.8, seed=3, logprobs=True, top_logprobs=2,
+                                    reasoning_effort="low")
+    msg = r.choices[0].message
+    assert isinstance(msg.model_extra.get("reasoning_content"), str)  # thinking mode on by default
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == r.usage.completion_tokens and all(len(x.top_logprobs) == 2 for x in lps)
+    again = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                        temperature=0.8, seed=3, reasoning_effort="low")
+    assert again.choices[0].message.model_extra["reasoning_content"] == msg.model_extra["reasoning_content"]
+
+
+def test_completions(oai):
+    r = oai.completions.create(model="tiny", prompt="def sum", max_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+    text = r.choices[0].text
+    stream = "".join(c.choices[0].text for c in oai.completions.create(
+        model="tiny", prompt="def sum", max_tokens=5, temperature=0, stream=True) if c.choices)
+    assert stream == text
+    if len(text) > 2:  # a stop string cuts the text before it
+        stop = text[1:3]
+        cut = oai.completions.create(model="tiny", prompt="def sum", max_tokens=5, temperature=0, stop=[stop])
+        assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_anthropic_messages(claude):
+    kw = dict(model="tiny", max_tokens=5, extra_body={"temperature": 0}, system="Be brief.",
+              messages=[{"role": "user", "content": "Hello"}])
+    msg = claude.messages.create(**kw)
+    assert msg.role == "assistant" and msg.stop_reason in ("max_tokens", "end_turn")
+    assert msg.usage.output_tokens >= 1
+    text = "".join(b.text for b in msg.content if b.type == "text")
+
+    with claude.messages.stream(**kw) as stream:
+        kinds = [ev.type for ev in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert "".join(b.text for b in final.content if b.type == "text") == text
+    assert final.stop_reason == msg.stop_reason
+    assert final.usage.cache_read_input_tokens > 0  # the same prompt, from the prefix cache
+
+
+@pytest.mark.parametrize("body, param", [
+    ("{not json", "body"),
+    ("[1, 2]", "body"),
+    ('{"messages": []}', "messages"),
+    ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
+    ('{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role"),
+    ('{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": []}}',
+     "stream_options.include_usage"),
+])
+def test_bad_chat_requests_are_400(server, body, param):
+    r = httpx.post(server + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and param in err["message"]
+
+
+def test_context_length_and_anthropic_errors(server, oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 300}],
+                                    max_tokens=4)
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and err["prompt_tokens"] > err["max_context"] == 128
+    r = httpx.post(server + "/v1/messages", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
+    m = _metrics(server)
+    assert m['dsflash_errors_total{kind="context_length_exceeded"}'] >= 1
+    assert m['dsflash_errors_total{kind="invalid_request"}'] >= 1
+
+
+def test_stream_disconnect_stops_generation(server):
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 100, "stream": True,
+            "temperature": 0, **NO_THINK}
+    before = _metrics(server)["dsflash_generated_tokens_total"]
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                break  # close the connection after the first content
+    deadline = time.time() + 20
+    while _metrics(server)["dsflash_running"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert _metrics(server)["dsflash_running"] == 0
+    assert _metrics(server)["dsflash_generated_tokens_total"] - before < 60
+
+
+def test_tool_calls_formatting_in_process():
+    """Tool calls from DSML output, streamed as argument deltas and whole, with a scripted worker."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from dsflash.server.app import Done, Text, create_app
+    from dsflash.server.encoding import ToolCall, render_assistant_completion
+    from dsflash.tokenizer import build_tiny_tokenizer
+
+    completion = render_assistant_completion("Let me look.", [ToolCall("get_weather", '{"city": "Paris", "days": 2}')],
+                                             reasoning=None)
+
+    class ScriptedWorker:
+        def submit(self, job, emit):
+            for i in range(0, len(completion), 7):
+                emit(Text(completion[i:i + 7], []))
+            emit(Done("stop", None, len(job.prompt), 0, 12, {}))
+
+    engine = SimpleNamespace(max_context=4096, model=SimpleNamespace(args=SimpleNamespace(vocab_size=512)))
+    app = create_app(engine, build_tiny_tokenizer(512), prefix_cache=False, model_name="tiny")
+    app.state.server.worker = ScriptedWorker()
+    client = TestClient(app)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": tools, **NO_THINK}
+    r = client.post("/v1/chat/completions", json=body).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
+    call = choice["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 2}
+
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    args = "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas if "tool_calls" in d)
+    assert json.loads(args) == {"city": "Paris", "days": 2}
+    assert sum(1 for d in deltas if "tool_calls" in d) > 2  # arguments arrive in pieces
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    anth = {"max_tokens": 10, "messages": [{"role": "user", "content": "weather?"}],
+            "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]}
+    m = client.post("/v1/messages", json=anth).json()
+    assert m["stop_reason"] == "tool_use" and m["content"][-1]["input"] == {"city": "Paris", "days": 2}
