@@ -80,27 +80,48 @@ class Compressor:
         return rms_norm(pooled.to(torch.bfloat16), self.norm, self.eps), first_group
 
 
-class Indexer:
-    """Scores compressed entries per query with FP4 queries against FP4 index keys and keeps the top
-    `index_topk` (spec §6.4). A KV source also owns the index-key projection of its latents."""
+class SourceWriter:
+    """A KV source's cache write (spec §6.3): pool the group latents, derive the FP4 index keys from the
+    pre-RoPE latent, RoPE + FP4 the latent into the compressed KV. Runs on whichever side of the split
+    owns the layer's input: layer 20's on the box, since its input is the hand-off."""
 
-    def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, owns_keys: bool, is_index: bool):
-        self.args, self.layer = args, layer
+    def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, rope: Rope):
+        self.args, self.layer, self.rope = args, layer, rope
         self.ratio = args.compress_ratios[layer]
         self.eps = args.norm_eps
-        if owns_keys:
-            self.wk = w.linear(prefix + "wk")
-            self.k_norm = w.tensor(prefix + "k_norm.weight")
-        if is_index:
-            self.wq_b = w.linear(prefix + "wq_b")
-            self.weights_proj = w.linear(prefix + "weights_proj")
+        self.compressor = Compressor(args, layer, w, prefix + "compressor.")
+        self.wk = w.linear(prefix + "indexer.wk")
+        self.k_norm = w.tensor(prefix + "indexer.k_norm.weight")
+
+    def entries(self, x: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """(compressed entries, index keys) of the groups the chunk's real rows complete."""
+        latent, first = self.compressor(x, chunk, self.layer)
+        group_pos = (torch.arange(latent.size(0)) + first) * self.ratio
+        k = rms_norm(linear(latent, self.wk), self.k_norm, self.eps)
+        self.rope.rotate(k, group_pos)
+        self.rope.rotate(latent, group_pos)
+        return fp4_fake_quant(latent, 16, e4m3_scale=True), fp4_fake_quant(k, 32, e4m3_scale=False)
+
+    def __call__(self, x: torch.Tensor, chunk: Chunk) -> None:
+        append_entries(chunk.state, self.args, self.layer, *self.entries(x, chunk))
+
+
+def append_entries(state, args: ModelArgs, layer: int, entries: torch.Tensor, keys: torch.Tensor) -> None:
+    state.compressed.setdefault(layer, GrowingRows((args.head_dim,), torch.bfloat16)).append(entries)
+    state.index_keys.setdefault(layer, GrowingRows((args.index_head_dim,), torch.bfloat16)).append(keys)
+
+
+class Indexer:
+    """Scores compressed entries per query with FP4 queries against FP4 index keys and keeps the top
+    `index_topk` (spec §6.4)."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str):
+        self.args, self.layer = args, layer
+        self.ratio = args.compress_ratios[layer]
+        self.wq_b = w.linear(prefix + "wq_b")
+        self.weights_proj = w.linear(prefix + "weights_proj")
         self.is_candidate_source = layer == args.candidate_source_layer
         self.uses_candidates = 0 <= args.candidate_source_layer < layer
-
-    def index_keys(self, latent: torch.Tensor, group_pos: torch.Tensor, rope: Rope) -> torch.Tensor:
-        k = rms_norm(linear(latent, self.wk), self.k_norm, self.eps)
-        rope.rotate(k, group_pos)
-        return fp4_fake_quant(k, 32, e4m3_scale=False)
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, chunk: Chunk, rope: Rope) -> torch.Tensor:
         """[rows, index_topk] compressed entries per query, ascending, -1 padded."""
@@ -130,7 +151,11 @@ class Indexer:
 
 
 class Attention:
-    def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, ropes: tuple[Rope, Rope]):
+    """`writes_source`: False when another side computes this KV source's cache entries (the first
+    decoder layer of a split, whose input the box holds)."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, ropes: tuple[Rope, Rope],
+                 writes_source: bool = True):
         self.args, self.layer = args, layer
         self.ratio = args.compress_ratios[layer]
         self.eps = args.norm_eps
@@ -147,10 +172,10 @@ class Attention:
         self.is_kv_source = backbone and layer in args.kv_source_layers
         self.is_index_source = backbone and layer in args.index_source_layers
         self.kv_source = args.kv_source_of(layer) if self.ratio else None
-        self.compressor = Compressor(args, layer, w, prefix + "compressor.") if self.is_kv_source else None
-        self.indexer = None
-        if self.is_kv_source or self.is_index_source:
-            self.indexer = Indexer(args, layer, w, prefix + "indexer.", self.is_kv_source, self.is_index_source)
+        self.source_writer = None
+        if self.is_kv_source and writes_source:
+            self.source_writer = SourceWriter(args, layer, w, prefix, self.rope)
+        self.indexer = Indexer(args, layer, w, prefix + "indexer.") if self.is_index_source else None
 
     def projections(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qr, q, window kv) of the rows: q RoPE'd, kv RoPE'd and FP8-valued over all of its channels."""
@@ -191,14 +216,8 @@ class Attention:
     def _compressed(self, x: torch.Tensor, qr: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         """Write this source's new compressed entries, then return the chunk's compressed picks."""
         a, state = self.args, chunk.state
-        if self.is_kv_source:
-            latent, first = self.compressor(x, chunk, self.layer)
-            group_pos = (torch.arange(latent.size(0)) + first) * self.ratio
-            keys = self.indexer.index_keys(latent, group_pos, self.rope)
-            self.rope.rotate(latent, group_pos)
-            entry = fp4_fake_quant(latent, 16, e4m3_scale=True)
-            state.compressed.setdefault(self.layer, GrowingRows((a.head_dim,), torch.bfloat16)).append(entry)
-            state.index_keys.setdefault(self.layer, GrowingRows((a.index_head_dim,), torch.bfloat16)).append(keys)
+        if self.source_writer is not None:
+            self.source_writer(x, chunk)
         if self.is_index_source:
             if state.compressed[self.kv_source].n == 0:
                 chunk.topk = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64)

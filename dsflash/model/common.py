@@ -9,6 +9,13 @@ import torch
 from dsflash.engine.state import SequenceState
 
 
+def fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """First `rows` rows of t, padded by repeating its last row."""
+    if t.size(0) >= rows:
+        return t[:rows]
+    return torch.cat([t, t[-1:].expand(rows - t.size(0), *t.shape[1:])])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fp32 statistics, the weight multiplied in fp32, result in the input dtype (spec §3)."""
     xf = x.float()
@@ -51,6 +58,18 @@ class Chunk:
     topk: torch.Tensor | None = None  # published by the latest index source: [rows, index_topk]
     candidates: torch.Tensor | None = None  # published by the candidate source: bool [rows, entries]
     trace: dict | None = None  # debugging: per-layer intermediate outputs when a dict is given
+
+    def drop_front(self, k: int) -> Chunk:
+        """The same chunk without its first k rows (re-padded), keeping what the layers published."""
+        n = self.n - k
+        rows = n + (-n % 64)
+        positions = torch.arange(int(self.positions[k]), int(self.positions[k]) + rows)
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fit_rows(t[k:], rows)
+
+        return Chunk(self.state, positions, n, self.select, cut(self.image_mask), cut(self.topk),
+                     cut(self.candidates), self.trace)
 
     @property
     def p0(self) -> int:

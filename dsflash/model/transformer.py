@@ -1,8 +1,10 @@
 """DeepSeek-V4.1-Flash text model: embed -> 4 streams -> [Engram] + mHC blocks -> collapse -> head.
 
 `Transformer.forward` processes one chunk of rows of one sequence and advances its state; any chunking
-gives the same bits for a position. The model can be built over a layer range so each side of the
-split loads only its part (the box: embed, Engram, layers [0, first_decoder); the back: the rest).
+gives the same bits for a position. The model is built over a layer range so each side of the split
+loads only its part: the encoder (embed, Engram, layers [0, d) and the cache write of layer d, a KV
+source whose input is the hand-off) and the decoder (layers [d, n), head, DSpark), d = the first
+ratio-1 layer (20 in V4.1).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ModelArgs
 from dsflash.engine.state import SequenceState
 from dsflash.kernels.cpu import ROW_TILE
-from dsflash.model.attention import Attention
-from dsflash.model.common import Chunk, Selections, rms_norm
+from dsflash.model.attention import Attention, SourceWriter
+from dsflash.model.common import Chunk, Selections, fit_rows, rms_norm
 from dsflash.model.dspark import DSpark
 from dsflash.model.engram import Engram, EngramLayout
 from dsflash.model.mhc import Block, collapse
@@ -33,6 +35,8 @@ class ForwardOutput:
     main_hidden: torch.Tensor | None  # bf16 [n, n_taps*D]: the DSpark taps (stream means of layer inputs)
     streams: torch.Tensor  # bf16 [n, hc, D] after the last layer run
     pre_mix: torch.Tensor  # fp32 [n, hc]
+    source_entries: tuple[torch.Tensor, torch.Tensor] | None = None  # next layer's (compressed KV, index keys)
+    first_row: int = 0  # absolute position of row 0 of the outputs (later than the chunk start in tail mode)
 
 
 class Transformer:
@@ -47,7 +51,7 @@ class Transformer:
         self.engram = {}
         for i in self.layers:
             prefix = f"layers.{i}."
-            attn = Attention(args, i, w, prefix + "attn.", self.ropes)
+            attn = Attention(args, i, w, prefix + "attn.", self.ropes, writes_source=i != self.layers.start or i == 0)
             self.blocks[i] = Block(args, i, w, prefix, attn)
             if i in args.engram_layer_ids:
                 self.engram[i] = Engram(args, w, prefix + "engram.")
@@ -56,6 +60,12 @@ class Transformer:
             if token_map is None:
                 raise ValueError("Engram layers need the compressed token map")
             self.engram_layout = EngramLayout.build(args, token_map)
+        # the encoder side writes the cache of the KV source that starts the next range
+        self.next_source = None
+        nxt = self.layers.stop
+        if nxt < args.n_layers and nxt in args.kv_source_layers:
+            self.next_source = SourceWriter(args, nxt, w, f"layers.{nxt}.attn.", self.ropes[1])
+            self.next_attn_norm = w.tensor(f"layers.{nxt}.attn_norm.weight")
         self.has_head = head and self.layers.stop == args.n_layers
         self.norm = w.tensor("norm.weight") if self.has_head else None
         self.head = w.tensor("head.weight").float() if self.has_head else None
@@ -66,11 +76,17 @@ class Transformer:
     def forward(self, state: SequenceState, ids: torch.Tensor | None = None, *,
                 streams: torch.Tensor | None = None, pre_mix: torch.Tensor | None = None,
                 select: Selections | None = None, image_mask: torch.Tensor | None = None,
-                trace: dict | None = None) -> ForwardOutput:
+                trace: dict | None = None, tail_only: bool = False) -> ForwardOutput:
         """Run the chunk's rows at positions state.pos .. state.pos+n-1 through this model's layers.
 
         The first layer-range (starting at 0) takes token `ids`; a later range takes the incoming
         `streams`/`pre_mix` of those rows instead. Rows are padded to a multiple of ROW_TILE.
+
+        tail_only (encoder-only prefill of the decoder): compute each layer only for the rows the final
+        state needs, a triangle ending at the last row. The last layer needs its input on the last
+        `window` rows (its window KV and the DSpark taps); each layer below needs `window - 1` more rows
+        of input to attend over. Rows are dropped at a layer's entry once no later layer needs them;
+        a kept row's arithmetic is that of a full prefill, so the state is bit-identical.
         """
         a = self.args
         n = ids.numel() if ids is not None else streams.size(0)
@@ -91,7 +107,16 @@ class Transformer:
             pre = torch.cat([pre_mix, pre_mix[-1:].expand(rows - n, -1)])
         taps, handoff = [], None
         last_encoder = a.first_decoder_layer - 1
+        end, win = state.pos + n, a.window_size
         for i in self.layers:
+            if tail_only:
+                keep_from = end - win - (self.layers.stop - 1 - i) * (win - 1)
+                drop = keep_from - int(chunk.positions[0])
+                if drop > 0:
+                    chunk = chunk.drop_front(drop)
+                    h, pre = fit_rows(h[drop:], chunk.rows), fit_rows(pre[drop:], chunk.rows)
+                    taps = [fit_rows(t[drop:], chunk.rows) for t in taps]
+                    n -= drop
             if i in self.engram:
                 slot = a.engram_layer_ids.index(i)
                 h = self.engram[i](h, hashes[:, slot], mask)
@@ -102,10 +127,15 @@ class Transformer:
                 trace.setdefault("layer_out", {})[i] = (h[:n], pre[:n])
             if i == last_encoder:
                 handoff = (h[:n], pre[:n])
-        state.pos += n
+        state.pos = end
         logits = None
         if self.has_head:
             x = rms_norm(collapse(h, pre), self.norm, a.norm_eps)
             logits = F.linear(x.float(), self.head)[:n]
+        entries = None
+        if self.next_source is not None:
+            x = rms_norm(collapse(h, pre), self.next_attn_norm, a.norm_eps)
+            entries = self.next_source.entries(x, chunk)
         main_hidden = torch.cat(taps, dim=-1)[:n] if taps else None
-        return ForwardOutput(logits, *(handoff or (None, None)), main_hidden, h[:n], pre[:n])
+        return ForwardOutput(logits, *(handoff or (None, None)), main_hidden, h[:n], pre[:n], entries,
+                             int(chunk.positions[0]))
