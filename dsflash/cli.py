@@ -13,6 +13,7 @@ COMMANDS = [
     "dsflash.checkpoint.make",  # make-checkpoint
     "dsflash.model.logits_cmd",  # logits
     "dsflash.engine.generate_cmd",  # generate
+    "dsflash.server.serve_cmd",  # serve
 ]
 
 

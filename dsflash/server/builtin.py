@@ -17,13 +17,14 @@ BUILTIN_SEED = 0
 
 def builtin_checkpoint(root: str | Path | None = None) -> Path:
     root = Path(root or os.environ.get("DSFLASH_HOME", Path.home() / ".cache" / "dsflash"))
-    out = root / f"builtin-tiny-a-s{BUILTIN_SEED}"
+    out = root / f"builtin-tiny-a-s{BUILTIN_SEED}-v2"
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
     base = PRESETS["tiny-a"]
     tokenizer = build_tiny_tokenizer(base.vocab_size)
     _, classes = compressed_token_map(tokenizer)
-    args = dataclasses.replace(base, engram_compressed_vocab_size=classes)
+    # the preset's max_seq_len sized DeepSeek's reference caches; our state grows, so allow real chats
+    args = dataclasses.replace(base, engram_compressed_vocab_size=classes, max_seq_len=16384)
     make_checkpoint(args, BUILTIN_SEED, out)
     tokenizer.save(str(out / "tokenizer.json"))
     return out
