@@ -1,6 +1,7 @@
 """The engine's bit-exact invariants on the tiny golden checkpoint (CPU reference backend):
 step == prefill, rollback == never drafted, resume == fresh, DSpark == plain decoding."""
 
+import dataclasses
 import random
 
 import pytest
@@ -10,13 +11,21 @@ from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
-from dsflash.engine.state import RollbackError
+from dsflash.engine.state import RollbackError, SequenceState
+from dsflash.model.load import load_model
 from tests.conftest import GOLDEN_CASES
+
+CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.load(next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40"))
+    return Engine.load(CASE)
+
+
+@pytest.fixture(scope="module")
+def whole_model():
+    return load_model(CASE)
 
 
 def prompt(n, seed=0):
@@ -24,11 +33,10 @@ def prompt(n, seed=0):
     return [rng.randrange(3, 511) for _ in range(n)]
 
 
-def test_steps_with_rollbacks_equal_one_prefill(engine):
+def test_steps_with_rollbacks_equal_one_prefill(engine, whole_model):
     rng = random.Random(1)
     ids = prompt(60, seed=1)
-    whole = engine.session()
-    whole_logits = whole.model.forward(whole.state, torch.tensor(ids)).logits
+    whole_logits = whole_model.forward(SequenceState(), torch.tensor(ids)).logits
     s = engine.session()
     s.prefill(ids[:20], chunk=7)
     while s.pos < len(ids):
@@ -85,8 +93,7 @@ def test_bad_snapshots_are_refused(engine):
         type(s).restore(engine, blob[:-1] + bytes([blob[-1] ^ 1]))
     with pytest.raises(SnapshotError, match="magic"):
         type(s).restore(engine, b"XXXXXXXX" + blob[8:])
-    other = Engine(engine.model, engine.max_context)
-    other._identity = "another-model"
+    other = dataclasses.replace(engine, identity="another-model")
     with pytest.raises(SnapshotError, match="belongs to model"):
         type(s).restore(other, blob)
 
@@ -112,3 +119,16 @@ def test_prefix_cache_resume_equals_fresh(engine, tmp_path):
     cache = PrefixCache(engine.identity, disk_dir=tmp_path)
     again, again_logits = prepare_session(engine, ids, cache, 8, DecodeStats())
     assert torch.equal(again_logits, logits)
+
+
+def test_prefill_runs_the_decoder_on_the_tail_only_and_matches_a_full_prefill(engine, whole_model):
+    ids = prompt(120, seed=6)
+    s = engine.session()
+    logits = s.prefill(ids, chunk=37)
+    assert s.tail_rows() < len(ids)
+    full = whole_model.forward(SequenceState(), torch.tensor(ids)).logits
+    assert torch.equal(logits, full[-1])
+    # and the state it leaves decodes exactly like the full prefill's
+    nxt = [7, 8, 9]
+    ref = whole_model.forward(SequenceState(), torch.tensor(ids + nxt)).logits[-3:]
+    assert torch.equal(s.step(len(ids), nxt), ref)

@@ -1,22 +1,26 @@
 """Engine and Session: the narrow boundary everything above the model uses (ds4.h style).
 
-`Engine` holds the loaded model; `Session` is one sequence's timeline: prefill in chunks, `step`
-(roll back to `keep` tokens, append rows, get their logits), DSpark drafts, snapshot/restore. Every
-operation is exact: a step of L rows gives the bits a prefill of the same rows gives.
+The model runs as two halves split at the first decoder layer d (20 in V4.1): the encoder (embed,
+Engram, layers [0, d), and layer d's KV-cache write) and the decoder (layers [d, n), head, DSpark).
+In one process both are local; with a box the encoder half runs there (dsflash/split). `Session` is
+one sequence's timeline: prefill in chunks, `step` (roll back to `keep` tokens, append rows, get their
+logits), DSpark drafts, snapshot/restore. Every operation is exact: a step of L rows gives the bits a
+prefill of the same rows gives, and prefill runs the decoder only over the rows its final state needs.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
+from dsflash.checkpoint.reader import model_identity
 from dsflash.engine import snapshot
 from dsflash.engine.state import ROLLBACK_ROWS, PositionRing, SequenceState
+from dsflash.model.attention import append_entries
 from dsflash.model.dspark import argmax_sampler
 from dsflash.model.load import load_model
 from dsflash.model.transformer import Transformer
@@ -32,81 +36,147 @@ class ContextLengthError(ValueError):
         self.requested, self.limit = requested, limit
 
 
-def model_identity(model: Transformer) -> str:
-    """Hash of the config and the tensor index (names, dtypes, shapes): two processes agree on it
-    exactly when they load the same model."""
-    ckpt = model.ckpt
-    index = [(n, *ckpt.dtype_shape(n)) for n in ckpt.names()]
-    blob = json.dumps({"config": model.args.to_dict(), "tensors": index}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+@dataclass
+class HandOff:
+    """What the encoder half gives the decoder half for rows [start, start+n)."""
+
+    start: int
+    streams: torch.Tensor  # bf16 [n, hc, D]: layer d-1's output
+    pre_mix: torch.Tensor  # fp32 [n, hc]
+    entries: torch.Tensor  # bf16: layer d's new compressed KV entries
+    keys: torch.Tensor  # bf16: layer d's new index keys
+
+
+class EncoderSession(Protocol):
+    """One sequence on the encoder half: local (LocalEncoder) or on a box (dsflash.split)."""
+
+    pos: int
+
+    def forward(self, ids: list[int], keep_rows: int) -> HandOff:
+        """Append `ids`; return the hand-off of the last `keep_rows` of them (and all new cache entries)."""
+
+    def rollback(self, keep: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalEncoder:
+    def __init__(self, model: Transformer, state: SequenceState | None = None):
+        self.model = model
+        self.state = state or SequenceState()
+
+    @property
+    def pos(self) -> int:
+        return self.state.pos
+
+    def forward(self, ids: list[int], keep_rows: int) -> HandOff:
+        out = self.model.forward(self.state, torch.tensor(ids, dtype=torch.int64))
+        k = min(keep_rows, len(ids))
+        return HandOff(self.state.pos - k, out.streams[len(ids) - k:], out.pre_mix[len(ids) - k:],
+                       *out.source_entries)
+
+    def rollback(self, keep: int) -> None:
+        a = self.model.args
+        self.state.truncate(keep, {s: a.compress_ratios[s] for s in self.state.compressed})
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
 class Engine:
-    model: Transformer
+    decoder: Transformer
+    encoder: Transformer | None  # None when the encoder half runs on a box
     max_context: int
+    identity: str = ""
+    open_encoder: Callable[[], EncoderSession] | None = field(default=None, repr=False)
 
     @classmethod
-    def load(cls, path: str | Path, max_context: int | None = None) -> Engine:
-        model = load_model(path)
-        return cls(model, max_context or model.args.max_seq_len)
+    def load(cls, path: str | Path, max_context: int | None = None, with_encoder: bool = True) -> Engine:
+        """Both halves from one checkpoint (with_encoder=False: the decoder half only, for a split)."""
+        decoder = load_model(path, half="decoder")
+        encoder = load_model(path, half="encoder") if with_encoder else None
+        ident = f"{model_identity(decoder.args, decoder.ckpt)}-n{NUMERICS_VERSION}"
+        engine = cls(decoder, encoder, max_context or decoder.args.max_seq_len, ident)
+        if encoder is not None:
+            engine.open_encoder = lambda: LocalEncoder(encoder)
+        return engine
 
     @property
-    def identity(self) -> str:
-        ident = getattr(self, "_identity", None)
-        if ident is None:
-            ident = self._identity = f"{model_identity(self.model)}-n{NUMERICS_VERSION}"
-        return ident
+    def args(self):
+        return self.decoder.args
 
     def session(self) -> Session:
         return Session(self)
 
 
 class Session:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, encoder: EncoderSession | None = None):
         self.engine = engine
-        self.model = engine.model
-        self.state = SequenceState()
+        self.decoder = engine.decoder
+        self.encoder = encoder or engine.open_encoder()
+        self.state = SequenceState()  # the decoder half's
         self.tokens: list[int] = []
+        a = engine.args
         # DSpark context inputs of recent rows, written into the drafter's rings only when a draft needs them
-        width = self.model.args.dim * len(self.model.args.dspark_target_layer_ids)
-        self._main_hidden = PositionRing(self.model.args.window_size + ROLLBACK_ROWS, (width,), torch.bfloat16)
+        width = a.dim * len(a.dspark_target_layer_ids)
+        self._main_hidden = PositionRing(a.window_size + ROLLBACK_ROWS, (width,), torch.bfloat16)
         self.last_logits: torch.Tensor | None = None
 
     @property
     def pos(self) -> int:
         return self.state.pos
 
+    def tail_rows(self) -> int:
+        """Rows of hand-off the decoder needs at the end of a prefill: the window of the last layer plus
+        window-1 more per decoder layer below it."""
+        a = self.engine.args
+        layers = a.n_layers - a.first_decoder_layer
+        return a.window_size + (layers - 1) * (a.window_size - 1)
+
     def _check_ids(self, ids: list[int]) -> None:
-        vocab = self.model.args.vocab_size
+        vocab = self.engine.args.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids outside [0, {vocab}): {bad[:5]}")
         if self.pos + len(ids) > self.engine.max_context:
             raise ContextLengthError(self.pos + len(ids), self.engine.max_context)
 
-    def _forward(self, ids: list[int]) -> torch.Tensor:
-        start = self.pos
-        out = self.model.forward(self.state, torch.tensor(ids, dtype=torch.int64))
-        self.tokens.extend(ids)
+    def _decode_rows(self, hand: HandOff, tail_only: bool) -> torch.Tensor:
+        self.state.pos = hand.start
+        out = self.decoder.forward(self.state, streams=hand.streams, pre_mix=hand.pre_mix, tail_only=tail_only)
         if out.main_hidden is not None:
-            self._main_hidden.write(torch.arange(start, self.pos), out.main_hidden)
+            self._main_hidden.write(torch.arange(out.first_row, self.pos), out.main_hidden)
         return out.logits
 
     def prefill(self, ids: list[int], chunk: int = DEFAULT_CHUNK,
                 progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
-        """Append a prompt in chunks; returns the last row's logits [V]."""
+        """Append a prompt: the encoder half in chunks, then the decoder over the tail triangle only.
+        Returns the last row's logits [V]."""
         self._check_ids(ids)
+        d = self.engine.args.first_decoder_layer
+        need = self.tail_rows()
+        tail: list[HandOff] = []
         for i in range(0, len(ids), chunk):
-            logits = self._forward(ids[i:i + chunk])
+            part = ids[i:i + chunk]
+            hand = self.encoder.forward(part, need)
+            append_entries(self.state, self.engine.args, d, hand.entries, hand.keys)
+            tail = [*tail, hand]
+            while sum(h.streams.size(0) for h in tail[1:]) >= need:
+                tail.pop(0)
+            self.tokens.extend(part)
             if progress:
                 progress(min(i + chunk, len(ids)), len(ids))
+        hand = HandOff(tail[0].start, torch.cat([h.streams for h in tail]), torch.cat([h.pre_mix for h in tail]),
+                       tail[0].entries[:0], tail[0].keys[:0])
+        logits = self._decode_rows(hand, tail_only=True)
         self.last_logits = logits[-1]
         return self.last_logits
 
     def rollback(self, keep: int) -> None:
-        ratios = {s: self.model.args.compress_ratios[s] for s in self.state.compressed}
-        self.state.truncate(keep, ratios)
+        a = self.engine.args
+        self.encoder.rollback(keep)
+        self.state.truncate(keep, {s: a.compress_ratios[s] for s in self.state.compressed})
         del self.tokens[keep:]
 
     def step(self, keep: int, rows: list[int]) -> torch.Tensor:
@@ -115,30 +185,42 @@ class Session:
             raise ValueError(f"a step appends 1 to {MAX_STEP_ROWS} rows, got {len(rows)}")
         self.rollback(keep)
         self._check_ids(rows)
-        logits = self._forward(rows)
+        hand = self.encoder.forward(rows, len(rows))
+        append_entries(self.state, self.engine.args, self.engine.args.first_decoder_layer, hand.entries, hand.keys)
+        self.tokens.extend(rows)
+        logits = self._decode_rows(hand, tail_only=False)
         self.last_logits = logits[-1]
         return logits
 
     def draft(self, anchor: int, sampler: Callable[[torch.Tensor], int] = argmax_sampler) -> list[int]:
         """DSpark proposals for the positions after `anchor`, which is the token at position `pos`."""
-        dspark = self.model.dspark
-        win = self.model.args.window_size
+        dspark = self.decoder.dspark
+        win = self.engine.args.window_size
         first = max(self.state.dspark_pos, self.pos - win)
         if first < self.pos:
             positions = torch.arange(first, self.pos)
             dspark.write_context(self.state, self._main_hidden.read(positions), positions)
         return dspark.draft(self.state, anchor, sampler)[0][1:]
 
+    def close(self) -> None:
+        self.encoder.close()
+
     def snapshot(self) -> bytes:
+        if not isinstance(self.encoder, LocalEncoder):
+            raise snapshot.SnapshotError("a session whose encoder half runs on a box snapshots on the box")
         extras = {"main_hidden": self._main_hidden.data}
         if self.last_logits is not None:
             extras["last_logits"] = self.last_logits
-        return snapshot.encode(self.state, self.tokens, self.engine.identity, extras)
+        states = {"encoder": self.encoder.state, "decoder": self.state}
+        return snapshot.encode(states, self.tokens, self.engine.identity, extras)
 
     @classmethod
     def restore(cls, engine: Engine, blob: bytes) -> Session:
-        s = cls(engine)
-        s.state, s.tokens, extras = snapshot.decode(blob, engine.identity)
+        states, tokens, extras = snapshot.decode(blob, engine.identity)
+        if engine.encoder is None:
+            raise snapshot.SnapshotError("restoring a local snapshot needs the encoder half in this process")
+        s = cls(engine, LocalEncoder(engine.encoder, states["encoder"]))
+        s.state, s.tokens = states["decoder"], tokens
         s._main_hidden.data.copy_(extras["main_hidden"])
         s.last_logits = extras.get("last_logits")
         return s

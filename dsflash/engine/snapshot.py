@@ -29,20 +29,24 @@ class SnapshotError(ValueError):
     """A snapshot is truncated, corrupted, or made by another model or numerics version."""
 
 
-def _state_tensors(state: SequenceState) -> dict[str, torch.Tensor]:
-    t: dict[str, torch.Tensor] = {"engram_ids": state.engram_ids.rows.clone()}
+def _state_tensors(part: str, state: SequenceState) -> dict[str, torch.Tensor]:
+    t: dict[str, torch.Tensor] = {f"{part}/engram_ids": state.engram_ids.rows.clone()}
     for name, table in (("window", state.window), ("raw", state.raw), ("dspark", state.dspark)):
         for k, ring in table.items():
-            t[f"{name}.{k}"] = ring.data
+            t[f"{part}/{name}.{k}"] = ring.data
     for name, table in (("compressed", state.compressed), ("index_keys", state.index_keys)):
         for k, rows in table.items():
-            t[f"{name}.{k}"] = rows.rows.clone()
+            t[f"{part}/{name}.{k}"] = rows.rows.clone()
     return t
 
 
-def encode(state: SequenceState, tokens: list[int], model_id: str, extras: dict[str, torch.Tensor]) -> bytes:
-    """`extras`: the session's own tensors (names without a dot), returned as they were by decode."""
-    tensors = _state_tensors(state)
+def encode(states: dict[str, SequenceState], tokens: list[int], model_id: str,
+           extras: dict[str, torch.Tensor]) -> bytes:
+    """`states`: the session's model states by part name (encoder and decoder halves); `extras`: its own
+    tensors (plain names), returned as they were by decode."""
+    tensors = {}
+    for part, state in states.items():
+        tensors.update(_state_tensors(part, state))
     tensors.update(extras)
     tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)
     payload = st_save({k: v.contiguous() for k, v in tensors.items()})
@@ -50,8 +54,7 @@ def encode(state: SequenceState, tokens: list[int], model_id: str, extras: dict[
         "numerics": NUMERICS_VERSION,
         "model": model_id,
         "tokens": len(tokens),
-        "pos": state.pos,
-        "dspark_pos": state.dspark_pos,
+        "parts": {part: {"pos": st.pos, "dspark_pos": st.dspark_pos} for part, st in states.items()},
         "payload_bytes": len(payload),
         "sha256": hashlib.sha256(payload).hexdigest(),
         "sections": sorted(tensors),
@@ -74,7 +77,7 @@ def read_header(blob: bytes) -> dict:
     return header
 
 
-def decode(blob: bytes, model_id: str) -> tuple[SequenceState, list[int], dict[str, torch.Tensor]]:
+def decode(blob: bytes, model_id: str) -> tuple[dict[str, SequenceState], list[int], dict[str, torch.Tensor]]:
     header = read_header(blob)
     if header.get("numerics") != NUMERICS_VERSION:
         raise SnapshotError(f"snapshot made with numerics version {header.get('numerics')}, "
@@ -88,14 +91,19 @@ def decode(blob: bytes, model_id: str) -> tuple[SequenceState, list[int], dict[s
     if hashlib.sha256(payload).hexdigest() != header["sha256"]:
         raise SnapshotError("corrupted snapshot: payload checksum mismatch")
     tensors = st_load(payload)
-    state = SequenceState(pos=header["pos"], dspark_pos=header["dspark_pos"])
     ids = tensors.pop("tokens")
-    engram = tensors.pop("engram_ids")
-    state.engram_ids = GrowingRows(tuple(engram.shape[1:]), engram.dtype)
-    state.engram_ids.append(engram)
-    extras = {k: tensors.pop(k) for k in list(tensors) if "." not in k}
+    states = {part: SequenceState(pos=p["pos"], dspark_pos=p["dspark_pos"]) for part, p in header["parts"].items()}
+    extras = {}
     for key, t in tensors.items():
-        name, k = key.split(".")
+        if "/" not in key:
+            extras[key] = t
+            continue
+        part, field_key = key.split("/")
+        state = states[part]
+        if field_key == "engram_ids":
+            state.engram_ids.append(t)
+            continue
+        name, k = field_key.split(".")
         if name in ("window", "raw", "dspark"):
             ring = PositionRing(t.size(0), tuple(t.shape[1:]), t.dtype)
             ring.data.copy_(t)
@@ -104,4 +112,4 @@ def decode(blob: bytes, model_id: str) -> tuple[SequenceState, list[int], dict[s
             rows = GrowingRows(tuple(t.shape[1:]), t.dtype)
             rows.append(t)
             getattr(state, name)[int(k)] = rows
-    return state, ids.tolist(), extras
+    return states, ids.tolist(), extras

@@ -96,7 +96,9 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
            stopped: Callable[[], bool] | None = None) -> Iterator[int]:
     """Yield up to `max_new` tokens after the session's last row (whose logits are `first_logits`)."""
     stats = stats or DecodeStats()
-    depth = DraftDepth(min(dspark, session.model.args.dspark_block_size)) if dspark and session.model.dspark else None
+    depth = None
+    if dspark and session.decoder.dspark:
+        depth = DraftDepth(min(dspark, session.engine.args.dspark_block_size))
     t0 = time.perf_counter()
     tok = sample(first_logits, session.pos, params)
     emitted = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsflash.checkpoint.reader import Checkpoint
+from dsflash.checkpoint.reader import open_checkpoint
 from dsflash.model.transformer import Transformer
 
 
@@ -33,14 +33,18 @@ def engram_token_map(path: Path, vocab_size: int) -> tuple[list[int], int]:
     return compressed_token_map(source)
 
 
-def load_model(path: str | Path, layers: range | None = None, head: bool = True, dspark: bool = True) -> Transformer:
+def load_model(path: str | Path, half: str | None = None) -> Transformer:
+    """The whole model, or one half of the split: "encoder" (embed, Engram, layers [0, d) and layer d's
+    cache write) or "decoder" (layers [d, n), head, DSpark), d = the first decoder layer."""
     path = Path(path)
-    ckpt = Checkpoint(path)
+    ckpt = open_checkpoint(path)
     args = ckpt.args
+    d = args.first_decoder_layer
+    layers = {None: range(args.n_layers), "encoder": range(0, d), "decoder": range(d, args.n_layers)}[half]
     token_map = None
-    if args.engram_layer_ids:
+    if args.engram_layer_ids and layers.start == 0:
         token_map, classes = engram_token_map(path, args.vocab_size)
         if classes != args.engram_compressed_vocab_size:
             raise ValueError(f"{path}: the tokenizer gives {classes} Engram token classes, config "
                              f"engram_compressed_vocab_size is {args.engram_compressed_vocab_size}")
-    return Transformer(args, ckpt, token_map, layers=layers, head=head, dspark=dspark)
+    return Transformer(args, ckpt, token_map, layers=layers)

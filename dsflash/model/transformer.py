@@ -40,8 +40,7 @@ class ForwardOutput:
 
 
 class Transformer:
-    def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None,
-                 layers: range | None = None, head: bool = True, dspark: bool = True):
+    def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None):
         self.args, self.ckpt = args, ckpt
         self.layers = layers if layers is not None else range(args.n_layers)
         w = WeightLoader(ckpt)
@@ -57,8 +56,7 @@ class Transformer:
                 self.engram[i] = Engram(args, w, prefix + "engram.")
         self.engram_layout = None
         if self.engram:
-            if token_map is None:
-                raise ValueError("Engram layers need the compressed token map")
+            assert token_map is not None, "Engram layers need the compressed token map"
             self.engram_layout = EngramLayout.build(args, token_map)
         # the encoder side writes the cache of the KV source that starts the next range
         self.next_source = None
@@ -66,11 +64,11 @@ class Transformer:
         if nxt < args.n_layers and nxt in args.kv_source_layers:
             self.next_source = SourceWriter(args, nxt, w, f"layers.{nxt}.attn.", self.ropes[1])
             self.next_attn_norm = w.tensor(f"layers.{nxt}.attn_norm.weight")
-        self.has_head = head and self.layers.stop == args.n_layers
+        self.has_head = self.layers.stop == args.n_layers
         self.norm = w.tensor("norm.weight") if self.has_head else None
         self.head = w.tensor("head.weight").float() if self.has_head else None
         self.dspark = None
-        if dspark and self.has_head and args.n_mtp_layers and args.dspark_block_size:
+        if self.has_head and args.n_mtp_layers and args.dspark_block_size:
             self.dspark = DSpark(args, w, self.ropes, self.embed, self.head)
 
     def forward(self, state: SequenceState, ids: torch.Tensor | None = None, *,
