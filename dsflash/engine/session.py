@@ -10,7 +10,7 @@ prefill of the same rows gives, and prefill runs the decoder only over the rows 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -48,12 +48,13 @@ class HandOff:
 
 
 class EncoderSession(Protocol):
-    """One sequence on the encoder half: local (LocalEncoder) or on a box (dsflash.split)."""
+    """One sequence on the encoder half: local (LocalEncoder) or on a box (dsflash.split.link)."""
 
     pos: int
 
-    def forward(self, ids: list[int], keep_rows: int) -> HandOff:
-        """Append `ids`; return the hand-off of the last `keep_rows` of them (and all new cache entries)."""
+    def append(self, ids: list[int], keep: int, chunk: int, tail: int) -> Iterator[HandOff]:
+        """Roll back to `keep` tokens, append `ids` in chunks; per chunk, its new cache entries and the
+        hand-off of those of its rows that are among the last `tail` rows of the append."""
 
     def rollback(self, keep: int) -> None: ...
 
@@ -69,11 +70,14 @@ class LocalEncoder:
     def pos(self) -> int:
         return self.state.pos
 
-    def forward(self, ids: list[int], keep_rows: int) -> HandOff:
-        out = self.model.forward(self.state, torch.tensor(ids, dtype=torch.int64))
-        k = min(keep_rows, len(ids))
-        return HandOff(self.state.pos - k, out.streams[len(ids) - k:], out.pre_mix[len(ids) - k:],
-                       *out.source_entries)
+    def append(self, ids: list[int], keep: int, chunk: int, tail: int) -> Iterator[HandOff]:
+        self.rollback(keep)
+        tail_from = keep + len(ids) - tail
+        for i in range(0, len(ids), chunk):
+            start = self.pos
+            out = self.model.forward(self.state, torch.tensor(ids[i:i + chunk], dtype=torch.int64))
+            skip = min(max(tail_from - start, 0), out.streams.size(0))
+            yield HandOff(start + skip, out.streams[skip:], out.pre_mix[skip:], *out.source_entries)
 
     def rollback(self, keep: int) -> None:
         a = self.model.args
@@ -154,22 +158,19 @@ class Session:
         """Append a prompt: the encoder half in chunks, then the decoder over the tail triangle only.
         Returns the last row's logits [V]."""
         self._check_ids(ids)
-        d = self.engine.args.first_decoder_layer
-        need = self.tail_rows()
-        tail: list[HandOff] = []
-        for i in range(0, len(ids), chunk):
-            part = ids[i:i + chunk]
-            hand = self.encoder.forward(part, need)
-            append_entries(self.state, self.engine.args, d, hand.entries, hand.keys)
-            tail = [*tail, hand]
-            while sum(h.streams.size(0) for h in tail[1:]) >= need:
-                tail.pop(0)
-            self.tokens.extend(part)
+        a = self.engine.args
+        hands, done = [], 0
+        for hand in self.encoder.append(ids, self.pos, chunk, self.tail_rows()):
+            append_entries(self.state, a, a.first_decoder_layer, hand.entries, hand.keys)
+            if hand.streams.size(0):
+                hands.append(hand)
+            done = min(done + chunk, len(ids))
             if progress:
-                progress(min(i + chunk, len(ids)), len(ids))
-        hand = HandOff(tail[0].start, torch.cat([h.streams for h in tail]), torch.cat([h.pre_mix for h in tail]),
-                       tail[0].entries[:0], tail[0].keys[:0])
-        logits = self._decode_rows(hand, tail_only=True)
+                progress(done, len(ids))
+        self.tokens.extend(ids)
+        tail = HandOff(hands[0].start, torch.cat([h.streams for h in hands]), torch.cat([h.pre_mix for h in hands]),
+                       hands[0].entries[:0], hands[0].keys[:0])
+        logits = self._decode_rows(tail, tail_only=True)
         self.last_logits = logits[-1]
         return self.last_logits
 
@@ -185,7 +186,7 @@ class Session:
             raise ValueError(f"a step appends 1 to {MAX_STEP_ROWS} rows, got {len(rows)}")
         self.rollback(keep)
         self._check_ids(rows)
-        hand = self.encoder.forward(rows, len(rows))
+        (hand,) = self.encoder.append(rows, keep, MAX_STEP_ROWS, len(rows))
         append_entries(self.state, self.engine.args, self.engine.args.first_decoder_layer, hand.entries, hand.keys)
         self.tokens.extend(rows)
         logits = self._decode_rows(hand, tail_only=False)

@@ -1,0 +1,135 @@
+"""The link protocol between the back side and the box (docs/link-protocol.md).
+
+Every frame: a 16-byte little-endian header, then the payload.
+
+    magic b"DSFL" | u16 version | u8 type | u8 flags | u32 request id | u32 payload length
+
+A payload is `u32 meta length | meta (UTF-8 JSON object) | body (raw little-endian tensor bytes)`.
+The meta says what the body holds; a body whose length differs from what the meta implies is a
+malformed frame. Frames over the negotiated maximum are refused before their payload is read.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+MAGIC = b"DSFL"
+VERSION = 1
+HEADER = struct.Struct("<4sHBBII")
+MAX_FRAME = 256 << 20  # a 1M-token prompt is 4 MiB of int32; a prefill part of 8K rows ~0.3 GiB at most
+
+
+class FrameType(IntEnum):
+    HELLO = 1  # back -> box: {protocol, token, identity, numerics}
+    WELCOME = 2  # box -> back: {identity, numerics, version}
+    ERROR = 3  # either way: {code, retryable, message}
+    APPEND = 4  # back -> box: {session, keep, chunk, tail} + int32 tokens
+    PART = 5  # box -> back: one chunk's hand-off {session, start, n_rows, hand_start, n_hand, done, total, last}
+    CLOSE = 6  # back -> box: {session}
+    SYNC = 7  # back -> box: {session} + int32 tokens: make the box's state equal to these tokens
+    SYNCED = 8  # box -> back: {session, pos, cached}
+    PING = 9
+    PONG = 10
+
+
+class ProtocolError(ValueError):
+    """A malformed frame: the connection that sent it is closed."""
+
+
+@dataclass
+class Frame:
+    type: FrameType
+    request: int
+    meta: dict = field(default_factory=dict)
+    body: bytes = b""
+
+    def encode(self) -> bytes:
+        meta = json.dumps(self.meta, separators=(",", ":")).encode()
+        payload = struct.pack("<I", len(meta)) + meta + self.body
+        return HEADER.pack(MAGIC, VERSION, int(self.type), 0, self.request, len(payload)) + payload
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(sock: socket.socket, max_frame: int = MAX_FRAME) -> Frame:
+    magic, version, ftype, _flags, request, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
+    if magic != MAGIC:
+        raise ProtocolError("bad magic: not a dsflash link frame")
+    if version != VERSION:
+        raise ProtocolError(f"link protocol version {version}, this side speaks {VERSION}")
+    try:
+        ftype = FrameType(ftype)
+    except ValueError as e:
+        raise ProtocolError(f"unknown frame type {ftype}") from e
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte limit")
+    payload = _recv_exact(sock, length)
+    if length < 4:
+        raise ProtocolError("payload shorter than its meta length field")
+    (mlen,) = struct.unpack_from("<I", payload)
+    if mlen > length - 4:
+        raise ProtocolError("meta length exceeds the payload")
+    try:
+        meta = json.loads(payload[4:4 + mlen])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"meta is not JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise ProtocolError("meta is not a JSON object")
+    return Frame(ftype, request, meta, payload[4 + mlen:])
+
+
+def field_of(meta: dict, name: str, kind: type, minimum: int | None = None):
+    """A required meta field of the given type, else ProtocolError naming it."""
+    v = meta.get(name)
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+        raise ProtocolError(f"meta field {name!r} must be {kind.__name__}, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise ProtocolError(f"meta field {name!r} must be >= {minimum}, got {v}")
+    return v
+
+
+def tokens_body(tokens: list[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def body_tokens(body: bytes) -> list[int]:
+    if len(body) % 4:
+        raise ProtocolError("token body is not a whole number of int32")
+    return list(struct.unpack(f"<{len(body) // 4}i", body))
+
+
+def tensors_body(tensors: list[torch.Tensor]) -> bytes:
+    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+def body_tensors(body: bytes, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Split a body into tensors of the given shapes and dtypes; its length must match exactly."""
+    sizes = [torch.Size(shape).numel() * torch.empty(0, dtype=dt).element_size() for shape, dt in specs]
+    if sum(sizes) != len(body):
+        raise ProtocolError(f"body of {len(body)} bytes, its meta implies {sum(sizes)}")
+    out, at = [], 0
+    for (shape, dt), size in zip(specs, sizes, strict=True):
+        raw = torch.empty(0, dtype=torch.uint8)
+        if size:
+            raw = torch.frombuffer(bytearray(body[at:at + size]), dtype=torch.uint8)
+        out.append(raw.view(dt).reshape(shape))
+        at += size
+    return out
+
+
+def error_frame(request: int, code: str, message: str, retryable: bool) -> Frame:
+    return Frame(FrameType.ERROR, request, {"code": code, "retryable": retryable, "message": message})
