@@ -1,0 +1,513 @@
+"""CUDA backend (Triton): the CPU reference's kernels with the same signatures and numerics.
+
+Exported: `linear(x, w)`, `sparse_attn(q, kv, sink, idx, scale)`, `hc_split_sinkhorn(mixes, scale,
+base, hc, iters, eps)`, plus `Weight`, `CudaWeight`, `to_cuda_weight` and `quant_act`.
+
+Numerics (spec §3, as dsflash/kernels/cpu.py):
+- FP8/FP4 linear: the activation is quantised to E4M3 per 32 values with a power-of-two scale (the
+  exponent-bit trick, bit-exact with numerics/quant.py), each 32-wide K block's product is one
+  tensor-core dot with a fresh fp32 accumulator, scaled by a_s * b_s and added to the fp32 row
+  accumulator in K order, then rounded once to bf16. With power-of-two scales the scaling is exact,
+  so the only differences from the CPU are inside a block's 32-term dot (tensor-core vs CPU fp32
+  summation); FP4 weight codes are widened to E4M3 in registers (every E2M1 value is an E4M3 value).
+- bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
+  IEEE fp32 FMA dots, not tf32); output in the weight's dtype.
+- sparse_attn: one program per (query, 64 heads); online softmax over blocks of 64 indices with the
+  probabilities rounded to bf16 before the PV product, fp32 running max/denominator, sink added last.
+- hc_split_sinkhorn: fp32, one row's 24 mixes through the whole split and 20 normalisations in one
+  pass; a program takes a fixed tile of rows that never interact.
+
+Batch invariance: a row's bits never depend on how many rows share the call. Every kernel's tile
+shape and K step is a function of the weight's (N, K) or of the head/dim sizes only (never of M),
+there is no split-K, no autotuning and no atomics, and each output element is computed by the same
+instruction sequence wherever its row sits in a tile. The one M-dependent choice, fusing the
+activation quantisation into the GEMM for small M, produces identical codes and scales either way
+(the quantisation is exact integer/bit arithmetic), so it does not change any bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dsflash.kernels.cpu import Weight
+from dsflash.numerics.codecs import encode_e2m1, pack_fp4
+from dsflash.numerics.quant import ACT_BLOCK, FP8_MAX
+
+__all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "linear", "sparse_attn", "hc_split_sinkhorn",
+           "LinearConfig", "linear_config", "FUSE_QUANT_MAX_M"]
+
+_FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
+FUSE_QUANT_MAX_M = 64  # up to this many rows the GEMM quantises its own activation tile (same bits)
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------------------------
+SCALE_GROUP = 4  # K blocks whose E8M0 scale bytes share one int32 word (loaded once, a chunk ahead)
+_ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
+
+
+@dataclass
+class CudaWeight(Weight):
+    """A Weight laid out for the CUDA kernels.
+
+    fp8: `values` float8_e4m3fn [out, in]. fp4: `values` uint8 [out, in/2], element 2k in the low
+    nibble. bf16/fp32: `values` in that dtype [out, in].
+    `scale` (fp8/fp4), when every scale is a normal power of two (always, for checkpoint weights):
+    int32 words [ceil(in/128), ceil(out/scale_rows)], byte j of word c holding the E8M0 exponent
+    (2^(byte-127)) of K block 4c+j, padded with 127; otherwise float32 [4*ceil(in/128),
+    ceil(out/scale_rows)] padded with 1.0 (a slower path). `scale_rows` weight rows share one scale
+    (32 for FP8's 32x32 tiles when the scales allow it, else 1).
+    """
+
+    scale_rows: int = 1
+
+    @property
+    def in_features(self) -> int:
+        return self.values.size(1) * (2 if self.kind == "fp4" else 1)
+
+    @property
+    def scale_e8m0(self) -> bool:
+        return self.scale is not None and self.scale.dtype == torch.int32
+
+
+def _pack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """float32 [rows, KB] -> K-block-major int32 words [ceil(KB/4), rows] of E8M0 bytes when every scale
+    is exactly 2^(b-127) with b in 1..254, else float32 [4*ceil(KB/4), rows] padded with 1.0."""
+    rows, kb = scale.shape
+    pad = -kb % SCALE_GROUP
+    bits = scale.contiguous().view(torch.int32)
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    if bool(((mantissa == 0) & (exponent >= 1) & (exponent <= 254) & (bits >= 0)).all()):
+        e = torch.nn.functional.pad(exponent.to(torch.uint8), (0, pad), value=127)
+        return e.t().contiguous().view(-1, SCALE_GROUP, rows).permute(0, 2, 1).contiguous().view(torch.int32)[..., 0]
+    return torch.nn.functional.pad(scale, (0, pad), value=1.0).t().contiguous()
+
+
+def to_cuda_weight(w: Weight, device: torch.device | str | None = None) -> CudaWeight:
+    """Convert a CPU-reference Weight (float32 code values + per-(row, K-block) float32 scales) to the
+    CUDA layout. Lossless: E4M3/E2M1 code values and power-of-two scales are stored exactly."""
+    device = torch.device(device if device is not None else "cuda")
+    if isinstance(w, CudaWeight):
+        if w.values.device == device:
+            return w
+        return CudaWeight(w.kind, w.values.to(device), None if w.scale is None else w.scale.to(device), w.scale_rows)
+    if w.kind in ("bf16", "fp32"):
+        dtype = torch.bfloat16 if w.kind == "bf16" else torch.float32
+        return CudaWeight(w.kind, w.values.to(device=device, dtype=dtype).contiguous())
+    if w.kind not in ("fp8", "fp4"):
+        raise ValueError(f"unknown weight kind {w.kind!r}")
+    n, k = w.values.shape
+    if k % ACT_BLOCK:
+        raise ValueError(f"{w.kind} weight needs in_features divisible by {ACT_BLOCK}, got {k}")
+    vals = w.values.float().cpu()
+    scale = w.scale.float().cpu()
+    assert scale.shape == (n, k // ACT_BLOCK), (scale.shape, (n, k // ACT_BLOCK))
+    rows = 1
+    if w.kind == "fp8":
+        codes = vals.to(torch.float8_e4m3fn)
+        if not torch.equal(codes.float(), vals):
+            raise ValueError("fp8 weight values are not all E4M3 values")
+        # one scale per 32x32 tile: keep one row of scales per 32 weight rows when the rows agree
+        groups = torch.nn.functional.pad(scale, (0, 0, 0, -n % 32), value=float("nan")).view(-1, 32, k // ACT_BLOCK)
+        if bool(((groups == groups[:, :1]) | torch.isnan(groups)).all()):
+            scale, rows = scale[::32].contiguous(), 32
+        values = codes.to(device)
+    else:
+        codes = encode_e2m1(vals)
+        if not torch.equal(_E2M1[codes.long()], vals):
+            raise ValueError("fp4 weight values are not all E2M1 values")
+        values = pack_fp4(codes).contiguous().to(device)
+    return CudaWeight(w.kind, values, _pack_scales(scale).to(device), rows)
+
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# activation quantisation (shared by the standalone kernel and the fused GEMM prologue)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _quant_tile(xf):
+    """float32 [R, 32] (from bf16) -> (E4M3 codes [R, 32], scale exponent bytes [R] int32, scales [R])
+    exactly as quant.fp8_act_codes: s = 2^ceil(log2(max(amax, 1e-4) * f32(1/448))),
+    q = e4m3_rne(clamp(x/s, ±448))."""
+    amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-4)
+    bits = (amax * _FP8_MAX_INV).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    s = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s exactly (s is a normal power of two)
+    q = tl.clamp(xf * inv[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    return q, e, s
+
+
+@triton.jit(do_not_specialize=["M"])
+def _act_quant_kernel(x_ptr, q_ptr, e_ptr, M, KB, stride_xm, stride_qm,
+                      BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    for j in tl.static_range(BLOCK_KB):
+        kb = pid_k * BLOCK_KB + j
+        if kb < KB:
+            cols = kb * 32 + tl.arange(0, 32)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=rmask[:, None], other=0.0)
+            q, e, _s = _quant_tile(x.to(tl.float32))
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=rmask[:, None])
+            # byte kb % 4 of word (kb // 4, row): words [ceil(KB/4), M]
+            tl.store(e_ptr + ((kb // 4) * M + rows).to(tl.int64) * 4 + kb % 4, e.to(tl.uint8), mask=rmask)
+
+
+def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [M, K] -> (E4M3 codes float8_e4m3fn [M, K], scale words int32 [ceil(K/128), M]: byte j of
+    word c is the E8M0 exponent of row's K block 4c+j, padded with 127). Bit-exact with
+    quant.fp8_act_codes; `act_scales` decodes the words to its [M, K/32] float32 form."""
+    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.size(1) % ACT_BLOCK == 0
+    x = x.contiguous()
+    m, k = x.shape
+    kb = k // ACT_BLOCK
+    kc = triton.cdiv(kb, SCALE_GROUP)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    e = torch.empty((kc, m, SCALE_GROUP), dtype=torch.uint8, device=x.device)
+    if kb % SCALE_GROUP:
+        e[-1] = 127  # bytes past the last K block: 2^0
+    if m:
+        bkb = 8
+        grid = (triton.cdiv(m, 32), triton.cdiv(kb, bkb))
+        _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=32, BLOCK_KB=bkb, num_warps=4)
+    return q, e.view(torch.int32)[..., 0]
+
+
+def act_scales(words: torch.Tensor, k: int) -> torch.Tensor:
+    """Scale words [ceil(K/128), M] -> float32 scales [M, K/32] (for tests)."""
+    e = words.contiguous().unsqueeze(-1).view(torch.uint8)  # [KC, M, 4]
+    e = e.permute(1, 0, 2).reshape(words.size(1), -1)[:, : k // ACT_BLOCK]
+    return (e.to(torch.int32) << 23).view(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# block-scaled FP8/FP4 GEMM
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _e2m1_to_e4m3_bits(c):
+    """4-bit E2M1 codes (int32) -> E4M3 bytes (int32): magnitude m>=2 is 2^(e-1)(1+f/2) -> (m<<2)+0x30;
+    m=1 (0.5) -> 0x30; m=0 -> 0; sign bit 3 -> bit 7."""
+    mag = c & 7
+    b = tl.where(mag >= 2, (mag << 2) + 0x30, tl.where(mag == 1, 0x30, 0))
+    return b | ((c & 8) << 4)
+
+
+@triton.jit
+def _word_scale(word, j: tl.constexpr):
+    """E8M0 byte j of an int32 word -> float32 2^(byte-127)."""
+    return (((word >> (8 * j)) & 0xFF) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["M"])
+def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, KB,
+                    stride_xm, stride_wn, stride_wsk, stride_ym,
+                    FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                    SCALE_E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """y[M, N] = sum over K blocks kb (in order) of dot32(A_kb, B_kb) * a_s * b_s, fp32, then bf16.
+    The K loop runs over chunks of 4 blocks; the chunk's scale words are loaded one chunk ahead."""
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mmask = rm < M
+    nmask = rn < N
+    rk = tl.arange(0, 32)
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    if FP4:
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn + tl.arange(0, 16)[None, :]
+    else:
+        w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    ws_cols = ws_ptr + rn // SCALE_ROWS
+    xs_rows = xs_ptr + rm
+    KC = tl.cdiv(KB, 4)
+    if not FUSE_QUANT:
+        aw_next = tl.load(xs_rows, mask=mmask, other=_ONE_WORD)
+    if SCALE_E8M0:
+        bw_next = tl.load(ws_cols, mask=nmask, other=_ONE_WORD)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for c in range(0, KC):
+        more = c + 1 < KC
+        if not FUSE_QUANT:
+            aw = aw_next
+            aw_next = tl.load(xs_rows + (c + 1) * M, mask=mmask & more, other=_ONE_WORD)
+        if SCALE_E8M0:
+            bw = bw_next
+            bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
+        for j in tl.static_range(4):
+            kb = c * 4 + j
+            kin = kb < KB
+            if FUSE_QUANT:
+                xt = tl.load(x_rows + kb * 32, mask=mmask[:, None] & kin, other=0.0)
+                a, _e, a_s = _quant_tile(xt.to(tl.float32))
+            else:
+                a = tl.load(x_rows + kb * 32, mask=mmask[:, None] & kin, other=0.0)
+                a_s = _word_scale(aw, j)
+            if FP4:
+                wb = tl.load(w_rows + kb * 16, mask=nmask[:, None] & kin, other=0).to(tl.int32)
+                lo = _e2m1_to_e4m3_bits(wb & 0xF)
+                hi = _e2m1_to_e4m3_bits(wb >> 4)
+                w8 = tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                b = tl.trans(w8)
+            else:
+                b = tl.load(w_rows + kb * 32, mask=nmask[None, :] & kin, other=0.0)
+            if SCALE_E8M0:
+                b_s = _word_scale(bw, j)
+            else:
+                b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
+            partial = tl.dot(a, b)
+            # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's
+            # (partial * a_s) * b_s; the add is the only rounding, in K order. A block past K adds +0.
+            acc += partial * (a_s[:, None] * b_s[None, :])
+    y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# plain bf16 / fp32 GEMM
+# ---------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["M"])
+def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    mmask = rm < M
+    nmask = rn < N
+    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    wp = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kmask = (k0 + rk) < K
+        a = tl.load(xp + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(wp + k0, mask=nmask[None, :] & kmask[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# configs: a function of (kind, N, K) only -- never of M
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinearConfig:
+    BM: int
+    BN: int
+    BK: int
+    num_warps: int
+    num_stages: int
+    GROUP_M: int = 8
+
+
+def linear_config(kind: str, n: int, k: int) -> LinearConfig:
+    """The one tile config for a weight of this kind and shape (M plays no part)."""
+    if kind in ("fp8", "fp4"):
+        bn = 64 if n >= 2048 else 32 if n >= 1024 else 16
+        return LinearConfig(BM=64, BN=bn, BK=32, num_warps=4, num_stages=4)
+    if kind == "bf16":
+        bn = 128 if n >= 4096 else 64 if n >= 1024 else 32
+        return LinearConfig(BM=64, BN=bn, BK=64, num_warps=4, num_stages=4)
+    return LinearConfig(BM=32, BN=64, BK=32, num_warps=4, num_stages=3)  # fp32, IEEE FMA
+
+
+def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
+           config: LinearConfig | None = None, fuse_quant: bool | None = None) -> torch.Tensor:
+    """y = x @ W^T by the weight's storage kind (see cpu.linear). x: [M, in] on CUDA. fp8/fp4 take a
+    bf16 activation and give bf16; bf16/fp32 weights give their own dtype. A non-CUDA-layout Weight
+    is converted on the fly (convert once with to_cuda_weight instead). `config`/`fuse_quant`
+    override the defaults (benchmarks only; bits never depend on fuse_quant)."""
+    if not isinstance(w, CudaWeight) or w.values.device != x.device:
+        w = to_cuda_weight(w, x.device)
+    assert x.dim() == 2 and x.size(1) == w.in_features, (tuple(x.shape), w.in_features)
+    m, k = x.shape
+    n = w.out_features
+    cfg = config or linear_config(w.kind, n, k)
+    if w.kind in ("fp8", "fp4"):
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"{w.kind} linear takes a bf16 activation, got {x.dtype}")
+        y = out if out is not None else torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+        if m == 0:
+            return y
+        fuse = m <= FUSE_QUANT_MAX_M if fuse_quant is None else fuse_quant
+        x = x.contiguous()
+        if fuse:
+            a, a_s = x, x  # a_s unused
+        else:
+            a, a_s = quant_act(x)
+        grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN),)
+        _bs_gemm_kernel[grid](a, a_s, w.values, w.scale, y, m, n, k // ACT_BLOCK,
+                              a.stride(0), w.values.stride(0), w.scale.stride(0), y.stride(0),
+                              FP4=w.kind == "fp4", FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
+                              SCALE_E8M0=w.scale_e8m0, BM=cfg.BM, BN=cfg.BN,
+                              GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return y
+    dtype = w.values.dtype
+    x = x.to(dtype).contiguous()
+    y = out if out is not None else torch.empty((m, n), dtype=dtype, device=x.device)
+    if m == 0:
+        return y
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN),)
+    _plain_gemm_kernel[grid](x, w.values, y, m, n, k, x.stride(0), w.values.stride(0), y.stride(0),
+                             IEEE=dtype == torch.float32, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+# ---------------------------------------------------------------------------------------------
+# sparse attention with sinks
+# ---------------------------------------------------------------------------------------------
+SPARSE_ATTN_BLOCK = 64
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, H, D, KI, scale,
+                        stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr):
+    n = tl.program_id(0)
+    hb = tl.program_id(1)
+    rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    rd = tl.arange(0, BLOCK_D)
+    hmask = rh < H
+    dmask = rd < D
+    q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + rh[:, None] * stride_qh + rd[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    ri = tl.arange(0, BLOCK_I)
+    for start in range(0, KI, BLOCK_I):
+        ids = tl.load(idx_ptr + n.to(tl.int64) * stride_in + start + ri, mask=(start + ri) < KI, other=-1)
+        valid = ids != -1
+        rows = tl.where(valid, ids, 0).to(tl.int64)
+        kv = tl.load(kv_ptr + rows[:, None] * stride_kv + rd[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(kv))
+        s = tl.where(valid[None, :], s, float("-inf")) * scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv)
+        m_i = m_new
+    sink = tl.load(sink_ptr + rh, mask=hmask, other=0.0)
+    l_i = l_i + tl.exp(sink - m_i)
+    o = tl.math.div_rn(acc, l_i[:, None])
+    tl.store(o_ptr + n.to(tl.int64) * stride_on + rh[:, None] * stride_oh + rd[None, :], o.to(tl.bfloat16),
+             mask=hmask[:, None] & dmask[None, :])
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Single-KV-head attention over gathered rows with a per-head sink (see cpu.sparse_attn).
+    q [N, H, D] bf16; kv [R, D] bf16; sink [H] fp32; idx [N, K] int (-1 = none). Returns bf16 [N, H, D]."""
+    n, h, d = q.shape
+    assert kv.dim() == 2 and kv.size(1) == d and idx.dim() == 2 and idx.size(0) == n
+    q = q.to(torch.bfloat16)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    kv = kv.to(torch.bfloat16)
+    if kv.stride(1) != 1:
+        kv = kv.contiguous()
+    idx = idx.contiguous()
+    if idx.dtype not in (torch.int32, torch.int64):
+        idx = idx.long()
+    sink = sink.float().contiguous()
+    o = out if out is not None else torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
+    if n == 0:
+        return o
+    block_h = min(64, max(16, triton.next_power_of_2(h)))
+    block_d = max(16, triton.next_power_of_2(d))
+    warps = 8 if block_h * block_d >= 64 * 256 else 4
+    grid = (n, triton.cdiv(h, block_h))
+    _sparse_attn_kernel[grid](q, kv, sink, idx, o, h, d, idx.size(1), float(scale),
+                              q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1),
+                              BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_I=SPARSE_ATTN_BLOCK,
+                              num_warps=warps, num_stages=2)
+    return o
+
+
+# ---------------------------------------------------------------------------------------------
+# mHC split + Sinkhorn
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _sigmoid(x):
+    return tl.math.div_rn(1.0, 1.0 + libdevice.exp(-x))
+
+
+@triton.jit(do_not_specialize=["N"])
+def _hc_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, N, iters, eps,
+               HC: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    NM: tl.constexpr = 2 * HC + HC * HC
+    r = pid * ROWS + tl.arange(0, ROWS)
+    rmask = r < N
+    j = tl.arange(0, HC)
+    row = mix_ptr + r.to(tl.int64) * NM
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    m_pre = tl.load(row[:, None] + j[None, :], mask=rmask[:, None], other=0.0)
+    m_post = tl.load(row[:, None] + HC + j[None, :], mask=rmask[:, None], other=0.0)
+    cidx = j[:, None] * HC + j[None, :]
+    m_comb = tl.load(row[:, None, None] + 2 * HC + cidx[None, :, :], mask=rmask[:, None, None], other=0.0)
+    pre = _sigmoid(m_pre * s0 + tl.load(base_ptr + j)[None, :]) + eps
+    post = 2.0 * _sigmoid(m_post * s1 + tl.load(base_ptr + HC + j)[None, :])
+    c = m_comb * s2 + tl.load(base_ptr + 2 * HC + cidx)[None, :, :]
+    c = libdevice.exp(c - tl.max(c, axis=2)[:, :, None])
+    c = tl.math.div_rn(c, tl.sum(c, axis=2)[:, :, None]) + eps
+    c = tl.math.div_rn(c, tl.sum(c, axis=1)[:, None, :] + eps)
+    for _ in range(1, iters):
+        c = tl.math.div_rn(c, tl.sum(c, axis=2)[:, :, None] + eps)
+        c = tl.math.div_rn(c, tl.sum(c, axis=1)[:, None, :] + eps)
+    out_r = r.to(tl.int64)
+    tl.store(pre_ptr + out_r[:, None] * HC + j[None, :], pre, mask=rmask[:, None])
+    tl.store(post_ptr + out_r[:, None] * HC + j[None, :], post, mask=rmask[:, None])
+    tl.store(comb_ptr + out_r[:, None, None] * (HC * HC) + cidx[None, :, :], c, mask=rmask[:, None, None])
+
+
+HC_ROWS = 64  # rows per program (fixed; rows never interact)
+
+
+def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC coefficients from the (2+hc)*hc mixes (fp32): pre [.., hc], post [.., hc] and the
+    Sinkhorn-normalised comb [.., hc, hc] (see cpu.hc_split_sinkhorn)."""
+    assert hc & (hc - 1) == 0 and mixes.size(-1) == (2 + hc) * hc and iters >= 1
+    lead = mixes.shape[:-1]
+    m = mixes.reshape(-1, mixes.size(-1)).float().contiguous()
+    n = m.size(0)
+    dev = mixes.device
+    pre = torch.empty((n, hc), dtype=torch.float32, device=dev)
+    post = torch.empty((n, hc), dtype=torch.float32, device=dev)
+    comb = torch.empty((n, hc, hc), dtype=torch.float32, device=dev)
+    if n:
+        _hc_kernel[(triton.cdiv(n, HC_ROWS),)](m, scale.float().contiguous(), base.float().contiguous(),
+                                               pre, post, comb, n, iters, float(eps), HC=hc, ROWS=HC_ROWS,
+                                               num_warps=4)
+    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)

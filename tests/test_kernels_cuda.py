@@ -1,0 +1,291 @@
+"""CUDA (Triton) kernels against the CPU reference backend, on fresh random inputs.
+
+Each comparison reports ‖Δ‖/‖ref‖ and the largest distance in units in the last place of the output
+dtype (bf16 or fp32), and asserts the written tolerances below. Batch invariance is checked bit for
+bit: a row computed in a call of M rows equals the same row computed with M = 1, 7, 64 and 300, at
+any position. Set DSFLASH_TOL_REPORT=path to append every measurement as a JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from dsflash.kernels import cpu
+from dsflash.numerics.quant import fp8_act_codes
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; run on the GPU machine")
+
+if torch.cuda.is_available():
+    from dsflash.kernels import cuda as kc
+
+DEV = "cuda"
+
+# written tolerances: (‖Δ‖/‖ref‖, max ulp over elements whose |ref| >= 2^-6 of the output's rms; the
+# ulp of a result that cancels to near zero measures the inputs' magnitude, not this kernel)
+TOL = {
+    "fp8": (2e-3, 2),
+    "fp4": (2e-3, 2),
+    "bf16": (2e-3, 2),
+    "fp32": (1e-5, 64),
+    "sparse_attn": (4e-3, 2),
+    "hc": (1e-5, 16),
+}
+
+
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """Float bits mapped to integers whose order and distance count representable values (ulps)."""
+    if t.dtype == torch.bfloat16:
+        i = t.contiguous().view(torch.int16).to(torch.int64)
+        return torch.where(i < 0, -(i & 0x7FFF), i)
+    i = t.float().contiguous().view(torch.int32).to(torch.int64)
+    return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+
+def measure(name: str, out: torch.Tensor, ref: torch.Tensor) -> tuple[float, int, int]:
+    out = out.cpu()
+    ref = ref.to(out.dtype)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert not torch.isnan(out).any(), f"{name}: NaN in output (unwritten element?)"
+    d = (out.float() - ref.float()).norm().item()
+    rel = d / max(ref.float().norm().item(), 1e-30)
+    ulp = (_ordered(out) - _ordered(ref)).abs()
+    big = ref.float().abs() >= 2**-6 * ref.float().square().mean().sqrt()
+    max_ulp_big = int(ulp[big].max()) if big.any() else 0
+    max_ulp = int(ulp.max())
+    line = {"name": name, "rel": rel, "max_ulp": max_ulp, "max_ulp_big": max_ulp_big,
+            "frac_bit_equal": float((ulp == 0).float().mean())}
+    print("TOL", json.dumps(line))
+    path = os.environ.get("DSFLASH_TOL_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return rel, max_ulp_big, max_ulp
+
+
+def check(name: str, kind: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+    rel, ulp_big, _ = measure(name, out, ref)
+    rel_tol, ulp_tol = TOL[kind]
+    assert rel <= rel_tol, f"{name}: rel {rel:.3g} > {rel_tol}"
+    assert ulp_big <= ulp_tol, f"{name}: max ulp {ulp_big} > {ulp_tol}"
+
+
+# ---------------------------------------------------------------------------------------------
+# random inputs
+# ---------------------------------------------------------------------------------------------
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rand_act(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """bf16 activations whose 32-blocks span many binades (exercises the per-block scales)."""
+    x = torch.randn(m, k, generator=g)
+    block_mag = torch.exp2(torch.randint(-6, 7, (m, -(-k // 32)), generator=g).float()).repeat_interleave(32, 1)
+    x = x * block_mag[:, :k]
+    x[:, :: 97] *= 40.0  # outliers
+    return x.bfloat16()
+
+
+def rand_weight(kind: str, n: int, k: int, g: torch.Generator) -> cpu.Weight:
+    """A CPU-reference Weight as model/weights.py builds it from a checkpoint."""
+    if kind == "fp8":
+        codes = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        tiles = torch.exp2(torch.randint(-14, -6, (-(-n // 32), k // 32), generator=g).float())
+        return cpu.Weight("fp8", codes, tiles.repeat_interleave(32, 0)[:n].contiguous())
+    if kind == "fp4":
+        table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+        codes = table[torch.randint(0, 16, (n, k), generator=g)]
+        return cpu.Weight("fp4", codes, torch.exp2(torch.randint(-10, -3, (n, k // 32), generator=g).float()))
+    w = torch.randn(n, k, generator=g) / k**0.5
+    return cpu.Weight(kind, w.bfloat16() if kind == "bf16" else w)
+
+
+def act_for(kind: str, m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    x = rand_act(m, k, g)
+    return x.float() if kind == "fp32" else x
+
+
+# ---------------------------------------------------------------------------------------------
+# activation quantisation: bit-exact
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,k", [(1, 5120), (37, 1280), (300, 160)])
+def test_quant_act_bit_exact(m, k):
+    g = gen(1)
+    x = rand_act(m, k, g)
+    x[0, :32] = 0  # an all-zero block takes the 1e-4 floor
+    x[-1, 32:64] = torch.tensor(3.0e38).bfloat16()  # near the top of bf16
+    x[-1, 64:96] = torch.tensor(1e-30).bfloat16()  # tiny block
+    q, words = kc.quant_act(x.to(DEV))
+    q_ref, s_ref = fp8_act_codes(x)
+    assert torch.equal(q.float().cpu(), q_ref)
+    assert torch.equal(kc.act_scales(words, k).cpu(), s_ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear
+# ---------------------------------------------------------------------------------------------
+LINEAR_SHAPES = [  # (kind, out N, in K): real V4.1-Flash layers, then odd sizes
+    ("fp8", 1280, 5120),    # wq_a: dim -> q_lora
+    ("fp8", 32768, 1280),   # wq_b: q_lora -> 64 heads x 512
+    ("fp8", 512, 5120),     # wkv
+    ("fp8", 5120, 8192),    # wo_b
+    ("fp8", 2304, 5120),    # shared expert w1/w3
+    ("fp8", 5120, 2304),    # shared expert w2
+    ("fp4", 2304, 5120),    # routed expert w1/w3
+    ("fp4", 5120, 2304),    # routed expert w2
+    ("bf16", 128, 5120),    # indexer.wk
+    ("bf16", 1024, 4096),
+    ("fp32", 384, 5120),    # router gate
+    ("fp8", 96, 160),       # K not a multiple of 128, N not of the tile
+    ("fp4", 40, 96),
+    ("bf16", 50, 72),
+    ("fp32", 33, 40),
+]
+
+
+@pytest.mark.parametrize("kind,n,k", LINEAR_SHAPES)
+def test_linear_matches_cpu(kind, n, k):
+    g = gen(n * 7919 + k)
+    w = rand_weight(kind, n, k, g)
+    wc = kc.to_cuda_weight(w)
+    m = 37
+    x = act_for(kind, m, k, g)
+    ref = cpu.linear(x, w)
+    out_dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEV)
+    y = kc.linear(x.to(DEV), wc, out=out)
+    assert y.data_ptr() == out.data_ptr() and y.dtype == ref.dtype
+    check(f"linear {kind} {k}->{n} M={m}", kind, y, ref)
+    if kind in ("fp8", "fp4"):  # the fused-quantisation path gives the same bits
+        y2 = kc.linear(x.to(DEV), wc, fuse_quant=not (m <= kc.FUSE_QUANT_MAX_M))
+        assert torch.equal(y, y2)
+
+
+def test_to_cuda_weight_roundtrip():
+    g = gen(7)
+    w8 = rand_weight("fp8", 100, 256, g)
+    c8 = kc.to_cuda_weight(w8)
+    assert c8.values.dtype == torch.float8_e4m3fn and c8.scale_rows == 32 and c8.scale_e8m0
+    assert torch.equal(c8.values.float().cpu(), w8.values)
+    w4 = rand_weight("fp4", 64, 192, g)
+    c4 = kc.to_cuda_weight(w4)
+    assert c4.values.dtype == torch.uint8 and c4.values.shape == (64, 96) and c4.in_features == 192
+    # a weight whose scales are not powers of two keeps float32 scales and still matches
+    wq = cpu.Weight("fp4", w4.values, w4.scale * 1.375)
+    cq = kc.to_cuda_weight(wq)
+    assert cq.scale.dtype == torch.float32
+    x = rand_act(5, 192, g)
+    check("linear fp4 float32-scales", "fp4", kc.linear(x.to(DEV), cq), cpu.linear(x, wq))
+
+
+INVARIANCE_SHAPES = [("fp8", 1280, 5120), ("fp4", 2304, 5120), ("fp8", 96, 160), ("bf16", 1024, 4096),
+                     ("fp32", 384, 5120)]
+
+
+@pytest.mark.parametrize("kind,n,k", INVARIANCE_SHAPES)
+def test_linear_batch_invariant(kind, n, k):
+    g = gen(11)
+    wc = kc.to_cuda_weight(rand_weight(kind, n, k, g))
+    x = act_for(kind, 300, k, g).to(DEV)
+    full = kc.linear(x, wc)
+    perm = torch.randperm(300, generator=g).to(DEV)
+    for m in (1, 7, 64, 300):
+        assert torch.equal(kc.linear(x[:m], wc), full[:m]), f"prefix M={m}"
+        rows = perm[:m]
+        assert torch.equal(kc.linear(x[rows], wc), full[rows]), f"permuted M={m}"
+        if kind in ("fp8", "fp4"):
+            for fuse in (False, True):
+                assert torch.equal(kc.linear(x[rows], wc, fuse_quant=fuse), full[rows]), f"fuse={fuse} M={m}"
+    for r in (0, 123, 299):
+        assert torch.equal(kc.linear(x[r:r + 1], wc), full[r:r + 1]), f"single row {r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse attention
+# ---------------------------------------------------------------------------------------------
+def attn_inputs(n, h, d, r, k, g, scattered=False):
+    q = (torch.randn(n, h, d, generator=g) * 2).bfloat16()
+    kv = torch.randn(r, d, generator=g).bfloat16()
+    sink = torch.randn(h, generator=g)
+    idx = torch.randint(0, r, (n, k), generator=g)
+    n_valid = torch.randint(0, k + 1, (n,), generator=g)
+    n_valid[0] = k
+    if n > 2:
+        n_valid[1] = 0  # a query with no valid row gives zeros
+    if scattered:  # -1 anywhere (the reference allows it)
+        idx = torch.where(torch.rand(n, k, generator=g) < 0.3, -1, idx)
+    else:  # valid entries first, as the model lays them out
+        idx = torch.where(torch.arange(k)[None, :] < n_valid[:, None], idx, -1)
+    return q, kv, sink, idx.to(torch.int32)
+
+
+@pytest.mark.parametrize("n,h,d,r,k,scattered", [
+    (19, 64, 512, 4096, 640, False),   # V4.1: 64 heads x 512, 512 top-k + 128 window
+    (9, 64, 512, 1000, 160, True),
+    (13, 8, 64, 300, 100, True),       # small model sizes, K not a multiple of 64
+])
+def test_sparse_attn_matches_cpu(n, h, d, r, k, scattered):
+    g = gen(n * 1000 + k)
+    q, kv, sink, idx = attn_inputs(n, h, d, r, k, g, scattered)
+    scale = d ** -0.5
+    ref = cpu.sparse_attn(q, kv, sink, idx, scale)
+    out = torch.full((n, h, d), float("nan"), dtype=torch.bfloat16, device=DEV)
+    o = kc.sparse_attn(q.to(DEV), kv.to(DEV), sink.to(DEV), idx.to(DEV), scale, out=out)
+    if not scattered:
+        assert torch.equal(o[1].cpu(), torch.zeros(h, d, dtype=torch.bfloat16))
+    check(f"sparse_attn N={n} H={h} D={d} K={k}", "sparse_attn", o, ref)
+    o64 = kc.sparse_attn(q.to(DEV), kv.to(DEV), sink.to(DEV), idx.long().to(DEV), scale)
+    assert torch.equal(o, o64)
+
+
+def test_sparse_attn_batch_invariant():
+    g = gen(5)
+    q, kv, sink, idx = attn_inputs(300, 64, 512, 2048, 640, g)
+    q, kv, sink, idx = (t.to(DEV) for t in (q, kv, sink, idx))
+    scale = 512 ** -0.5
+    full = kc.sparse_attn(q, kv, sink, idx, scale)
+    perm = torch.randperm(300, generator=g).to(DEV)
+    for m in (1, 7, 64, 300):
+        rows = perm[:m]
+        assert torch.equal(kc.sparse_attn(q[rows], kv, sink, idx[rows], scale), full[rows]), f"M={m}"
+        assert torch.equal(kc.sparse_attn(q[:m], kv, sink, idx[:m], scale), full[:m]), f"prefix M={m}"
+
+
+# ---------------------------------------------------------------------------------------------
+# mHC split + Sinkhorn
+# ---------------------------------------------------------------------------------------------
+def hc_inputs(n, g):
+    mixes = torch.randn(n, 24, generator=g) * 3
+    scale = torch.rand(3, generator=g) * 2 + 0.1
+    base = torch.randn(24, generator=g)
+    return mixes, scale, base
+
+
+def test_hc_split_sinkhorn_matches_cpu():
+    g = gen(3)
+    mixes, scale, base = hc_inputs(1000, g)
+    ref = cpu.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)
+    out = kc.hc_split_sinkhorn(mixes.to(DEV), scale.to(DEV), base.to(DEV), 4, 20, 1e-6)
+    for name, o, r in zip(("pre", "post", "comb"), out, ref, strict=True):
+        assert o.shape == r.shape
+        check(f"hc_split_sinkhorn {name}", "hc", o, r)
+    # leading dims are kept
+    m3 = mixes[:12].view(3, 4, 24)
+    pre, post, comb = kc.hc_split_sinkhorn(m3.to(DEV), scale.to(DEV), base.to(DEV), 4, 20, 1e-6)
+    assert pre.shape == (3, 4, 4) and comb.shape == (3, 4, 4, 4)
+    assert torch.equal(comb.reshape(12, 4, 4), out[2][:12])
+
+
+def test_hc_split_sinkhorn_batch_invariant():
+    g = gen(4)
+    mixes, scale, base = (t.to(DEV) for t in hc_inputs(300, g))
+    full = kc.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)
+    perm = torch.randperm(300, generator=g).to(DEV)
+    for m in (1, 7, 64, 300):
+        rows = perm[:m]
+        part = kc.hc_split_sinkhorn(mixes[rows], scale, base, 4, 20, 1e-6)
+        for a, b in zip(part, full, strict=True):
+            assert torch.equal(a, b[rows]), f"M={m}"
