@@ -8,6 +8,8 @@ The DSpark stages (`mtp.S.`) share `embed.weight` and `head.weight`, which are s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dsflash.config import ModelArgs
 from dsflash.numerics.codecs import SCALE_BLOCK
 
@@ -39,7 +41,7 @@ def _bf16(out: Expected, name: str, *shape: int) -> None:
     out[name] = (BF16, shape)
 
 
-def _swiglu(out: Expected, prefix: str, dim: int, inter: int, add) -> None:
+def _swiglu(out: Expected, prefix: str, dim: int, inter: int, add: Callable[[Expected, str, int, int], None]) -> None:
     add(out, f"{prefix}.w1", inter, dim)
     add(out, f"{prefix}.w2", dim, inter)
     add(out, f"{prefix}.w3", inter, dim)
