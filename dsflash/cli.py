@@ -14,6 +14,7 @@ COMMANDS = [
     "dsflash.model.logits_cmd",  # logits
     "dsflash.engine.generate_cmd",  # generate
     "dsflash.server.serve_cmd",  # serve
+    "dsflash.split.box",  # box
 ]
 
 

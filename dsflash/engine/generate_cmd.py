@@ -61,7 +61,7 @@ def prepare_session(engine: Engine, prompt: list[int], cache: PrefixCache | None
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = Engine.load(args.model)
+    engine = Engine.load(args.model, box=args.box, box_token=args.box_token, box_deadline=args.box_deadline)
     tokenizer = None
     if args.prompt is not None:
         tokenizer = load_tokenizer(args.model)
@@ -116,5 +116,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", help="prefix-cache directory")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prefill chunk size")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--box", metavar="HOST:PORT", help="run the encoder half on this dsflash box")
+    p.add_argument("--box-token", help="the box's shared secret")
+    p.add_argument("--box-deadline", type=float, default=60.0, help="seconds to wait for a box that went away")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.set_defaults(func=run)

@@ -87,6 +87,12 @@ class LocalEncoder:
         pass
 
 
+def engine_identity(model: Transformer) -> str:
+    """The model identity both sides of a split compare: the whole checkpoint's config and tensor index
+    (either half loads the same files) and the numerics version."""
+    return f"{model_identity(model.args, model.ckpt)}-n{NUMERICS_VERSION}"
+
+
 @dataclass
 class Engine:
     decoder: Transformer
@@ -96,14 +102,20 @@ class Engine:
     open_encoder: Callable[[], EncoderSession] | None = field(default=None, repr=False)
 
     @classmethod
-    def load(cls, path: str | Path, max_context: int | None = None, with_encoder: bool = True) -> Engine:
-        """Both halves from one checkpoint (with_encoder=False: the decoder half only, for a split)."""
+    def load(cls, path: str | Path, max_context: int | None = None, box: str | None = None,
+             box_token: str | None = None, box_deadline: float = 60.0) -> Engine:
+        """Both halves from one checkpoint, or with `box` (HOST:PORT) the decoder half here and the
+        encoder half on that box."""
         decoder = load_model(path, half="decoder")
-        encoder = load_model(path, half="encoder") if with_encoder else None
-        ident = f"{model_identity(decoder.args, decoder.ckpt)}-n{NUMERICS_VERSION}"
-        engine = cls(decoder, encoder, max_context or decoder.args.max_seq_len, ident)
+        encoder = None if box else load_model(path, half="encoder")
+        engine = cls(decoder, encoder, max_context or decoder.args.max_seq_len, engine_identity(decoder))
         if encoder is not None:
             engine.open_encoder = lambda: LocalEncoder(encoder)
+        else:
+            from dsflash.split.link import BoxLink, RemoteEncoder
+
+            engine.link = BoxLink(box, engine.identity, box_token, box_deadline)
+            engine.open_encoder = lambda: RemoteEncoder(engine.link, decoder.args)
         return engine
 
     @property
@@ -207,20 +219,26 @@ class Session:
         self.encoder.close()
 
     def snapshot(self) -> bytes:
-        if not isinstance(self.encoder, LocalEncoder):
-            raise snapshot.SnapshotError("a session whose encoder half runs on a box snapshots on the box")
+        """The decoder half's state, and the encoder half's when it is local (a box keeps its own and is
+        re-synchronised from the tokens on restore)."""
         extras = {"main_hidden": self._main_hidden.data}
         if self.last_logits is not None:
             extras["last_logits"] = self.last_logits
-        states = {"encoder": self.encoder.state, "decoder": self.state}
+        states = {"decoder": self.state}
+        if isinstance(self.encoder, LocalEncoder):
+            states["encoder"] = self.encoder.state
         return snapshot.encode(states, self.tokens, self.engine.identity, extras)
 
     @classmethod
     def restore(cls, engine: Engine, blob: bytes) -> Session:
         states, tokens, extras = snapshot.decode(blob, engine.identity)
-        if engine.encoder is None:
-            raise snapshot.SnapshotError("restoring a local snapshot needs the encoder half in this process")
-        s = cls(engine, LocalEncoder(engine.encoder, states["encoder"]))
+        if engine.encoder is not None:
+            if "encoder" not in states:
+                raise snapshot.SnapshotError("snapshot holds no encoder state (made with a box)")
+            s = cls(engine, LocalEncoder(engine.encoder, states["encoder"]))
+        else:
+            s = cls(engine)
+            s.encoder.restore(tokens)
         s.state, s.tokens = states["decoder"], tokens
         s._main_hidden.data.copy_(extras["main_hidden"])
         s.last_logits = extras.get("last_logits")
