@@ -24,15 +24,19 @@ if torch.cuda.is_available():
 
 DEV = "cuda"
 
-# written tolerances: (‖Δ‖/‖ref‖, max ulp over elements whose |ref| >= 2^-6 of the output's rms; the
-# ulp of a result that cancels to near zero measures the inputs' magnitude, not this kernel)
+# written tolerances: (‖Δ‖/‖ref‖, max ulp of the output dtype over elements whose |ref| >= 1/8 of the
+# output's rms; a result that cancels to near zero has an ulp far below its inputs' rounding, so its
+# ulp distance measures the inputs' magnitude, not this kernel -- it is reported, not asserted).
+# fp8/fp4: the tensor cores' FP8 dot of a 32-wide block keeps fewer bits than the CPU's fp32 sum
+# (DeepSeek's kernels share this), so ~4% of bf16 outputs differ by an ulp or more; fp32: IEEE fp32
+# in another summation order over K=5120.
 TOL = {
-    "fp8": (2e-3, 2),
-    "fp4": (2e-3, 2),
-    "bf16": (2e-3, 2),
-    "fp32": (1e-5, 64),
-    "sparse_attn": (4e-3, 2),
-    "hc": (1e-5, 16),
+    "fp8": (2e-3, 8),
+    "fp4": (2e-3, 8),
+    "bf16": (1e-3, 2),
+    "fp32": (1e-5, 4096),
+    "sparse_attn": (2e-3, 8),
+    "hc": (1e-6, 64),
 }
 
 
@@ -53,10 +57,13 @@ def measure(name: str, out: torch.Tensor, ref: torch.Tensor) -> tuple[float, int
     d = (out.float() - ref.float()).norm().item()
     rel = d / max(ref.float().norm().item(), 1e-30)
     ulp = (_ordered(out) - _ordered(ref)).abs()
-    big = ref.float().abs() >= 2**-6 * ref.float().square().mean().sqrt()
-    max_ulp_big = int(ulp[big].max()) if big.any() else 0
+    rms = ref.float().square().mean().sqrt()
+    typical = ref.float().abs() >= rms / 8
+    small = ref.float().abs() >= rms / 64
+    max_ulp_big = int(ulp[typical].max()) if typical.any() else 0
     max_ulp = int(ulp.max())
-    line = {"name": name, "rel": rel, "max_ulp": max_ulp, "max_ulp_big": max_ulp_big,
+    line = {"name": name, "rel": rel, "max_ulp_typical": max_ulp_big,
+            "max_ulp_rms64": int(ulp[small].max()) if small.any() else 0, "max_ulp_all": max_ulp,
             "frac_bit_equal": float((ulp == 0).float().mean())}
     print("TOL", json.dumps(line))
     path = os.environ.get("DSFLASH_TOL_REPORT")
@@ -159,7 +166,10 @@ def test_linear_matches_cpu(kind, n, k):
     y = kc.linear(x.to(DEV), wc, out=out)
     assert y.data_ptr() == out.data_ptr() and y.dtype == ref.dtype
     check(f"linear {kind} {k}->{n} M={m}", kind, y, ref)
-    if kind in ("fp8", "fp4"):  # the fused-quantisation path gives the same bits
+    # the same rows through the small-M route (fused quantisation, K split over programs) and alone
+    assert torch.equal(kc.linear(x[:5].to(DEV), wc), y[:5])
+    assert torch.equal(kc.linear(x[3:4].to(DEV), wc), y[3:4])
+    if kind in ("fp8", "fp4"):  # the other quantisation path gives the same bits
         y2 = kc.linear(x.to(DEV), wc, fuse_quant=not (m <= kc.FUSE_QUANT_MAX_M))
         assert torch.equal(y, y2)
 
@@ -196,9 +206,14 @@ def test_linear_batch_invariant(kind, n, k):
         assert torch.equal(kc.linear(x[:m], wc), full[:m]), f"prefix M={m}"
         rows = perm[:m]
         assert torch.equal(kc.linear(x[rows], wc), full[rows]), f"permuted M={m}"
-        if kind in ("fp8", "fp4"):
+        if kind in ("fp8", "fp4"):  # every route that must not change bits
             for fuse in (False, True):
                 assert torch.equal(kc.linear(x[rows], wc, fuse_quant=fuse), full[rows]), f"fuse={fuse} M={m}"
+            for splits in (1, 3, 1000):
+                assert torch.equal(kc.linear(x[rows], wc, splits=splits), full[rows]), f"splits={splits} M={m}"
+            if kind == "fp4":
+                for pre in (False, True):
+                    assert torch.equal(kc.linear(x[rows], wc, preconvert=pre), full[rows]), f"pre={pre} M={m}"
     for r in (0, 123, 299):
         assert torch.equal(kc.linear(x[r:r + 1], wc), full[r:r + 1]), f"single row {r}"
 

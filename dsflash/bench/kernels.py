@@ -47,8 +47,22 @@ HEAD_MAX_M = 8  # the fp32 head only ever sees the last positions
 
 
 def bench(fn, warmup=25, rep=100) -> float:
-    """Median milliseconds."""
+    """Median milliseconds of eager calls (launch overhead included when it exceeds the GPU time)."""
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def bench_graph(fn, rep=20) -> float:
+    """Median milliseconds per call from CUDA-graph replays (GPU time without host launch overhead)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+LAST_EAGER: dict = {}
+
+
+def bench_both(fn) -> float:
+    """Graph time (returned) and eager time (kept in LAST_EAGER["ms"] for the row)."""
+    LAST_EAGER["ms"] = bench(fn, warmup=10, rep=40)
+    return bench_graph(fn)
 
 
 def measure_ceilings() -> dict:
@@ -116,12 +130,15 @@ def row(kernel, shape, m, ms, nbytes, flops, ceil, extra=None):
     t_cmp = flops / (rate * 1e12)
     bound = "memory" if t_mem >= t_cmp else "compute"
     floor_ms = max(t_mem, t_cmp) * 1e3
-    r = {"kernel": kernel, "shape": shape, "M": m, "us": ms * 1e3, "bytes": nbytes, "flops": flops,
+    eager = LAST_EAGER.pop("ms", None)
+    r = {"kernel": kernel, "shape": shape, "M": m, "us": ms * 1e3, "eager_us": None if eager is None else eager * 1e3,
+         "bytes": nbytes, "flops": flops,
          "TBps": tbs, "TFLOPs": tflops, "bound": bound, "floor_us": floor_ms * 1e3,
          "pct_of_ceiling": 100 * floor_ms / ms}
     if extra:
         r.update({k: v for k, v in extra.items() if k != "fp8"})
-    print(f"{kernel:<22} {shape:<22} M={m:<5} {ms * 1e3:10.1f} us  {tbs:6.2f} TB/s  {tflops:7.1f} TFLOP/s "
+    print(f"{kernel:<18} {shape:<22} M={m:<5} {ms * 1e3:9.1f} us (eager {r['eager_us'] or 0:7.1f}) {tbs:5.2f} TB/s "
+          f"{tflops:6.1f} TFLOP/s "
           f"{bound:<7} {r['pct_of_ceiling']:5.1f}% of floor {r.get('note', '')}", flush=True)
     return r
 
@@ -143,29 +160,36 @@ def bench_linears(ceil, ms_values, sweep: bool) -> list[dict]:
             flops = 2 * m * n * k
             cfg = kc.linear_config(kind, n, k)
             fn = _rotating([lambda w=w, x=x: kc.linear(x, w) for w in copies])
-            ms = bench(fn)
+            ms = bench_both(fn)
             extra = {"fp8": kind in ("fp8", "fp4"), "layer": name, "kind": kind,
                      "config": f"BM{cfg.BM} BN{cfg.BN} w{cfg.num_warps} s{cfg.num_stages}"}
             if kind in ("fp8", "fp4"):
                 extra["fused_quant"] = m <= kc.FUSE_QUANT_MAX_M
             rows.append(row(f"linear {kind}", f"{name} {k}->{n}", m, ms, nbytes, flops, ceil, extra))
-            if kind in ("fp8", "fp4") and m <= 64:  # the other quantisation path (same bits)
-                fuse = not (m <= kc.FUSE_QUANT_MAX_M)
-                ms2 = bench(_rotating([lambda w=w, x=x, f=fuse: kc.linear(x, w, fuse_quant=f) for w in copies]))
+            alts = []  # the same bits by another route: record what each M-dependent choice buys
+            if kind in ("fp8", "fp4") and m <= kc.SPLIT_MAX_M:
+                alts += [{"fuse_quant": m > kc.FUSE_QUANT_MAX_M}, {"splits": 1}]
+            if kind == "fp4" and m >= kc.FP4_PRECONVERT_M:
+                alts += [{"preconvert": False}]
+            for alt in alts:
+                ms2 = bench_both(_rotating([lambda w=w, x=x, a=alt: kc.linear(x, w, **a) for w in copies]))
+                note = " ".join(f"{key}={val}" for key, val in alt.items())
                 rows.append(row(f"linear {kind} alt", f"{name} {k}->{n}", m, ms2, nbytes, flops, ceil,
-                                dict(extra, fused_quant=fuse, note=f"fuse_quant={fuse}")))
+                                dict(extra, note=note)))
             if kind in ("bf16", "fp8", "fp4") and m in (1, 8192):  # cuBLAS bf16 for context (not row-invariant)
                 wref = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                 xb = x.bfloat16()
-                ms3 = bench(lambda xb=xb, wref=wref: torch.nn.functional.linear(xb, wref))
-                rows.append(row("cuBLAS bf16 (ref)", f"{name} {k}->{n}", m, ms3, n * k * 2 + xb.numel() * 2 + m * n * 2,
-                                flops, ceil, {"layer": name, "kind": "bf16-cublas"}))
+                ms3 = bench_both(lambda xb=xb, wref=wref: torch.nn.functional.linear(xb, wref))
+                ref_bytes = n * k * 2 + xb.numel() * 2 + m * n * 2
+                rows.append(row("cuBLAS bf16 (ref)", f"{name} {k}->{n}", m, ms3, ref_bytes, flops, ceil,
+                                {"layer": name, "kind": "bf16-cublas"}))
             if sweep and kind in ("fp8", "fp4") and m in (1, 512, 8192):
                 for cand in SWEEP_CONFIGS:
                     if cand == cfg:
                         continue
                     try:
-                        ms4 = bench(_rotating([lambda w=w, x=x, c=cand: kc.linear(x, w, config=c) for w in copies]))
+                        fns = [lambda w=w, x=x, c=cand: kc.linear(x, w, config=c) for w in copies]
+                        ms4 = bench_graph(_rotating(fns))
                     except Exception as e:  # noqa: BLE001
                         print("sweep config failed", cand, e, file=sys.stderr)
                         continue
@@ -178,10 +202,7 @@ def bench_linears(ceil, ms_values, sweep: bool) -> list[dict]:
 
 
 SWEEP_CONFIGS = [
-    kc.LinearConfig(64, 16, 32, 4, 4),
-    kc.LinearConfig(64, 32, 32, 4, 4),
     kc.LinearConfig(64, 64, 32, 4, 4),
-    kc.LinearConfig(64, 128, 32, 8, 3),
     kc.LinearConfig(128, 64, 32, 8, 3),
     kc.LinearConfig(128, 128, 32, 8, 3),
 ]
@@ -192,7 +213,7 @@ def bench_quant(ceil, ms_values) -> list[dict]:
     for k in (5120,):
         for m in ms_values:
             x = torch.randn(m, k, device="cuda").bfloat16()
-            ms = bench(lambda x=x: kc.quant_act(x))
+            ms = bench_both(lambda x=x: kc.quant_act(x))
             rows.append(row("quant_act", f"K={k}", m, ms, m * k * 3 + m * k // 32, 0, ceil))
     return rows
 
@@ -205,7 +226,7 @@ def bench_sparse_attn(ceil, ms_values, h=64, d=512, k=640) -> list[dict]:
         kv = torch.randn(r, d, device="cuda").bfloat16()
         sink = torch.randn(h, device="cuda")
         idx = torch.randint(0, r, (n, k), device="cuda", dtype=torch.int32)
-        ms = bench(lambda q=q, kv=kv, sink=sink, idx=idx: kc.sparse_attn(q, kv, sink, idx, d ** -0.5))
+        ms = bench_both(lambda q=q, kv=kv, sink=sink, idx=idx: kc.sparse_attn(q, kv, sink, idx, d ** -0.5))
         rows_read = min(r, n * k)
         nbytes = 2 * q.numel() * 2 + rows_read * d * 2 + idx.numel() * 4
         flops = 4 * n * h * k * d
@@ -219,7 +240,7 @@ def bench_hc(ceil, ms_values) -> list[dict]:
         mixes = torch.randn(n, 24, device="cuda")
         scale = torch.rand(3, device="cuda")
         base = torch.randn(24, device="cuda")
-        ms = bench(lambda m=mixes, s=scale, b=base: kc.hc_split_sinkhorn(m, s, b, 4, 20, 1e-6))
+        ms = bench_both(lambda m=mixes, s=scale, b=base: kc.hc_split_sinkhorn(m, s, b, 4, 20, 1e-6))
         flops = n * (20 * 2 * 16 * 3)  # ~3 ops per element per half-round
         rows.append(row("hc_split_sinkhorn", "hc=4 iters=20", n, ms, n * 48 * 4, flops, ceil))
     return rows
@@ -238,11 +259,15 @@ def to_markdown(meta: dict, rows: list[dict]) -> str:
         "Floor = max(bytes / copy rate, FLOPs / matrix rate (fp8 rate for fp8/fp4 GEMMs)); "
         "% = floor / measured time.",
         "",
-        "| kernel | shape | M | config | µs | TB/s | TFLOP/s | bound | % of floor | note |",
-        "|---|---|---:|---|---:|---:|---:|---|---:|---|",
+        "µs = median per call from CUDA-graph replays; eager µs = median of plain calls (host launch "
+        "overhead included).",
+        "",
+        "| kernel | shape | M | config | µs | eager µs | TB/s | TFLOP/s | bound | % of floor | note |",
+        "|---|---|---:|---|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['kernel']} | {r['shape']} | {r['M']} | {r.get('config', '')} | {r['us']:.1f} | "
+        eager = "" if r.get("eager_us") is None else f"{r['eager_us']:.1f}"
+        lines.append(f"| {r['kernel']} | {r['shape']} | {r['M']} | {r.get('config', '')} | {r['us']:.1f} | {eager} | "
                      f"{r['TBps']:.2f} | {r['TFLOPs']:.1f} | {r['bound']} | {r['pct_of_ceiling']:.1f} | "
                      f"{r.get('note', '')} |")
     return "\n".join(lines) + "\n"

@@ -38,11 +38,14 @@ from dsflash.kernels.cpu import Weight
 from dsflash.numerics.codecs import encode_e2m1, pack_fp4
 from dsflash.numerics.quant import ACT_BLOCK, FP8_MAX
 
-__all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "linear", "sparse_attn", "hc_split_sinkhorn",
-           "LinearConfig", "linear_config", "FUSE_QUANT_MAX_M"]
+__all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
+           "sparse_attn", "hc_split_sinkhorn", "LinearConfig", "linear_config"]
 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
-FUSE_QUANT_MAX_M = 64  # up to this many rows the GEMM quantises its own activation tile (same bits)
+# M-dependent choices that never change bits (see the module docstring and the invariance tests):
+FUSE_QUANT_MAX_M = 16  # up to this many rows the GEMM quantises its own activation tile
+SPLIT_MAX_M = 16  # up to this many rows the K loop is spread over programs (partials summed in K order)
+FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,12 +227,16 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, KB,
+def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chunks_per_split,
                     stride_xm, stride_wn, stride_wsk, stride_ym,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                    SCALE_E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+                    SCALE_E8M0: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    GROUP_M: tl.constexpr):
     """y[M, N] = sum over K blocks kb (in order) of dot32(A_kb, B_kb) * a_s * b_s, fp32, then bf16.
-    The K loop runs over chunks of 4 blocks; the chunk's scale words are loaded one chunk ahead."""
+    The K loop runs over chunks of 4 blocks; the chunk's scale words are loaded one chunk ahead.
+    SPLIT: program_id(1) takes `chunks_per_split` chunks and stores each block's scaled partial
+    (exactly the term the unsplit loop adds) to part[kb, m, n]; _ordered_sum_kernel then adds them
+    in K order, so the bits equal the unsplit kernel's."""
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -244,13 +251,19 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, KB,
     ws_cols = ws_ptr + rn // SCALE_ROWS
     xs_rows = xs_ptr + rm
     KC = tl.cdiv(KB, 4)
+    c_lo = 0
+    c_hi = KC
+    if SPLIT:
+        c_lo = tl.program_id(1) * chunks_per_split
+        c_hi = tl.minimum(c_lo + chunks_per_split, KC)
+        part_rows = part_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
     if not FUSE_QUANT:
-        aw_next = tl.load(xs_rows, mask=mmask, other=_ONE_WORD)
+        aw_next = tl.load(xs_rows + c_lo * M, mask=mmask, other=_ONE_WORD)
     if SCALE_E8M0:
-        bw_next = tl.load(ws_cols, mask=nmask, other=_ONE_WORD)
+        bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for c in range(0, KC):
-        more = c + 1 < KC
+    for c in range(c_lo, c_hi):
+        more = c + 1 < c_hi
         if not FUSE_QUANT:
             aw = aw_next
             aw_next = tl.load(xs_rows + (c + 1) * M, mask=mmask & more, other=_ONE_WORD)
@@ -280,10 +293,55 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, KB,
                 b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
             partial = tl.dot(a, b)
             # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's
-            # (partial * a_s) * b_s; the add is the only rounding, in K order. A block past K adds +0.
-            acc += partial * (a_s[:, None] * b_s[None, :])
-    y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
+            # (partial * a_s) * b_s, exact too; the add is the only rounding, in K order (an FMA
+            # gives the same bits, the product being exact). A block past K adds +0.
+            term = partial * (a_s[:, None] * b_s[None, :])
+            if SPLIT:
+                tl.store(part_rows + kb * M * N, term, mask=mmask[:, None] & nmask[None, :] & kin)
+            else:
+                acc += term
+    if not SPLIT:
+        y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ordered_sum_kernel(part_ptr, y_ptr, M, N, KB, stride_ym, BLOCK: tl.constexpr):
+    """y[m, n] = bf16(((0 + part[0, m, n]) + part[1, m, n]) + ...), fp32 adds in K order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mn = M * N
+    mask = offs < mn
+    p = part_ptr + offs.to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _kb in range(0, KB):
+        acc += tl.load(p, mask=mask, other=0.0)
+        p += mn
+    m = offs // N
+    n = offs % N
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _fp4_to_fp8_kernel(w_ptr, o_ptr, total_bytes, BLOCK: tl.constexpr):
+    """Packed E2M1 bytes -> E4M3 bytes, two per input byte (element 2k from the low nibble)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total_bytes
+    wb = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.int32)
+    lo = _e2m1_to_e4m3_bits(wb & 0xF).to(tl.uint8)
+    hi = _e2m1_to_e4m3_bits(wb >> 4).to(tl.uint8)
+    o = tl.reshape(tl.join(lo, hi), [2 * BLOCK])
+    o_offs = tl.program_id(0).to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+    tl.store(o_ptr + o_offs, o, mask=o_offs < 2 * total_bytes)
+
+
+def fp4_to_fp8(values: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 uint8 [N, K/2] -> float8_e4m3fn [N, K] (exact: every E2M1 value is an E4M3 value)."""
+    n, kh = values.shape
+    out = torch.empty((n, 2 * kh), dtype=torch.uint8, device=values.device)
+    total = values.numel()
+    block = 2048
+    _fp4_to_fp8_kernel[(triton.cdiv(total, block),)](values, out, total, BLOCK=block, num_warps=4)
+    return out.view(torch.float8_e4m3fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,20 +388,34 @@ class LinearConfig:
 def linear_config(kind: str, n: int, k: int) -> LinearConfig:
     """The one tile config for a weight of this kind and shape (M plays no part)."""
     if kind in ("fp8", "fp4"):
-        bn = 64 if n >= 2048 else 32 if n >= 1024 else 16
-        return LinearConfig(BM=64, BN=bn, BK=32, num_warps=4, num_stages=4)
+        return LinearConfig(BM=128, BN=128 if n >= 2048 else 64, BK=32, num_warps=8, num_stages=3)
     if kind == "bf16":
-        bn = 128 if n >= 4096 else 64 if n >= 1024 else 32
-        return LinearConfig(BM=64, BN=bn, BK=64, num_warps=4, num_stages=4)
-    return LinearConfig(BM=32, BN=64, BK=32, num_warps=4, num_stages=3)  # fp32, IEEE FMA
+        if n >= 4096:
+            return LinearConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)
+        return LinearConfig(BM=64, BN=16 if n <= 1024 else 64, BK=128, num_warps=4, num_stages=4)
+    # fp32: IEEE fp32 FMA dots (not tf32)
+    return LinearConfig(BM=16, BN=16 if n < 4096 else 64, BK=32, num_warps=4, num_stages=3)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
 
 
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
-           config: LinearConfig | None = None, fuse_quant: bool | None = None) -> torch.Tensor:
+           config: LinearConfig | None = None, fuse_quant: bool | None = None,
+           splits: int | None = None, preconvert: bool | None = None) -> torch.Tensor:
     """y = x @ W^T by the weight's storage kind (see cpu.linear). x: [M, in] on CUDA. fp8/fp4 take a
     bf16 activation and give bf16; bf16/fp32 weights give their own dtype. A non-CUDA-layout Weight
-    is converted on the fly (convert once with to_cuda_weight instead). `config`/`fuse_quant`
-    override the defaults (benchmarks only; bits never depend on fuse_quant)."""
+    is converted on the fly (convert once with to_cuda_weight instead).
+    Keyword overrides are for tests and benchmarks: `config` (tile config), and three choices that
+    never change bits: `fuse_quant`, `splits` (K-parallel programs; 1 = none) and `preconvert`
+    (widen FP4 to E4M3 before the GEMM)."""
     if not isinstance(w, CudaWeight) or w.values.device != x.device:
         w = to_cuda_weight(w, x.device)
     assert x.dim() == 2 and x.size(1) == w.in_features, (tuple(x.shape), w.in_features)
@@ -356,18 +428,32 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
         y = out if out is not None else torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
         if m == 0:
             return y
-        fuse = m <= FUSE_QUANT_MAX_M if fuse_quant is None else fuse_quant
         x = x.contiguous()
+        fuse = m <= FUSE_QUANT_MAX_M if fuse_quant is None else fuse_quant
         if fuse:
             a, a_s = x, x  # a_s unused
         else:
             a, a_s = quant_act(x)
-        grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN),)
-        _bs_gemm_kernel[grid](a, a_s, w.values, w.scale, y, m, n, k // ACT_BLOCK,
-                              a.stride(0), w.values.stride(0), w.scale.stride(0), y.stride(0),
-                              FP4=w.kind == "fp4", FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
-                              SCALE_E8M0=w.scale_e8m0, BM=cfg.BM, BN=cfg.BN,
-                              GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        wv, fp4 = w.values, w.kind == "fp4"
+        if fp4 and (m >= FP4_PRECONVERT_M if preconvert is None else preconvert):
+            wv, fp4 = fp4_to_fp8(wv), False
+        kb = k // ACT_BLOCK
+        kc = triton.cdiv(kb, SCALE_GROUP)
+        tiles = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN)
+        if splits is None:
+            splits = min(kc, triton.cdiv(2 * _sm_count(x.device), tiles)) if m <= SPLIT_MAX_M else 1
+        cps = triton.cdiv(kc, max(1, splits))
+        splits = triton.cdiv(kc, cps)
+        part = torch.empty((kb, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+        _bs_gemm_kernel[(tiles, splits)](a, a_s, wv, w.scale, y, part, m, n, kb, cps,
+                                         a.stride(0), wv.stride(0), w.scale.stride(0), y.stride(0),
+                                         FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
+                                         SCALE_E8M0=w.scale_e8m0, SPLIT=splits > 1, BM=cfg.BM, BN=cfg.BN,
+                                         GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if splits > 1:
+            block = 1024
+            _ordered_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, kb, y.stride(0), BLOCK=block,
+                                                              num_warps=4)
         return y
     dtype = w.values.dtype
     x = x.to(dtype).contiguous()
@@ -379,6 +465,7 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
                              IEEE=dtype == torch.float32, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
+
 
 # ---------------------------------------------------------------------------------------------
 # sparse attention with sinks
