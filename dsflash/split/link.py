@@ -139,8 +139,8 @@ class BoxLink:
             raise _Lost() from e
         return q
 
-    def replies(self, q: queue.Queue, last: FrameType | None) -> Iterator[Frame]:
-        """Frames answering one request until one of type `last` (or any single frame if None)."""
+    def replies(self, q: queue.Queue, last: FrameType) -> Iterator[Frame]:
+        """Frames answering one request, up to a frame of type `last` or one whose meta says last."""
         try:
             while True:
                 f = q.get()
@@ -149,7 +149,7 @@ class BoxLink:
                 if f.type == FrameType.ERROR:
                     raise BoxRefused(f"box error {f.meta.get('code')}: {f.meta.get('message')}")
                 yield f
-                if last is None or f.type == last or f.meta.get("last"):
+                if f.meta.get("last") if f.type == FrameType.PART else f.type == last:
                     return
         finally:
             for k, v in list(self._replies.items()):
@@ -212,7 +212,7 @@ class RemoteEncoder:
                 rest = ids[len(self.tokens) - keep:]
                 meta = {"session": self.sid, "keep": len(self.tokens), "chunk": chunk, "tail": tail}
                 q = self.link.request(Frame(FrameType.APPEND, 0, meta, tokens_body(rest)))
-                for f in self.link.replies(q, FrameType.PART):
+                for f in self.link.replies(q, FrameType.PART):  # PART frames until the one marked last
                     hand, rows = self._parse(f)
                     self.tokens.extend(rest[:rows])
                     rest = rest[rows:]

@@ -1,0 +1,197 @@
+"""The two-machine split with real processes on loopback: a `dsflash box` subprocess serves the encoder
+half, this process runs the decoder half. Killing the box (SIGKILL) is the only fake: a fault."""
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsflash.engine.sampling import SamplingParams
+from dsflash.engine.session import Engine
+from dsflash.engine.spec import decode
+from dsflash.split.link import BoxRefused, BoxUnavailable
+from dsflash.split.protocol import Frame, FrameType, read_frame
+from tests.conftest import GOLDEN_CASES
+
+CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BoxProcess:
+    def __init__(self, port: int, token: str | None = None, cache_dir: Path | None = None):
+        self.port, self.token, self.cache_dir = port, token, cache_dir
+        self.proc = None
+
+    def start(self) -> "BoxProcess":
+        cmd = [sys.executable, "-m", "dsflash.cli", "box", "--model", str(CASE), "--listen", f"127.0.0.1:{self.port}"]
+        if self.token:
+            cmd += ["--token", self.token]
+        if self.cache_dir:
+            cmd += ["--cache-dir", str(self.cache_dir)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        line = self.proc.stdout.readline()
+        assert "serving" in line, line
+        return self
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port + 1}/health", timeout=5) as r:
+            return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def local():
+    return Engine.load(CASE)
+
+
+@pytest.fixture()
+def box(tmp_path):
+    b = BoxProcess(free_port(), cache_dir=tmp_path / "boxcache").start()
+    yield b
+    if b.proc.poll() is None:
+        b.kill()
+
+
+def prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 511, (n,), generator=g).tolist()
+
+
+GREEDY = SamplingParams()
+
+
+def greedy(session, logits, n, dspark=0, params=GREEDY):
+    return list(decode(session, logits, n, params, stop=set(), dspark=dspark))
+
+
+def test_split_equals_single_process(local, box):
+    split = Engine.load(CASE, box=f"127.0.0.1:{box.port}")
+    ids = prompt(90, seed=1)  # several 16-row state chunks
+    a, b = local.session(), split.session()
+    la, lb = a.prefill(ids, chunk=16), b.prefill(ids, chunk=16)
+    assert torch.equal(la, lb)
+    assert torch.equal(a.step(a.pos, [5, 6, 7]), b.step(b.pos, [5, 6, 7]))
+    for k, params in ((0, SamplingParams()), (2, SamplingParams(temperature=0.8, seed=11))):
+        x, y = local.session(), split.session()
+        assert greedy(x, x.prefill(ids, chunk=16), 8, k, params) == greedy(y, y.prefill(ids, chunk=16), 8, k, params)
+    assert box.health()["sessions"] >= 1
+
+
+@pytest.mark.slow
+def test_generate_cli_split_equals_single(box, tmp_path):
+    ids = tmp_path / "p.json"
+    ids.write_text(json.dumps(prompt(40, seed=2)))
+    cmd = [sys.executable, "-m", "dsflash.cli", "generate", "--model", str(CASE), "--prompt-tokens", str(ids),
+           "-n", "6", "--dspark", "2", "--chunk", "16", "--json"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    single = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout)
+    split = json.loads(subprocess.run(cmd + ["--box", f"127.0.0.1:{box.port}"], env=env, capture_output=True,
+                                      text=True, check=True).stdout)
+    assert single["tokens"] == split["tokens"]
+
+
+@pytest.mark.slow
+def test_box_killed_mid_answer_and_restarted_gives_the_same_text(local, box):
+    ids = prompt(50, seed=3)
+    ref = local.session()
+    expected = greedy(ref, ref.prefill(ids), 12, dspark=2)
+    split = Engine.load(CASE, box=f"127.0.0.1:{box.port}", box_deadline=60)
+    s = split.session()
+    out = []
+    for i, tok in enumerate(decode(s, s.prefill(ids), 12, SamplingParams(), stop=set(), dspark=2)):
+        out.append(tok)
+        if i == 4:
+            box.kill()
+            box.start()  # a fresh box process on the same port: every session is rebuilt from tokens
+    assert out == expected
+    assert split.link.reconnects >= 1
+
+
+@pytest.mark.slow
+def test_box_that_never_returns_gives_a_retryable_error_then_service_resumes(local, box):
+    split = Engine.load(CASE, box=f"127.0.0.1:{box.port}", box_deadline=2)
+    ids = prompt(20, seed=4)
+    s = split.session()
+    s.prefill(ids)
+    box.kill()
+    t0 = time.monotonic()
+    with pytest.raises(BoxUnavailable):
+        s.step(s.pos, [9])
+    assert time.monotonic() - t0 < 10
+    box.start()
+    fresh = split.session()
+    ref = local.session()
+    assert torch.equal(fresh.prefill(ids), ref.prefill(ids))
+
+
+def raw_connect(port):
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def test_malformed_oversized_and_unauthorised_frames_are_refused(tmp_path):
+    b = BoxProcess(free_port(), token="s3cret").start()
+    try:
+        with raw_connect(b.port) as sock:  # garbage
+            sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 100)
+            f = read_frame(sock)
+            assert f.type == FrameType.ERROR and f.meta["code"] == "malformed"
+        with raw_connect(b.port) as sock:  # a header announcing a frame over the limit
+            sock.sendall(struct.pack("<4sHBBII", b"DSFL", 1, int(FrameType.HELLO), 0, 1, 1 << 30))
+            f = read_frame(sock)
+            assert f.type == FrameType.ERROR and "exceeds" in f.meta["message"]
+        with raw_connect(b.port) as sock:  # wrong token
+            sock.sendall(Frame(FrameType.HELLO, 1, {"token": "nope", "identity": "x", "numerics": 1}).encode())
+            f = read_frame(sock)
+            assert f.type == FrameType.ERROR and f.meta["code"] == "auth"
+        with pytest.raises(BoxRefused):
+            Engine.load(CASE, box=f"127.0.0.1:{b.port}", box_token="wrong").session().prefill([5, 6, 7])
+        # the box still serves a well-behaved client
+        good = Engine.load(CASE, box=f"127.0.0.1:{b.port}", box_token="s3cret")
+        local = Engine.load(CASE)
+        ids = prompt(12, seed=5)
+        assert torch.equal(good.session().prefill(ids), local.session().prefill(ids))
+        assert b.health()["status"] == "ok"
+    finally:
+        b.kill()
+
+
+@pytest.mark.slow
+def test_two_concurrent_requests_match_running_alone(local, box):
+    split = Engine.load(CASE, box=f"127.0.0.1:{box.port}")
+    prompts = [prompt(60, seed=6), prompt(25, seed=7)]
+    alone = []
+    for ids in prompts:
+        s = local.session()
+        alone.append(greedy(s, s.prefill(ids, chunk=16), 8, dspark=2))
+    results = [None, None]
+
+    def run(i):
+        s = split.session()
+        results[i] = greedy(s, s.prefill(prompts[i], chunk=16), 8, dspark=2)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == alone
