@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -33,6 +34,7 @@ class PrefixCache:
         self._lengths: dict[int, int] = {}  # prefix length -> number of entries with it
         self.disk = Path(disk_dir) if disk_dir else None
         self._hits: dict[str, int] = {}
+        self._lock = threading.RLock()  # the server runs two generations at once
         if self.disk:
             self.disk.mkdir(parents=True, exist_ok=True)
             for f in self.disk.glob("*.dsnap"):
@@ -47,6 +49,10 @@ class PrefixCache:
         return self.disk / f"{n}-{key}.dsnap"
 
     def put(self, tokens: list[int], blob: bytes) -> None:
+        with self._lock:
+            self._put(tokens, blob)
+
+    def _put(self, tokens: list[int], blob: bytes) -> None:
         key, n = prefix_key(self.identity, tokens), len(tokens)
         if key not in self._ram:
             self._count(n, +1)
@@ -88,6 +94,10 @@ class PrefixCache:
 
     def lookup(self, tokens: list[int]) -> tuple[int, bytes | None]:
         """(length, snapshot) of the longest cached prefix of `tokens`, or (0, None)."""
+        with self._lock:
+            return self._lookup(tokens)
+
+    def _lookup(self, tokens: list[int]) -> tuple[int, bytes | None]:
         for n in sorted((n for n in self._lengths if n <= len(tokens)), reverse=True):
             key = prefix_key(self.identity, tokens[:n])
             hit = self._ram.get(key)

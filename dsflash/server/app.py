@@ -32,6 +32,7 @@ from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.server.dsml import ContentDelta, DsmlParser, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
 from dsflash.server.encoding import EncodingError, encode_messages
+from dsflash.split.link import BoxUnavailable
 from dsflash.tokenizer import BOS_ID, EOS_ID
 
 REASONING_LEVELS = {"none": None, "minimal": 10, "low": 25, "medium": 50, "high": 75, "xhigh": 100, "max": 100}
@@ -42,10 +43,11 @@ REASONING_LEVELS = {"none": None, "minimal": 10, "low": 25, "medium": 50, "high"
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", extra: dict | None = None):
+                 kind: str = "invalid_request_error", extra: dict | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.extra = extra or {}
+        self.headers = headers
 
 
 def _loc_name(loc: tuple) -> str:
@@ -80,6 +82,8 @@ class Metrics:
         self.requests: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.prompt_tokens = self.prefill_tokens = self.generated_tokens = self.cached_tokens = 0
+        self.drafted = self.accepted = 0
+        self.box_reconnects: Callable[[], int] | None = None  # read from the box link, when split
         self.ttft = Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.itl = Histogram((0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.queued = 0
@@ -118,6 +122,10 @@ class Metrics:
                     self.prefill_tokens)
             counter("dsflash_cached_tokens_total", "Prompt tokens resumed from the prefix cache.", self.cached_tokens)
             counter("dsflash_generated_tokens_total", "Generated tokens.", self.generated_tokens)
+            counter("dsflash_draft_tokens_total", "DSpark draft tokens verified.", self.drafted)
+            counter("dsflash_draft_accepted_total", "DSpark draft tokens accepted.", self.accepted)
+            if self.box_reconnects is not None:
+                counter("dsflash_box_reconnects_total", "Reconnections to the box.", self.box_reconnects())
             hist("dsflash_time_to_first_token_seconds", "Request arrival to first generated token.", self.ttft)
             hist("dsflash_inter_token_latency_seconds", "Time between generated tokens.", self.itl)
             lines.append("# HELP dsflash_queue_depth Generation requests waiting for the engine.")
@@ -167,11 +175,11 @@ class Failed:
 
 class Worker:
     def __init__(self, engine: Engine, tokenizer, cache: PrefixCache | None, dspark: int, metrics: Metrics,
-                 chunk: int = DEFAULT_CHUNK):
+                 chunk: int = DEFAULT_CHUNK, concurrency: int = 2):
         self.engine, self.tokenizer, self.cache, self.dspark = engine, tokenizer, cache, dspark
         self.metrics, self.chunk = metrics, chunk
-        self.lock = threading.Lock()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsflash-engine")
+        # two generations in flight: with a box, each machine works on one while the other finishes the next
+        self.executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="dsflash-engine")
 
     def submit(self, job: Job, emit: Callable[[Any], None]) -> None:
         with self.metrics.lock:
@@ -184,16 +192,15 @@ class Worker:
         if job.cancel.is_set():
             emit(Done("cancelled", None, len(job.prompt), 0, 0, {}))
             return
-        with self.lock:
+        with self.metrics.lock:
+            self.metrics.running += 1
+        try:
+            self._generate(job, emit)
+        except Exception as e:  # reported to the request, never kills the worker
+            emit(Failed(e))
+        finally:
             with self.metrics.lock:
-                self.metrics.running += 1
-            try:
-                self._generate(job, emit)
-            except Exception as e:  # reported to the request, never kills the worker
-                emit(Failed(e))
-            finally:
-                with self.metrics.lock:
-                    self.metrics.running -= 1
+                self.metrics.running -= 1
 
     def _prepare(self, job: Job, stats: DecodeStats):
         prompt, cache = job.prompt, self.cache
@@ -267,6 +274,9 @@ class Worker:
                 emit(Text(full[sent:safe], pending_lp))
                 sent, pending_lp = safe, []
         stats.decode_s = time.perf_counter() - t_dec
+        with m.lock:
+            m.drafted += stats.drafted
+            m.accepted += stats.accepted
         if job.cancel.is_set():
             finish = "cancelled"
         if len(full) > sent or pending_lp:
@@ -459,6 +469,8 @@ class Server:
     def __init__(self, engine: Engine, tokenizer, cache: PrefixCache | None, model_name: str, dspark: int):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.metrics = Metrics()
+        if getattr(engine, "link", None) is not None:
+            self.metrics.box_reconnects = lambda: engine.link.reconnects
         self.worker = Worker(engine, tokenizer, cache, dspark, self.metrics)
         self.created = _now()
 
@@ -499,6 +511,9 @@ class Server:
                 if isinstance(ev, Failed):
                     if isinstance(ev.error, ContextLengthError):
                         raise ApiError(400, str(ev.error), "messages", "context_length_exceeded")
+                    if isinstance(ev.error, BoxUnavailable):  # retryable; never another model's answer
+                        raise ApiError(503, str(ev.error), code="box_unavailable", kind="server_error",
+                                       headers={"Retry-After": str(BoxUnavailable.retry_after)})
                     raise ev.error
                 yield ev
                 if isinstance(ev, Done):
@@ -509,12 +524,13 @@ class Server:
 
 def _openai_error(e: ApiError) -> JSONResponse:
     body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code, **e.extra}}
-    return JSONResponse(body, status_code=e.status)
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
 def _anthropic_error(e: ApiError) -> JSONResponse:
-    kind = "invalid_request_error" if e.status < 500 else "api_error"
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, status_code=e.status)
+    kind = "invalid_request_error" if e.status < 500 else "overloaded_error" if e.status == 503 else "api_error"
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, status_code=e.status,
+                        headers=e.headers)
 
 
 def _usage(done: Done) -> dict:
@@ -573,7 +589,12 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "queued": m.queued, "running": m.running}
+        out = {"status": "ok", "model": model_name, "queued": m.queued, "running": m.running}
+        link = getattr(engine, "link", None)
+        if link is not None:
+            out["box"] = {"address": f"{link.addr[0]}:{link.addr[1]}", "connected": link.connected,
+                          "reconnects": link.reconnects}
+        return out
 
     @app.get("/metrics")
     async def metrics():

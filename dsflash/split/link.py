@@ -63,6 +63,10 @@ class BoxLink:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
 
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
     # ---- connection ----
     def _connect_once(self) -> None:
         sock = socket.create_connection(self.addr, timeout=self.connect_timeout)

@@ -1,0 +1,90 @@
+"""`dsflash serve --box` with real processes: a box, a server, the openai client. When the box is down
+past the deadline the client gets a retryable 503 (SSE: an error event, then [DONE]), never another
+model's answer; once the box is back the server answers again. Killing the box is the fault."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4,
+        "temperature": 0, "chat_template_kwargs": {"thinking": False}}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_box(ckpt: Path, port: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "dsflash.cli", "box", "--model", str(ckpt), "--listen",
+                          f"127.0.0.1:{port}"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert "serving" in p.stdout.readline()
+    return p
+
+
+@pytest.fixture(scope="module")
+def split_server(tmp_path_factory):
+    from dsflash.server.builtin import builtin_checkpoint
+
+    ckpt = builtin_checkpoint(tmp_path_factory.mktemp("builtin"))
+    box_port, port = free_port(), free_port()
+    box = start_box(ckpt, box_port)
+    server = subprocess.Popen([sys.executable, "-m", "dsflash.cli", "serve", "--model", str(ckpt), "--port", str(port),
+                               "--box", f"127.0.0.1:{box_port}", "--box-deadline", "2", "--log-level", "warning"],
+                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert server.poll() is None and time.time() - t0 < 120, "server did not come up"
+        time.sleep(0.3)
+    state = {"box": box}
+    yield base, ckpt, box_port, state
+    for p in (state["box"], server):
+        p.kill()
+        p.wait()
+
+
+def test_split_server_answers_then_503_while_box_down_then_recovers(split_server):
+    base, ckpt, box_port, state = split_server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x")
+    extra = {"chat_template_kwargs": {"thinking": False}}
+    first = client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=0,
+                                           extra_body=extra)
+    assert first.choices[0].message.content is not None
+    assert httpx.get(base + "/health").json()["box"]["connected"]
+
+    state["box"].send_signal(signal.SIGKILL)
+    state["box"].wait()
+    r = httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=60)
+    assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0
+    assert r.json()["error"]["code"] == "box_unavailable"
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=60) as s:
+        lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
+
+    state["box"] = start_box(ckpt, box_port)
+    again = client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=0,
+                                           extra_body=extra)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    metrics = httpx.get(base + "/metrics").text
+    assert "dsflash_box_reconnects_total" in metrics
