@@ -174,6 +174,16 @@ def test_linear_matches_cpu(kind, n, k):
         assert torch.equal(y, y2)
 
 
+def test_linear_fp32_tf32x3_measured():
+    """The 3xTF32 alternative for fp32 weights: measured and bounded, not the default."""
+    g = gen(9)
+    w = rand_weight("fp32", 384, 5120, g)
+    x = act_for("fp32", 37, 5120, g)
+    y = kc.linear(x.to(DEV), kc.to_cuda_weight(w), fp32_precision="tf32x3")
+    rel, _, _ = measure("linear fp32 tf32x3 5120->384 M=37", y, cpu.linear(x, w))
+    assert rel <= 1e-4
+
+
 def test_to_cuda_weight_roundtrip():
     g = gen(7)
     w8 = rand_weight("fp8", 100, 256, g)

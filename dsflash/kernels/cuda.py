@@ -43,7 +43,7 @@ __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", 
 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
 # M-dependent choices that never change bits (see the module docstring and the invariance tests):
-FUSE_QUANT_MAX_M = 16  # up to this many rows the GEMM quantises its own activation tile
+FUSE_QUANT_MAX_M = 0  # up to this many rows the GEMM quantises its own activation tile (measured slower)
 SPLIT_MAX_M = 16  # up to this many rows the K loop is spread over programs (partials summed in K order)
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
 
@@ -307,15 +307,32 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
 
 @triton.jit(do_not_specialize=["M"])
 def _ordered_sum_kernel(part_ptr, y_ptr, M, N, KB, stride_ym, BLOCK: tl.constexpr):
-    """y[m, n] = bf16(((0 + part[0, m, n]) + part[1, m, n]) + ...), fp32 adds in K order."""
+    """y[m, n] = bf16(((0 + part[0, m, n]) + part[1, m, n]) + ...), fp32 adds in K order; eight
+    loads are issued before their adds so the chain waits on one latency per eight blocks. A block
+    past KB adds +0 to an accumulator that is never -0."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mn = M * N
     mask = offs < mn
     p = part_ptr + offs.to(tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for _kb in range(0, KB):
-        acc += tl.load(p, mask=mask, other=0.0)
-        p += mn
+    for kb0 in range(0, KB, 8):
+        v0 = tl.load(p, mask=mask, other=0.0)
+        v1 = tl.load(p + mn, mask=mask & (kb0 + 1 < KB), other=0.0)
+        v2 = tl.load(p + 2 * mn, mask=mask & (kb0 + 2 < KB), other=0.0)
+        v3 = tl.load(p + 3 * mn, mask=mask & (kb0 + 3 < KB), other=0.0)
+        v4 = tl.load(p + 4 * mn, mask=mask & (kb0 + 4 < KB), other=0.0)
+        v5 = tl.load(p + 5 * mn, mask=mask & (kb0 + 5 < KB), other=0.0)
+        v6 = tl.load(p + 6 * mn, mask=mask & (kb0 + 6 < KB), other=0.0)
+        v7 = tl.load(p + 7 * mn, mask=mask & (kb0 + 7 < KB), other=0.0)
+        acc += v0
+        acc += v1
+        acc += v2
+        acc += v3
+        acc += v4
+        acc += v5
+        acc += v6
+        acc += v7
+        p += 8 * mn
     m = offs // N
     n = offs % N
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(tl.bfloat16), mask=mask)
@@ -349,7 +366,7 @@ def fp4_to_fp8(values: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["M"])
 def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        GROUP_M: tl.constexpr):
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -364,10 +381,7 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
         kmask = (k0 + rk) < K
         a = tl.load(xp + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(wp + k0, mask=nmask[None, :] & kmask[:, None], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
     y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -388,7 +402,9 @@ class LinearConfig:
 def linear_config(kind: str, n: int, k: int) -> LinearConfig:
     """The one tile config for a weight of this kind and shape (M plays no part)."""
     if kind in ("fp8", "fp4"):
-        return LinearConfig(BM=128, BN=128 if n >= 2048 else 64, BK=32, num_warps=8, num_stages=3)
+        # one warpgroup, m64n64k32 wgmmas: the best measured compromise between M=1 and M=8192
+        # (BM128/BN128 is ~20% faster on the largest fp8 layers at M=8192, 1.3-3x slower at M<=512)
+        return LinearConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=4)
     if kind == "bf16":
         if n >= 4096:
             return LinearConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)
@@ -409,13 +425,15 @@ def _sm_count(device: torch.device) -> int:
 
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
            config: LinearConfig | None = None, fuse_quant: bool | None = None,
-           splits: int | None = None, preconvert: bool | None = None) -> torch.Tensor:
+           splits: int | None = None, preconvert: bool | None = None,
+           fp32_precision: str = "ieee") -> torch.Tensor:
     """y = x @ W^T by the weight's storage kind (see cpu.linear). x: [M, in] on CUDA. fp8/fp4 take a
     bf16 activation and give bf16; bf16/fp32 weights give their own dtype. A non-CUDA-layout Weight
     is converted on the fly (convert once with to_cuda_weight instead).
     Keyword overrides are for tests and benchmarks: `config` (tile config), and three choices that
     never change bits: `fuse_quant`, `splits` (K-parallel programs; 1 = none) and `preconvert`
-    (widen FP4 to E4M3 before the GEMM)."""
+    (widen FP4 to E4M3 before the GEMM); `fp32_precision` ("ieee" default, or "tf32x3") for fp32
+    weights (a different rounding, measured in the tests and benchmark only)."""
     if not isinstance(w, CudaWeight) or w.values.device != x.device:
         w = to_cuda_weight(w, x.device)
     assert x.dim() == 2 and x.size(1) == w.in_features, (tuple(x.shape), w.in_features)
@@ -451,7 +469,7 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
                                          SCALE_E8M0=w.scale_e8m0, SPLIT=splits > 1, BM=cfg.BM, BN=cfg.BN,
                                          GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if splits > 1:
-            block = 1024
+            block = 256
             _ordered_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, kb, y.stride(0), BLOCK=block,
                                                               num_warps=4)
         return y
@@ -462,8 +480,8 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
         return y
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN),)
     _plain_gemm_kernel[grid](x, w.values, y, m, n, k, x.stride(0), w.values.stride(0), y.stride(0),
-                             IEEE=dtype == torch.float32, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                             PREC=fp32_precision if dtype == torch.float32 else "tf32", BM=cfg.BM, BN=cfg.BN,
+                             BK=cfg.BK, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
