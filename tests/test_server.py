@@ -31,7 +31,8 @@ SERVER_SCRIPT = textwrap.dedent("""
     from dsflash.tokenizer import load_tokenizer
 
     ckpt, port = sys.argv[1], int(sys.argv[2])
-    app = create_app(Engine.load(ckpt), load_tokenizer(ckpt), model_name="tiny")
+    # a small context so the context-length error is cheap to provoke
+    app = create_app(Engine.load(ckpt, max_context=128), load_tokenizer(ckpt), model_name="tiny")
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 """)
 

@@ -11,14 +11,7 @@ import torch
 
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.kernels.cpu import Weight
-
-_FP4_TABLE = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """[out, in/2] bytes -> float32 [out, in]; element 2k sits in the low nibble."""
-    b = packed.view(torch.uint8)
-    return torch.stack([_FP4_TABLE[(b & 0x0F).long()], _FP4_TABLE[(b >> 4).long()]], dim=-1).flatten(-2)
+from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
 
 
 class WeightLoader:
@@ -41,7 +34,7 @@ class WeightLoader:
             scale = self.ckpt.get(prefix + ".scale").float().repeat_interleave(32, dim=0)[:out_f]
             return Weight("fp8", w.float(), scale.contiguous())
         if w.dtype in (torch.int8, torch.uint8):
-            return Weight("fp4", unpack_fp4(w), self.ckpt.get(prefix + ".scale").float())
+            return Weight("fp4", decode_e2m1(unpack_fp4(w)), self.ckpt.get(prefix + ".scale").float())
         if widen or w.dtype == torch.float32:
             return Weight("fp32", w.float())
         return Weight("bf16", w)
