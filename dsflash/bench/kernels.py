@@ -172,7 +172,7 @@ def bench_linears(ceil, ms_values, sweep: bool) -> list[dict]:
             if kind == "fp4" and m >= kc.FP4_PRECONVERT_M:
                 alts += [{"preconvert": False}]
             if kind == "fp32":
-                alts += [{"fp32_precision": "tf32x3"}]
+                alts += [{"fp32_precision": "ieee"}]
             for alt in alts:
                 ms2 = bench_both(_rotating([lambda w=w, x=x, a=alt: kc.linear(x, w, **a) for w in copies]))
                 note = " ".join(f"{key}={val}" for key, val in alt.items())
