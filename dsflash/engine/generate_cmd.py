@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import SamplingParams
-from dsflash.engine.session import DEFAULT_CHUNK, Engine, Session
+from dsflash.engine.session import DEFAULT_CHUNK, Engine, Session, default_device
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.tokenizer import EOS_ID, load_tokenizer
@@ -61,7 +61,8 @@ def prepare_session(engine: Engine, prompt: list[int], cache: PrefixCache | None
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = Engine.load(args.model, box=args.box, box_token=args.box_token, box_deadline=args.box_deadline)
+    engine = Engine.load(args.model, box=args.box, box_token=args.box_token, box_deadline=args.box_deadline,
+                         device=args.device)
     tokenizer = None
     if args.prompt is not None:
         tokenizer = load_tokenizer(args.model)
@@ -116,6 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", help="prefix-cache directory")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prefill chunk size")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--device", default=default_device(), help="cpu or cuda (default: cuda when present)")
     p.add_argument("--box", metavar="HOST:PORT", help="run the encoder half on this dsflash box")
     p.add_argument("--box-token", help="the box's shared secret")
     p.add_argument("--box-deadline", type=float, default=60.0, help="seconds to wait for a box that went away")

@@ -75,6 +75,7 @@ def filtered_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, position: int, p: SamplingParams) -> int:
     """The token at `position` given its fp32 logits [V]."""
+    logits = logits.cpu()
     if p.greedy:
         return int(torch.argmax(logits))
     x = filtered_logits(logits, p)

@@ -64,7 +64,7 @@ class EncoderSession(Protocol):
 class LocalEncoder:
     def __init__(self, model: Transformer, state: SequenceState | None = None):
         self.model = model
-        self.state = state or SequenceState()
+        self.state = state or SequenceState(device=model.device)
 
     @property
     def pos(self) -> int:
@@ -75,7 +75,8 @@ class LocalEncoder:
         tail_from = keep + len(ids) - tail
         for i in range(0, len(ids), chunk):
             start = self.pos
-            out = self.model.forward(self.state, torch.tensor(ids[i:i + chunk], dtype=torch.int64))
+            out = self.model.forward(self.state, torch.tensor(ids[i:i + chunk], dtype=torch.int64,
+                                                              device=self.model.device))
             skip = min(max(tail_from - start, 0), out.streams.size(0))
             yield HandOff(start + skip, out.streams[skip:], out.pre_mix[skip:], *out.source_entries)
 
@@ -85,6 +86,10 @@ class LocalEncoder:
 
     def close(self) -> None:
         pass
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def engine_identity(model: Transformer) -> str:
@@ -103,11 +108,12 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path, max_context: int | None = None, box: str | None = None,
-             box_token: str | None = None, box_deadline: float = 60.0) -> Engine:
+             box_token: str | None = None, box_deadline: float = 60.0, device: str = "cpu",
+             reference: bool = False) -> Engine:
         """Both halves from one checkpoint, or with `box` (HOST:PORT) the decoder half here and the
-        encoder half on that box."""
-        decoder = load_model(path, half="decoder")
-        encoder = None if box else load_model(path, half="encoder")
+        encoder half on that box. `device`/`reference` pick the kernel backend (dsflash.kernels)."""
+        decoder = load_model(path, half="decoder", device=device, reference=reference)
+        encoder = None if box else load_model(path, half="encoder", device=device, reference=reference)
         engine = cls(decoder, encoder, max_context or decoder.args.max_seq_len, engine_identity(decoder))
         if encoder is not None:
             engine.open_encoder = lambda: LocalEncoder(encoder)
@@ -131,12 +137,13 @@ class Session:
         self.engine = engine
         self.decoder = engine.decoder
         self.encoder = encoder or engine.open_encoder()
-        self.state = SequenceState()  # the decoder half's
+        self.device = engine.decoder.device
+        self.state = SequenceState(device=self.device)  # the decoder half's
         self.tokens: list[int] = []
         a = engine.args
         # DSpark context inputs of recent rows, written into the drafter's rings only when a draft needs them
         width = a.dim * len(a.dspark_target_layer_ids)
-        self._main_hidden = PositionRing(a.window_size + ROLLBACK_ROWS, (width,), torch.bfloat16)
+        self._main_hidden = PositionRing(a.window_size + ROLLBACK_ROWS, (width,), torch.bfloat16, self.device)
         self.last_logits: torch.Tensor | None = None
 
     @property
@@ -158,11 +165,17 @@ class Session:
         if self.pos + len(ids) > self.engine.max_context:
             raise ContextLengthError(self.pos + len(ids), self.engine.max_context)
 
+    def _append_entries(self, hand: HandOff) -> None:
+        """Layer d's cache entries, computed by the encoder half, into the decoder half's state."""
+        a = self.engine.args
+        append_entries(self.state, a, a.first_decoder_layer, hand.entries.to(self.device), hand.keys.to(self.device))
+
     def _decode_rows(self, hand: HandOff, tail_only: bool) -> torch.Tensor:
         self.state.pos = hand.start
-        out = self.decoder.forward(self.state, streams=hand.streams, pre_mix=hand.pre_mix, tail_only=tail_only)
+        streams, pre_mix = hand.streams.to(self.device), hand.pre_mix.to(self.device)
+        out = self.decoder.forward(self.state, streams=streams, pre_mix=pre_mix, tail_only=tail_only)
         if out.main_hidden is not None:
-            self._main_hidden.write(torch.arange(out.first_row, self.pos), out.main_hidden)
+            self._main_hidden.write(torch.arange(out.first_row, self.pos, device=self.device), out.main_hidden)
         return out.logits
 
     def prefill(self, ids: list[int], chunk: int = DEFAULT_CHUNK,
@@ -170,10 +183,9 @@ class Session:
         """Append a prompt: the encoder half in chunks, then the decoder over the tail triangle only.
         Returns the last row's logits [V]."""
         self._check_ids(ids)
-        a = self.engine.args
         hands, done = [], 0
         for hand in self.encoder.append(ids, self.pos, chunk, self.tail_rows()):
-            append_entries(self.state, a, a.first_decoder_layer, hand.entries, hand.keys)
+            self._append_entries(hand)
             if hand.streams.size(0):
                 hands.append(hand)
             done = min(done + chunk, len(ids))
@@ -199,7 +211,7 @@ class Session:
         self.rollback(keep)
         self._check_ids(rows)
         (hand,) = self.encoder.append(rows, keep, MAX_STEP_ROWS, len(rows))
-        append_entries(self.state, self.engine.args, self.engine.args.first_decoder_layer, hand.entries, hand.keys)
+        self._append_entries(hand)
         self.tokens.extend(rows)
         logits = self._decode_rows(hand, tail_only=False)
         self.last_logits = logits[-1]
@@ -211,7 +223,7 @@ class Session:
         win = self.engine.args.window_size
         first = max(self.state.dspark_pos, self.pos - win)
         if first < self.pos:
-            positions = torch.arange(first, self.pos)
+            positions = torch.arange(first, self.pos, device=self.device)
             dspark.write_context(self.state, self._main_hidden.read(positions), positions)
         return dspark.draft(self.state, anchor, sampler)[0][1:]
 
@@ -231,7 +243,7 @@ class Session:
 
     @classmethod
     def restore(cls, engine: Engine, blob: bytes) -> Session:
-        states, tokens, extras = snapshot.decode(blob, engine.identity)
+        states, tokens, extras = snapshot.decode(blob, engine.identity, engine.decoder.device)
         if engine.encoder is not None:
             if "encoder" not in states:
                 raise snapshot.SnapshotError("snapshot holds no encoder state (made with a box)")

@@ -48,6 +48,7 @@ def encode(states: dict[str, SequenceState], tokens: list[int], model_id: str,
     for part, state in states.items():
         tensors.update(_state_tensors(part, state))
     tensors.update(extras)
+    tensors = {k: v.cpu() for k, v in tensors.items()}
     tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)
     payload = st_save({k: v.contiguous() for k, v in tensors.items()})
     header = json.dumps({
@@ -77,7 +78,8 @@ def read_header(blob: bytes) -> dict:
     return header
 
 
-def decode(blob: bytes, model_id: str) -> tuple[dict[str, SequenceState], list[int], dict[str, torch.Tensor]]:
+def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu"
+           ) -> tuple[dict[str, SequenceState], list[int], dict[str, torch.Tensor]]:
     header = read_header(blob)
     if header.get("numerics") != NUMERICS_VERSION:
         raise SnapshotError(f"snapshot made with numerics version {header.get('numerics')}, "
@@ -92,24 +94,25 @@ def decode(blob: bytes, model_id: str) -> tuple[dict[str, SequenceState], list[i
         raise SnapshotError("corrupted snapshot: payload checksum mismatch")
     tensors = st_load(payload)
     ids = tensors.pop("tokens")
-    states = {part: SequenceState(pos=p["pos"], dspark_pos=p["dspark_pos"]) for part, p in header["parts"].items()}
+    states = {part: SequenceState(pos=p["pos"], dspark_pos=p["dspark_pos"], device=device)
+              for part, p in header["parts"].items()}
     extras = {}
     for key, t in tensors.items():
         if "/" not in key:
-            extras[key] = t
+            extras[key] = t.to(device)
             continue
         part, field_key = key.split("/")
         state = states[part]
         if field_key == "engram_ids":
-            state.engram_ids.append(t)
+            state.engram_ids.append(t.to(device))
             continue
         name, k = field_key.split(".")
         if name in ("window", "raw", "dspark"):
-            ring = PositionRing(t.size(0), tuple(t.shape[1:]), t.dtype)
-            ring.data.copy_(t)
+            ring = PositionRing(t.size(0), tuple(t.shape[1:]), t.dtype, device)
+            ring.data.copy_(t.to(device))
             getattr(state, name)[int(k)] = ring
         else:
-            rows = GrowingRows(tuple(t.shape[1:]), t.dtype)
-            rows.append(t)
+            rows = GrowingRows(tuple(t.shape[1:]), t.dtype, device)
+            rows.append(t.to(device))
             getattr(state, name)[int(k)] = rows
     return states, ids.tolist(), extras

@@ -27,8 +27,8 @@ class RollbackError(ValueError):
 class GrowingRows:
     """An append-only [n, *shape] tensor with amortised growth."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
-        self._buf = torch.empty(0, *shape, dtype=dtype)
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self._buf = torch.empty(0, *shape, dtype=dtype, device=device)
         self.n = 0
 
     def append(self, rows: torch.Tensor) -> None:
@@ -51,8 +51,8 @@ class GrowingRows:
 class PositionRing:
     """Rows addressed by absolute position; the last `capacity` positions written are kept."""
 
-    def __init__(self, capacity: int, shape: tuple[int, ...], dtype: torch.dtype):
-        self.data = torch.zeros(capacity, *shape, dtype=dtype)
+    def __init__(self, capacity: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.data = torch.zeros(capacity, *shape, dtype=dtype, device=device)
 
     @property
     def capacity(self) -> int:
@@ -65,22 +65,37 @@ class PositionRing:
     def read(self, positions: torch.Tensor) -> torch.Tensor:
         return self.data[positions % self.capacity]
 
+    def read_range(self, start: int, end: int) -> torch.Tensor:
+        return self.read(torch.arange(start, end, device=self.data.device))
+
 
 @dataclass
 class SequenceState:
     pos: int = 0  # committed tokens
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     window: dict[int, PositionRing] = field(default_factory=dict)
     compressed: dict[int, GrowingRows] = field(default_factory=dict)
     index_keys: dict[int, GrowingRows] = field(default_factory=dict)
     raw: dict[int, PositionRing] = field(default_factory=dict)
-    engram_ids: GrowingRows = field(default_factory=lambda: GrowingRows((), torch.int64))
+    engram_ids: GrowingRows | None = None
     dspark: dict[int, PositionRing] = field(default_factory=dict)
     dspark_pos: int = 0  # target positions whose DSpark context has been written
 
     def ring(self, table: dict, key: int, window: int, shape: tuple[int, ...], dtype: torch.dtype) -> PositionRing:
         r = table.get(key)
         if r is None:
-            r = table[key] = PositionRing(window + ROLLBACK_ROWS, shape, dtype)
+            r = table[key] = PositionRing(window + ROLLBACK_ROWS, shape, dtype, self.device)
+        return r
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        if self.engram_ids is None:
+            self.engram_ids = GrowingRows((), torch.int64, self.device)
+
+    def rows(self, table: dict, key: int, shape: tuple[int, ...], dtype: torch.dtype) -> GrowingRows:
+        r = table.get(key)
+        if r is None:
+            r = table[key] = GrowingRows(shape, dtype, self.device)
         return r
 
     def truncate(self, keep: int, ratios: dict[int, int]) -> None:

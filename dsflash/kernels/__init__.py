@@ -1,0 +1,54 @@
+"""Kernel backends behind one interface: `linear`, `sparse_attn`, `hc_split_sinkhorn`, and `weight` (a
+checkpoint weight in the form the backend's GEMM takes). The backend is chosen once, when a model is
+built for a device: CPU tensors take the reference backend (kernels/cpu.py, the oracle); CUDA tensors
+take the Triton backend (kernels/cuda.py), or the reference ops run on the GPU with `reference=True`
+(what `dsflash bench` compares against)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsflash.kernels import cpu
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str
+    device: torch.device
+    linear: Any
+    sparse_attn: Any
+    hc_split_sinkhorn: Any
+    grouped_linear: Any
+    index_scores: Any
+    weight: Any  # cpu.Weight (float32 code values on the CPU) -> the backend's weight on `device`
+
+
+def _move(device: torch.device):
+    def weight(w: cpu.Weight) -> cpu.Weight:
+        scale = None if w.scale is None else w.scale.to(device)
+        return cpu.Weight(w.kind, w.values.to(device), scale)
+
+    return weight
+
+
+def load_kernels(device: str | torch.device = "cpu", reference: bool = False) -> Kernels:
+    device = torch.device(device)
+    if device.type == "cpu" or reference:
+        return Kernels("reference", device, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn, cpu.grouped_linear,
+                       cpu.index_scores, _move(device))
+    from dsflash.kernels import cuda
+
+    def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # one batch-invariant GEMM per output group (cuBLAS batched GEMMs are not row-invariant)
+        return torch.stack([cuda.linear(x[:, g].contiguous(), cuda.to_cuda_weight(cpu.Weight("bf16", w[g]), device))
+                            for g in range(w.size(0))], dim=1)
+
+    def index_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        n, h, d = q.shape
+        return cuda.linear(q.reshape(n * h, d), cuda.to_cuda_weight(cpu.Weight("bf16", keys), device)).view(n, h, -1)
+
+    return Kernels("cuda", device, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, grouped_linear,
+                   index_scores, lambda w: cuda.to_cuda_weight(w, device))

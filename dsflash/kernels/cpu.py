@@ -64,7 +64,7 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, w: Weight) -> torch.T
         w.values.view(-1, nb, ACT_BLOCK).permute(1, 2, 0),
     )  # [nb, m, n]
     scaled = partial * a_s.t().unsqueeze(-1) * w.scale.t().unsqueeze(1)
-    acc = torch.zeros(m, w.out_features, dtype=torch.float32)
+    acc = torch.zeros(m, w.out_features, dtype=torch.float32, device=a.device)
     for kb in range(nb):
         acc += scaled[kb]
     return acc
@@ -91,12 +91,12 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     relative to the running maximum. A row with no valid index gives zeros. Returns bf16 [N, H, D].
     """
     n, h, d = q.shape
-    scale_t = torch.tensor(scale, dtype=torch.float32)
+    scale_t = torch.tensor(scale, dtype=torch.float32, device=q.device)
     qf = q.float().unsqueeze(0)
     kvf = kv.float()
-    acc = torch.zeros(1, n, h, d, dtype=torch.float32)
-    sum_exp = torch.zeros(1, n, h, dtype=torch.float32)
-    run_max = torch.full((1, n, h), -1e30, dtype=torch.float32)
+    acc = q.new_zeros(1, n, h, d, dtype=torch.float32)
+    sum_exp = q.new_zeros(1, n, h, dtype=torch.float32)
+    run_max = q.new_full((1, n, h), -1e30, dtype=torch.float32)
     for start in range(0, idx.size(1), SPARSE_ATTN_BLOCK):
         blk = idx[:, start:start + SPARSE_ATTN_BLOCK].long().unsqueeze(0)
         valid = blk != -1
@@ -111,6 +111,17 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         acc = acc * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).float(), rows)
     sum_exp = sum_exp + torch.exp(sink.float() - run_max)
     return (acc / sum_exp.unsqueeze(-1)).to(torch.bfloat16)[0]
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The grouped output projection `wo_a`: x [N, G, D] bf16, w [G, R, D] bf16 -> [N, G, R] bf16 (no
+    activation quantisation)."""
+    return torch.einsum("sgd,grd->sgr", x, w)
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Indexer logits in bf16: q [N, H, D], keys [T, D] -> [N, H, T]."""
+    return torch.einsum("shd,td->sht", q, keys)
 
 
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,

@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
-from dsflash.engine.state import GrowingRows
-from dsflash.kernels.cpu import linear, sparse_attn
 from dsflash.model.common import Chunk, rms_norm
 from dsflash.model.rope import Rope
 from dsflash.model.weights import WeightLoader
@@ -24,7 +22,7 @@ from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
 def window_indices(positions: torch.Tensor, window: int, first_row_pos: int) -> torch.Tensor:
     """[N, window] rows of the window source (whose row 0 holds position `first_row_pos`), -1 = none."""
     start = (positions - window + 1).clamp_min(0).unsqueeze(1)
-    pos = start + torch.arange(window)
+    pos = start + torch.arange(window, device=positions.device)
     return torch.where(pos > positions.unsqueeze(1), -1, pos - first_row_pos)
 
 
@@ -42,7 +40,7 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
     n_blocks = block_scores.size(-1)
     newest = (visible - 1) // block
-    block_scores = block_scores.masked_fill(torch.arange(n_blocks) == newest, torch.inf)
+    block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, torch.inf)
     picks = topk_lowest_index(block_scores, min(topk_blocks, n_blocks))
     kept = torch.gather(block_scores, -1, picks) > -torch.inf
     keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, picks, kept)
@@ -54,6 +52,7 @@ class Compressor:
     ratio > 1 is a per-channel softmax gate over the group's tokens, in fp32."""
 
     def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str):
+        self.k = w.k
         self.ratio = args.compress_ratios[layer]
         self.eps = args.norm_eps
         self.norm = w.tensor(prefix + "norm.weight")
@@ -64,14 +63,14 @@ class Compressor:
         """Latents of the groups completed by the chunk's real rows, and the first new group's id."""
         state, ratio = chunk.state, self.ratio
         if ratio == 1:
-            return rms_norm(linear(x, self.wkv)[: chunk.n], self.norm, self.eps), chunk.p0
+            return rms_norm(self.k.linear(x, self.wkv)[: chunk.n], self.norm, self.eps), chunk.p0
         xf = x.float()
-        kv, score = linear(xf, self.wkv)[: chunk.n], linear(xf, self.wgate)[: chunk.n]
+        kv, score = self.k.linear(xf, self.wkv)[: chunk.n], self.k.linear(xf, self.wgate)[: chunk.n]
         rows = torch.stack([kv, score], dim=1)
         raw = state.ring(state.raw, layer, ratio, tuple(rows.shape[1:]), torch.float32)
         # the chunk's groups, including the one its first rows complete from earlier positions
         first_group = chunk.p0 // ratio
-        held = raw.read(torch.arange(first_group * ratio, chunk.p0))
+        held = raw.read_range(first_group * ratio, chunk.p0)
         raw.write(chunk.positions[: chunk.n], rows)
         rows = torch.cat([held, rows])
         grouped = rows[: rows.size(0) // ratio * ratio].unflatten(0, (-1, ratio))
@@ -86,6 +85,7 @@ class SourceWriter:
     owns the layer's input: layer 20's on the box, since its input is the hand-off."""
 
     def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, rope: Rope):
+        self.k = w.k
         self.args, self.layer, self.rope = args, layer, rope
         self.ratio = args.compress_ratios[layer]
         self.eps = args.norm_eps
@@ -96,8 +96,8 @@ class SourceWriter:
     def entries(self, x: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """(compressed entries, index keys) of the groups the chunk's real rows complete."""
         latent, first = self.compressor(x, chunk, self.layer)
-        group_pos = (torch.arange(latent.size(0)) + first) * self.ratio
-        k = rms_norm(linear(latent, self.wk), self.k_norm, self.eps)
+        group_pos = (torch.arange(latent.size(0), device=latent.device) + first) * self.ratio
+        k = rms_norm(self.k.linear(latent, self.wk), self.k_norm, self.eps)
         self.rope.rotate(k, group_pos)
         self.rope.rotate(latent, group_pos)
         return fp4_fake_quant(latent, 16, e4m3_scale=True), fp4_fake_quant(k, 32, e4m3_scale=False)
@@ -107,8 +107,8 @@ class SourceWriter:
 
 
 def append_entries(state, args: ModelArgs, layer: int, entries: torch.Tensor, keys: torch.Tensor) -> None:
-    state.compressed.setdefault(layer, GrowingRows((args.head_dim,), torch.bfloat16)).append(entries)
-    state.index_keys.setdefault(layer, GrowingRows((args.index_head_dim,), torch.bfloat16)).append(keys)
+    state.rows(state.compressed, layer, (args.head_dim,), torch.bfloat16).append(entries)
+    state.rows(state.index_keys, layer, (args.index_head_dim,), torch.bfloat16).append(keys)
 
 
 class Indexer:
@@ -116,6 +116,7 @@ class Indexer:
     `index_topk` (spec §6.4)."""
 
     def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str):
+        self.k = w.k
         self.args, self.layer = args, layer
         self.ratio = args.compress_ratios[layer]
         self.wq_b = w.linear(prefix + "wq_b")
@@ -126,14 +127,14 @@ class Indexer:
     def select(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, chunk: Chunk, rope: Rope) -> torch.Tensor:
         """[rows, index_topk] compressed entries per query, ascending, -1 padded."""
         a = self.args
-        q = linear(qr, self.wq_b).unflatten(-1, (a.index_n_heads, a.index_head_dim))
+        q = self.k.linear(qr, self.wq_b).unflatten(-1, (a.index_n_heads, a.index_head_dim))
         rope.rotate(q, chunk.positions)
         q = fp4_fake_quant(q, 32, e4m3_scale=False)
-        weights = linear(x, self.weights_proj) * (a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5)
-        scores = torch.einsum("shd,td->sht", q, keys)
+        weights = self.k.linear(x, self.weights_proj) * (a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5)
+        scores = self.k.index_scores(q, keys)
         scores = (scores.relu_() * weights.unsqueeze(-1)).sum(dim=1)
         visible = ((chunk.positions + 1) // self.ratio).unsqueeze(-1)
-        scores.masked_fill_(torch.arange(keys.size(0)) >= visible, -torch.inf)
+        scores.masked_fill_(torch.arange(keys.size(0), device=keys.device) >= visible, -torch.inf)
         if self.is_candidate_source:
             chunk.candidates = select_candidate_blocks(scores, visible, a.candidate_topk_blocks, a.candidate_block_size)
         elif self.uses_candidates:
@@ -141,7 +142,7 @@ class Indexer:
         k = min(a.index_topk, keys.size(0))
         picks = topk_lowest_index(scores, k).sort(dim=-1).values
         picks = torch.where(picks < visible, picks, -1)
-        out = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64)
+        out = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64, device=keys.device)
         out[:, :k] = picks
         forced = chunk.select and chunk.select.rows(chunk.select.index_topk, self.layer, chunk.positions[: chunk.n])
         if forced is not None:
@@ -156,6 +157,7 @@ class Attention:
 
     def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, ropes: tuple[Rope, Rope],
                  writes_source: bool = True):
+        self.k = w.k
         self.args, self.layer = args, layer
         self.ratio = args.compress_ratios[layer]
         self.eps = args.norm_eps
@@ -180,10 +182,10 @@ class Attention:
     def projections(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qr, q, window kv) of the rows: q RoPE'd, kv RoPE'd and FP8-valued over all of its channels."""
         a = self.args
-        qr = rms_norm(linear(x, self.wq_a), self.q_norm, self.eps)
-        q = linear(qr, self.wq_b).unflatten(-1, (a.n_heads, a.head_dim))
+        qr = rms_norm(self.k.linear(x, self.wq_a), self.q_norm, self.eps)
+        q = self.k.linear(qr, self.wq_b).unflatten(-1, (a.n_heads, a.head_dim))
         self.rope.rotate(q, positions)
-        kv = rms_norm(linear(x, self.wkv), self.kv_norm, self.eps)
+        kv = rms_norm(self.k.linear(x, self.wkv), self.kv_norm, self.eps)
         self.rope.rotate(kv, positions)
         return qr, q, fp8_fake_quant(kv)
 
@@ -191,8 +193,8 @@ class Attention:
         """Inverse RoPE, grouped `wo_a` (bf16, no activation quantisation), then FP8 `wo_b`."""
         self.rope.rotate(o, positions, inverse=True)
         o = o.view(o.size(0), self.args.o_groups, -1)
-        o = torch.einsum("sgd,grd->sgr", o, self.wo_a)
-        return linear(o.flatten(1), self.wo_b)
+        o = self.k.grouped_linear(o, self.wo_a)
+        return self.k.linear(o.flatten(1), self.wo_b)
 
     def __call__(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         a, state = self.args, chunk.state
@@ -200,7 +202,7 @@ class Attention:
         qr, q, kv = self.projections(x, chunk.positions)
         ring = state.ring(state.window, self.layer, win, (a.head_dim,), torch.bfloat16)
         # the window source: positions p0-win .. p0-1 (rows before 0 are never indexed), then the chunk
-        source = torch.cat([ring.read(torch.arange(chunk.p0 - win, chunk.p0)), kv])
+        source = torch.cat([ring.read_range(chunk.p0 - win, chunk.p0), kv])
         idx = window_indices(chunk.positions, win, chunk.p0 - win)
         if self.ratio:
             comp_idx = self._compressed(x, qr, chunk)
@@ -209,7 +211,7 @@ class Attention:
             source = torch.cat([source, comp])
             # valid entries first: which 64-block of the online softmax an entry falls in changes the bits
             idx = torch.gather(idx, 1, torch.sort((idx < 0).to(torch.int8), dim=1, stable=True).indices)
-        o = sparse_attn(q, source, self.attn_sink, idx, a.head_dim ** -0.5)
+        o = self.k.sparse_attn(q, source, self.attn_sink, idx, a.head_dim ** -0.5)
         ring.write(chunk.positions[: chunk.n], kv[: chunk.n])
         return self.output(o, chunk.positions)
 
@@ -220,7 +222,7 @@ class Attention:
             self.source_writer(x, chunk)
         if self.is_index_source:
             if state.compressed[self.kv_source].n == 0:
-                chunk.topk = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64)
+                chunk.topk = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64, device=x.device)
             else:
                 chunk.topk = self.indexer.select(x, qr, state.index_keys[self.kv_source].rows, chunk, self.rope)
         return chunk.topk

@@ -63,7 +63,8 @@ class Chunk:
         """The same chunk without its first k rows (re-padded), keeping what the layers published."""
         n = self.n - k
         rows = n + (-n % 64)
-        positions = torch.arange(int(self.positions[k]), int(self.positions[k]) + rows)
+        start = int(self.positions[k])
+        positions = torch.arange(start, start + rows, device=self.positions.device)
 
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else fit_rows(t[k:], rows)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
 from dsflash.engine.state import PositionRing
-from dsflash.kernels.cpu import linear, pad_rows, sparse_attn
+from dsflash.kernels.cpu import pad_rows
 from dsflash.model.attention import Attention
 from dsflash.model.common import Chunk, rms_norm
 from dsflash.model.mhc import Block, collapse
@@ -33,13 +33,14 @@ class DSparkAttention(Attention):
     def ring(self, state, last: int) -> torch.Tensor:
         """The reference's window ring after target position `last`: slot = position % window_size."""
         win = self.args.window_size
-        ring = torch.zeros(win, self.args.head_dim, dtype=torch.bfloat16)
-        positions = torch.arange(max(0, last - win + 1), last + 1)
-        ring[positions % win] = self.history(state).read(positions)
+        history = self.history(state)
+        ring = history.data.new_zeros(win, self.args.head_dim)
+        positions = torch.arange(max(0, last - win + 1), last + 1, device=ring.device)
+        ring[positions % win] = history.read(positions)
         return ring
 
     def write_context(self, state, main_x: torch.Tensor, positions: torch.Tensor, n: int) -> None:
-        kv = rms_norm(linear(main_x, self.wkv), self.kv_norm, self.eps)
+        kv = rms_norm(self.k.linear(main_x, self.wkv), self.kv_norm, self.eps)
         self.rope.rotate(kv, positions)
         self.history(state).write(positions[:n], fp8_fake_quant(kv)[:n])
 
@@ -48,9 +49,11 @@ class DSparkAttention(Attention):
         _, q, kv = self.projections(x, chunk.positions)
         p = chunk.p0 - 1  # the target position whose context was written last
         filled = min(win, p + 1)
-        idx = torch.cat([torch.arange(filled), win + torch.arange(chunk.n)]).expand(chunk.rows, -1)
+        dev = x.device
+        idx = torch.cat([torch.arange(filled, device=dev), win + torch.arange(chunk.n, device=dev)])
+        idx = idx.expand(chunk.rows, -1)
         source = torch.cat([self.ring(chunk.state, p), kv[: chunk.n]])
-        o = sparse_attn(q, source, self.attn_sink, idx.contiguous(), self.args.head_dim ** -0.5)
+        o = self.k.sparse_attn(q, source, self.attn_sink, idx.contiguous(), self.args.head_dim ** -0.5)
         return self.output(o, chunk.positions)
 
 
@@ -61,6 +64,7 @@ def argmax_sampler(logits: torch.Tensor) -> int:
 class DSpark:
     def __init__(self, args: ModelArgs, w: WeightLoader, ropes: tuple[Rope, Rope], embed: torch.Tensor,
                  head: torch.Tensor):
+        self.k = w.k
         self.args = args
         self.embed, self.head = embed, head
         self.stages = []
@@ -73,15 +77,15 @@ class DSpark:
         self.main_norm = w.tensor("mtp.0.main_norm.weight")
         self.norm = w.tensor(last + "norm.weight")
         self.markov_embed = w.tensor(last + "markov_head.embed.weight")
-        self.markov_head = w.tensor(last + "markov_head.head.weight").float()
-        self.confidence = w.tensor(last + "confidence_head.proj.weight").float()
+        self.markov_head = w.linear(last + "markov_head.head", widen=True)
+        self.confidence = w.linear(last + "confidence_head.proj", widen=True)
 
     def write_context(self, state, main_hidden: torch.Tensor, positions: torch.Tensor) -> None:
         """Store the context KV of target rows (main_hidden = the taps' stream means, [N, n_taps*D])."""
         n = positions.numel()
         rows = pad_rows(main_hidden)
-        pos = torch.arange(int(positions[0]), int(positions[0]) + rows.size(0))
-        main_x = rms_norm(linear(rows, self.main_proj), self.main_norm, self.args.norm_eps)
+        pos = torch.arange(int(positions[0]), int(positions[0]) + rows.size(0), device=rows.device)
+        main_x = rms_norm(self.k.linear(rows, self.main_proj), self.main_norm, self.args.norm_eps)
         for block in self.stages:
             block.attn.write_context(state, main_x, pos, n)
         state.dspark_pos = int(positions[-1]) + 1
@@ -93,23 +97,24 @@ class DSpark:
         a = self.args
         b = a.dspark_block_size
         p0 = state.dspark_pos
-        ids = torch.tensor([anchor] + [a.dspark_noise_token_id] * (b - 1))
+        dev = self.embed.device
+        ids = torch.tensor([anchor] + [a.dspark_noise_token_id] * (b - 1), device=dev)
         rows = pad_rows(F.embedding(ids, self.embed))
-        chunk = Chunk(state, torch.arange(p0, p0 + rows.size(0)), b)
+        chunk = Chunk(state, torch.arange(p0, p0 + rows.size(0), device=dev), b)
         h = rows.unsqueeze(1).repeat(1, a.hc_mult, 1)
-        pre = torch.zeros(rows.size(0), a.hc_mult)
+        pre = torch.zeros(rows.size(0), a.hc_mult, device=dev)
         pre[:, 0] = 1.0
         for block in self.stages:
             h, pre = block(h, pre, chunk)
         x = rms_norm(collapse(h, pre), self.norm, a.norm_eps)
-        logits = F.linear(x.float(), self.head)[:b]
+        logits = self.k.linear(x.float(), self.head)[:b]
         out, embeds = [anchor], []
         for i in range(b):
             e = self.markov_embed[out[-1]]
-            bias = F.linear(pad_rows(e.float().unsqueeze(0)), self.markov_head)[0]
+            bias = self.k.linear(e.float().unsqueeze(0), self.markov_head)[0]
             logits[i] += bias
             embeds.append(e)
             out.append(sampler(logits[i]))
         hidden = torch.cat([x[:b], torch.stack(embeds)], dim=-1).float()
-        confidence = F.linear(pad_rows(hidden), self.confidence)[:b, 0]
+        confidence = self.k.linear(hidden, self.confidence)[:b, 0]
         return out, logits, confidence

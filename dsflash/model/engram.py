@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from dsflash.config import ModelArgs, engram_primes
-from dsflash.kernels.cpu import linear
 from dsflash.model.common import Chunk
 from dsflash.model.weights import WeightLoader
 
@@ -37,13 +36,14 @@ class EngramLayout:
     multipliers: torch.Tensor  # int64 [n_engram_layers, max_ngram]
 
     @classmethod
-    def build(cls, args: ModelArgs, token_map: list[int]) -> EngramLayout:
+    def build(cls, args: ModelArgs, token_map: list[int], device: torch.device) -> EngramLayout:
         primes = torch.tensor(engram_primes(args))
         flat = primes.flatten(1)
         offsets = torch.cumsum(flat, dim=1) - flat
         n_classes = max(token_map) + 1
-        return cls(torch.tensor(token_map), token_map[args.engram_pad_id], primes, offsets,
-                   hash_multipliers(tuple(args.engram_layer_ids), args.engram_max_ngram_size, n_classes))
+        multipliers = hash_multipliers(tuple(args.engram_layer_ids), args.engram_max_ngram_size, n_classes)
+        return cls(torch.tensor(token_map, device=device), token_map[args.engram_pad_id], primes.to(device),
+                   offsets.to(device), multipliers.to(device))
 
     def hash_ids(self, chunk: Chunk, ids: torch.Tensor, max_ngram: int) -> torch.Tensor:
         """Row ids [rows, n_engram_layers, (max_ngram-1)*heads] of the chunk's positions; commits the
@@ -73,6 +73,7 @@ class EngramLayout:
 
 class Engram:
     def __init__(self, args: ModelArgs, w: WeightLoader, prefix: str):
+        self.k = w.k
         self.dim, self.hc, self.eps = args.dim, args.hc_mult, args.norm_eps
         self.table = w.tensor(prefix + "embed.weight")  # FP8 rows, dequantised on lookup
         self.table_scale = w.tensor(prefix + "embed.scale")
@@ -86,7 +87,7 @@ class Engram:
         return (values.unflatten(-1, (-1, 32)) * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
 
     def __call__(self, h: torch.Tensor, hash_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
-        kv = linear(self.rows(hash_ids).flatten(-2), self.wkv)
+        kv = self.k.linear(self.rows(hash_ids).flatten(-2), self.wkv)
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))
         hf = h.float()

@@ -8,10 +8,8 @@ coefficients pre/post/comb; V4.1's single-pass mHC uses a site's `pre` to collap
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
-from dsflash.kernels.cpu import hc_split_sinkhorn
 from dsflash.model.attention import Attention
 from dsflash.model.common import Chunk, rms_norm
 from dsflash.model.moe import MoE
@@ -33,7 +31,8 @@ class MixSite:
     """One site's mHC parameters: fn [(2+hc)*hc, hc*D], base, scale (all fp32)."""
 
     def __init__(self, args: ModelArgs, w: WeightLoader, prefix: str):
-        self.fn = w.tensor(prefix + "_fn").float()
+        self.k = w.k
+        self.fn = w.plain(prefix + "_fn")
         self.base = w.tensor(prefix + "_base").float()
         self.scale = w.tensor(prefix + "_scale").float()
         self.hc, self.iters, self.hc_eps, self.eps = args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps
@@ -41,8 +40,8 @@ class MixSite:
     def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = h.flatten(1).float()
         # one RMS statistic per token over all hc*D values
-        mixes = F.linear(x, self.fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
-        return hc_split_sinkhorn(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)
+        mixes = self.k.linear(x, self.fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
+        return self.k.hc_split_sinkhorn(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)
 
 
 class Block:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
-from dsflash.kernels.cpu import Weight, linear
+from dsflash.kernels.cpu import Weight
 from dsflash.model.attention import topk_lowest_index
 from dsflash.model.common import Chunk
 from dsflash.model.weights import WeightLoader
@@ -16,29 +16,31 @@ from dsflash.model.weights import WeightLoader
 
 class Expert:
     def __init__(self, w: WeightLoader, prefix: str, swiglu_limit: float):
+        self.k = w.k
         self.w1: Weight = w.linear(prefix + "w1")
         self.w2: Weight = w.linear(prefix + "w2")
         self.w3: Weight = w.linear(prefix + "w3")
         self.limit = swiglu_limit
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        gate = linear(x, self.w1).float()
-        up = linear(x, self.w3).float()
+        gate = self.k.linear(x, self.w1).float()
+        up = self.k.linear(x, self.w3).float()
         if self.limit > 0:
             up = torch.clamp(up, min=-self.limit, max=self.limit)
             gate = torch.clamp(gate, max=self.limit)
         h = F.silu(gate) * up
         if weights is not None:
             h = weights * h
-        return linear(h.to(x.dtype), self.w2)
+        return self.k.linear(h.to(x.dtype), self.w2)
 
 
 class MoE:
     def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str):
+        self.k = w.k
         self.layer = layer
         self.n_experts, self.topk = args.moe_experts(layer)
         self.args = args
-        self.gate_weight = w.tensor(prefix + "gate.weight").float()
+        self.gate = w.linear(prefix + "gate", widen=True)  # the router runs in fp32
         self.gate_bias = w.tensor(prefix + "gate.bias").float()
         self.gate_bias_vl = w.tensor(prefix + "gate.bias_vl").float() if w.has(prefix + "gate.bias_vl") else None
         self.experts = [Expert(w, f"{prefix}experts.{e}.", args.swiglu_limit) for e in range(self.n_experts)]
@@ -47,7 +49,7 @@ class MoE:
     def route(self, x: torch.Tensor, chunk: Chunk | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] fp32, expert ids [N, k]); ids forced when the chunk carries selections."""
         a = self.args
-        scores = F.linear(x.float(), self.gate_weight) / a.gate_temp
+        scores = self.k.linear(x.float(), self.gate) / a.gate_temp
         if a.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif a.score_func == "sigmoid":

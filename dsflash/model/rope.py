@@ -34,24 +34,24 @@ class Rope:
             freqs = freqs / args.rope_factor * (1 - smooth) + freqs * smooth
         self.freqs = freqs
         self.dim = dim
-        self._blocks: dict[int, torch.Tensor] = {}
+        self._tables: dict[torch.device, torch.Tensor] = {}
 
     def _block(self, b: int) -> torch.Tensor:
-        t = self._blocks.get(b)
-        if t is None:
-            pos = torch.arange(b * _POSITION_BLOCK, (b + 1) * _POSITION_BLOCK)
-            angles = torch.outer(pos, self.freqs)
-            t = self._blocks[b] = torch.polar(torch.ones_like(angles), angles)
-        return t
+        pos = torch.arange(b * _POSITION_BLOCK, (b + 1) * _POSITION_BLOCK)
+        angles = torch.outer(pos, self.freqs)
+        return torch.polar(torch.ones_like(angles), angles)
 
     def factors(self, positions: torch.Tensor) -> torch.Tensor:
-        """complex64 [N, dim/2] for int64 positions [N]."""
-        blocks = positions // _POSITION_BLOCK
-        out = torch.empty(positions.numel(), self.dim // 2, dtype=torch.complex64)
-        for b in blocks.unique().tolist():
-            sel = blocks == b
-            out[sel] = self._block(b)[positions[sel] - b * _POSITION_BLOCK]
-        return out
+        """complex64 [N, dim/2] for int64 positions [N]. The table is computed on the CPU for every
+        backend (so all rotate by the same factors) and grows by doubling."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        table = self._tables.get(positions.device)
+        if table is None or table.size(0) < need:
+            have = 0 if table is None else table.size(0) // _POSITION_BLOCK
+            blocks = max(-(-need // _POSITION_BLOCK), 2 * have)
+            table = torch.cat([self._block(b) for b in range(blocks)]).to(positions.device)
+            self._tables[positions.device] = table
+        return table[positions]
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last `dim` channels of x ([N, dim_total] or [N, H, dim_total]) in place."""

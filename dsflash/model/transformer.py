@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ModelArgs
 from dsflash.engine.state import SequenceState
+from dsflash.kernels import load_kernels
 from dsflash.kernels.cpu import ROW_TILE
 from dsflash.model.attention import Attention, SourceWriter
 from dsflash.model.common import Chunk, Selections, fit_rows, rms_norm
@@ -40,10 +41,13 @@ class ForwardOutput:
 
 
 class Transformer:
-    def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None):
+    def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None,
+                 device: str | torch.device = "cpu", reference: bool = False):
         self.args, self.ckpt = args, ckpt
         self.layers = layers if layers is not None else range(args.n_layers)
-        w = WeightLoader(ckpt)
+        self.k = load_kernels(device, reference)
+        self.device = self.k.device
+        w = WeightLoader(ckpt, self.k)
         self.ropes = (Rope(args, compressed=False), Rope(args, compressed=True))
         self.embed = w.tensor("embed.weight")
         self.blocks = {}
@@ -57,7 +61,7 @@ class Transformer:
         self.engram_layout = None
         if self.engram:
             assert token_map is not None, "Engram layers need the compressed token map"
-            self.engram_layout = EngramLayout.build(args, token_map)
+            self.engram_layout = EngramLayout.build(args, token_map, self.device)
         # the encoder side writes the cache of the KV source that starts the next range
         self.next_source = None
         nxt = self.layers.stop
@@ -66,7 +70,7 @@ class Transformer:
             self.next_attn_norm = w.tensor(f"layers.{nxt}.attn_norm.weight")
         self.has_head = self.layers.stop == args.n_layers
         self.norm = w.tensor("norm.weight") if self.has_head else None
-        self.head = w.tensor("head.weight").float() if self.has_head else None
+        self.head = w.linear("head", widen=True) if self.has_head else None  # fp32 logits
         self.dspark = None
         if self.has_head and args.n_mtp_layers and args.dspark_block_size:
             self.dspark = DSpark(args, w, self.ropes, self.embed, self.head)
@@ -89,7 +93,7 @@ class Transformer:
         a = self.args
         n = ids.numel() if ids is not None else streams.size(0)
         rows = n + (-n % ROW_TILE)
-        positions = torch.arange(state.pos, state.pos + rows)
+        positions = torch.arange(state.pos, state.pos + rows, device=self.device)
         mask = None
         if image_mask is not None:
             mask = torch.cat([image_mask, image_mask.new_zeros(rows - n)])
@@ -97,7 +101,7 @@ class Transformer:
         if self.layers.start == 0:
             ids = torch.cat([ids, ids[-1:].expand(rows - n)])
             h = F.embedding(ids, self.embed).unsqueeze(1).repeat(1, a.hc_mult, 1)
-            pre = torch.zeros(rows, a.hc_mult)
+            pre = torch.zeros(rows, a.hc_mult, device=self.device)
             pre[:, 0] = 1.0
             hashes = self.engram_layout.hash_ids(chunk, ids, a.engram_max_ngram_size) if self.engram else None
         else:
@@ -129,7 +133,7 @@ class Transformer:
         logits = None
         if self.has_head:
             x = rms_norm(collapse(h, pre), self.norm, a.norm_eps)
-            logits = F.linear(x.float(), self.head)[:n]
+            logits = self.k.linear(x.float(), self.head)[:n]
         entries = None
         if self.next_source is not None:
             x = rms_norm(collapse(h, pre), self.next_attn_norm, a.norm_eps)

@@ -10,15 +10,17 @@ from __future__ import annotations
 import torch
 
 from dsflash.checkpoint.reader import Checkpoint
+from dsflash.kernels import Kernels
 from dsflash.kernels.cpu import Weight
 from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
 
 
 class WeightLoader:
-    """Reads one checkpoint and hands out kernel-ready tensors by official name."""
+    """Reads one checkpoint and hands out tensors by official name, on the device and in the form of
+    the kernel backend the model is built for (`k`)."""
 
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
+    def __init__(self, ckpt: Checkpoint, k: Kernels):
+        self.ckpt, self.k = ckpt, k
 
     def has(self, name: str) -> bool:
         return self.ckpt.has(name)
@@ -32,13 +34,17 @@ class WeightLoader:
         if w.dtype == torch.float8_e4m3fn:
             out_f, in_f = w.shape
             scale = self.ckpt.get(prefix + ".scale").float().repeat_interleave(32, dim=0)[:out_f]
-            return Weight("fp8", w.float(), scale.contiguous())
+            return self.k.weight(Weight("fp8", w.float(), scale.contiguous()))
         if w.dtype in (torch.int8, torch.uint8):
-            return Weight("fp4", decode_e2m1(unpack_fp4(w)), self.ckpt.get(prefix + ".scale").float())
+            return self.k.weight(Weight("fp4", decode_e2m1(unpack_fp4(w)), self.ckpt.get(prefix + ".scale").float()))
         if widen or w.dtype == torch.float32:
-            return Weight("fp32", w.float())
-        return Weight("bf16", w)
+            return self.k.weight(Weight("fp32", w.float()))
+        return self.k.weight(Weight("bf16", w))
+
+    def plain(self, name: str) -> Weight:
+        """A bare fp32/bf16 matrix (e.g. an mHC projection) as a Weight, widened to fp32."""
+        return self.k.weight(Weight("fp32", self.ckpt.get(name).float()))
 
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        t = self.ckpt.get(name)
+        t = self.ckpt.get(name).to(self.k.device)
         return t if dtype is None else t.to(dtype)

@@ -7,6 +7,8 @@ compressed KV.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_MAX = 448.0
@@ -36,11 +38,17 @@ def e4m3_saturate(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+@functools.cache
+def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return E2M1_VALUES.to(device), _E2M1_MIDS.to(device), _E2M1_TIE_UP.to(device)
+
+
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     """float32 in [-6, 6] -> nearest E2M1 value (ties to the even code), sign of zero kept."""
+    values, mids, tie_up = _e2m1_tables(x.device)
     mag = x.abs().unsqueeze(-1)
-    code = (mag > _E2M1_MIDS).sum(-1) + ((mag == _E2M1_MIDS) & _E2M1_TIE_UP).sum(-1)
-    return torch.where(torch.signbit(x), -E2M1_VALUES[code], E2M1_VALUES[code])
+    code = (mag > mids).sum(-1) + ((mag == mids) & tie_up).sum(-1)
+    return torch.where(torch.signbit(x), -values[code], values[code])
 
 
 def fp8_act_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

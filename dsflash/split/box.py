@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dsflash.engine import snapshot
 from dsflash.engine.prefix_cache import PrefixCache
-from dsflash.engine.session import MAX_STEP_ROWS, LocalEncoder, engine_identity
+from dsflash.engine.session import MAX_STEP_ROWS, LocalEncoder, default_device, engine_identity
 from dsflash.engine.state import ROLLBACK_ROWS
 from dsflash.model.load import load_model
 from dsflash.numerics import NUMERICS_VERSION
@@ -69,8 +69,8 @@ class Connection:
 
 class Box:
     def __init__(self, model_path: str | Path, token: str | None = None, cache_dir: str | None = None,
-                 max_frame: int = MAX_FRAME):
-        self.model = load_model(model_path, half="encoder")
+                 max_frame: int = MAX_FRAME, device: str = "cpu"):
+        self.model = load_model(model_path, half="encoder", device=device)
         self.args = self.model.args
         self.identity = engine_identity(self.model)
         self.token = token
@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(host) and not args.token:
         print(f"dsflash box: listening on non-loopback {host} needs --token", file=sys.stderr)
         return 2
-    box = Box(args.model, token=args.token, cache_dir=args.cache_dir)
+    box = Box(args.model, token=args.token, cache_dir=args.cache_dir, device=args.device)
     serve_health(box, host, args.health_port if args.health_port is not None else port + 1)
     box.serve(host, port)
     return 0
@@ -314,4 +314,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token", help="shared secret the back side must present")
     p.add_argument("--health-port", type=int, help="HTTP port for GET /health (default: listen port + 1)")
     p.add_argument("--cache-dir", help="directory for the box's prefix cache of encoder states")
+    p.add_argument("--device", default=default_device(), help="cpu or cuda (default: cuda when present)")
     p.set_defaults(func=run)

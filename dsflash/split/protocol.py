@@ -113,7 +113,7 @@ def body_tokens(body: bytes) -> list[int]:
 
 
 def tensors_body(tensors: list[torch.Tensor]) -> bytes:
-    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+    return b"".join(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
 
 
 def body_tensors(body: bytes, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
