@@ -32,3 +32,29 @@ def test_chunked_prefill_is_bit_identical(model_and_ids, size):
     chunked = run_chunks(model, ids, size)
     for a, b in zip(whole, chunked, strict=True):
         assert torch.equal(a, b)
+
+
+def test_tiny_b_chunking_tail_prefill_and_dspark(tmp_path_factory):
+    """Tiny-B (12 layers, window 8 so rings wrap, 3 DSpark stages): chunked == whole, the encoder-only
+    prefill == the full one, and DSpark decoding == plain decoding."""
+    from dsflash.checkpoint.make import make_checkpoint
+    from dsflash.config import PRESETS
+    from dsflash.engine.sampling import SamplingParams
+    from dsflash.engine.session import Engine
+    from dsflash.engine.spec import decode
+
+    ckpt = make_checkpoint(PRESETS["tiny-b"], 7, tmp_path_factory.mktemp("tinyb"))
+    model = load_model(ckpt)
+    ids = torch.randint(3, 500, (100,), generator=torch.Generator().manual_seed(0))
+    whole = run_chunks(model, ids, ids.numel())
+    for a, b in zip(whole, run_chunks(model, ids, 9), strict=True):
+        assert torch.equal(a, b)
+    engine = Engine.load(ckpt, max_context=1024)
+    s = engine.session()
+    assert s.tail_rows() < ids.numel()
+    assert torch.equal(s.prefill(ids.tolist(), chunk=31), whole[0][-1])
+    outs = []
+    for k in (0, 3):
+        s = engine.session()
+        outs.append(list(decode(s, s.prefill(ids.tolist()), 10, SamplingParams(), stop=set(), dspark=k)))
+    assert outs[0] == outs[1]

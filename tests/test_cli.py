@@ -1,0 +1,54 @@
+"""The command-line tools as a user runs them (real subprocesses, real files)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from tests.conftest import GOLDEN_CASES
+
+ROOT = Path(__file__).resolve().parents[1]
+CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def dsflash(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsflash.cli", *args], env=ENV, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_generate_json_same_tokens_with_and_without_dspark(tmp_path):
+    prompt = tmp_path / "p.json"
+    prompt.write_text(json.dumps([int(t) for t in np.random.default_rng(1).integers(3, 511, 30)]))
+    runs = []
+    for extra in ([], ["--dspark", "2"], ["--temperature", "0.7", "--seed", "5"],
+                  ["--temperature", "0.7", "--seed", "5", "--dspark", "2"]):
+        r = dsflash("generate", "--model", str(CASE), "--prompt-tokens", str(prompt), "-n", "10", "--json", *extra)
+        assert r.returncode == 0, r.stderr
+        runs.append(json.loads(r.stdout))
+    assert runs[0]["tokens"] == runs[1]["tokens"] and runs[2]["tokens"] == runs[3]["tokens"]
+    assert runs[1]["accept_rate"] >= 0 and runs[0]["cached_tokens"] == 0
+
+
+def test_logits_command_replays_a_golden_case_bit_for_bit(tmp_path):
+    golden = load_file(str(CASE / "golden.safetensors"))
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(golden["full.input_ids"].tolist()))
+    out = tmp_path / "out.safetensors"
+    r = dsflash("logits", "--model", str(CASE), "--prompt-tokens", str(ids), "--out", str(out),
+                "--replay", f"{CASE}:full.", "--chunk", "20")
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out))
+    assert np.array_equal(got["logits"], golden["full.logits"])
+    assert np.array_equal(got["handoff_streams"], golden["full.handoff_streams"])
+
+
+def test_make_checkpoint_then_check_golden_refuses_a_non_case(tmp_path):
+    r = dsflash("make-checkpoint", "--preset", "tiny-b", "--seed", "3", "--out", str(tmp_path / "tb"))
+    assert r.returncode == 0, r.stderr
+    r = dsflash("check-golden", str(tmp_path / "tb"))
+    assert r.returncode != 0 and "unreadable case" in (r.stdout + r.stderr)
