@@ -22,9 +22,10 @@ shape and K step is a function of the weight's (N, K) or of the head/dim sizes o
 no split-K reassociates a sum, there is no autotuning and no atomics, and each output element is
 computed by the same instruction sequence wherever its row sits in a tile. The M-dependent choices
 give identical bits by construction and are tested to: fusing the activation quantisation into the
-GEMM (the quantisation is exact bit arithmetic); for M <= 16, spreading the K loop over programs that store each block's
-scaled partial -- exactly the term the single loop adds -- and summing those in K order in a second
-kernel; for M >= 128, widening FP4 weights to E4M3 once per call instead of per tile.
+GEMM (the quantisation is exact bit arithmetic); for M <= 16, spreading the K loop over programs
+that store each block's scaled partial -- exactly the term the single loop adds -- and summing
+those in K order in a second kernel; for M >= 128, widening FP4 weights to E4M3 once per call
+instead of per tile.
 """
 
 from __future__ import annotations
