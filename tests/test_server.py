@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -32,7 +34,7 @@ SERVER_SCRIPT = textwrap.dedent("""
 
     ckpt, port = sys.argv[1], int(sys.argv[2])
     # a small context so the context-length error is cheap to provoke
-    app = create_app(Engine.load(ckpt, max_context=128), load_tokenizer(ckpt), model_name="tiny")
+    app = create_app(Engine.load(ckpt, max_context=1024), load_tokenizer(ckpt), model_name="tiny")
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 """)
 
@@ -196,10 +198,10 @@ def test_bad_chat_requests_are_400(server, body, param):
 
 def test_context_length_and_anthropic_errors(server, oai):
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 300}],
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 1500}],
                                     max_tokens=4)
     err = e.value.body
-    assert err["code"] == "context_length_exceeded" and err["prompt_tokens"] > err["max_context"] == 128
+    assert err["code"] == "context_length_exceeded" and err["prompt_tokens"] > err["max_context"] == 1024
     r = httpx.post(server + "/v1/messages", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
     m = _metrics(server)
@@ -266,3 +268,73 @@ def test_tool_calls_formatting_in_process():
             "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]}
     m = client.post("/v1/messages", json=anth).json()
     assert m["stop_reason"] == "tool_use" and m["content"][-1]["input"] == {"city": "Paris", "days": 2}
+
+
+_SCALARS = (st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
+            | st.text(max_size=20))
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4) |
+                     st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "bogus", 3]),
+                                  "content": _JSON | st.text(max_size=30)})
+_FIELDS = {
+    "/v1/chat/completions": {"messages": st.lists(_MESSAGE, max_size=3) | _JSON, "temperature": _JSON,
+                             "top_p": _JSON, "top_k": _JSON, "seed": _JSON, "stop": _JSON, "stream": _JSON,
+                             "logprobs": _JSON, "top_logprobs": _JSON, "tools": _JSON, "reasoning_effort": _JSON,
+                             "stream_options": _JSON, "max_tokens": st.integers(-2, 2) | _JSON},
+    "/v1/completions": {"prompt": _JSON | st.text(max_size=30), "temperature": _JSON, "stream": _JSON,
+                        "max_tokens": st.integers(-2, 2) | _JSON, "stop": _JSON},
+    "/v1/messages": {"messages": st.lists(_MESSAGE, max_size=3) | _JSON, "system": _JSON, "stream": _JSON,
+                     "max_tokens": st.integers(-2, 2) | _JSON, "thinking": _JSON, "tools": _JSON},
+}
+
+
+@st.composite
+def _request(draw):
+    path = draw(st.sampled_from(sorted(_FIELDS)))
+    fields = _FIELDS[path]
+    keys = draw(st.lists(st.sampled_from(sorted(fields)), unique=True))
+    body = {k: draw(fields[k]) for k in keys}
+    body.setdefault("max_tokens", 1)  # valid bodies generate; keep them short
+    if draw(st.booleans()):
+        body.update(draw(st.dictionaries(st.text(max_size=6), _JSON, max_size=2)))
+    return path, body
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(req=_request())
+def test_fuzzed_request_bodies_never_give_5xx(server, req):
+    path, body = req
+    r = httpx.post(server + path, json=body, timeout=60)
+    assert r.status_code < 500, (path, body, r.text)
+    if body.get("stream") is True and r.status_code == 200:
+        assert "data:" in r.text or "event:" in r.text
+
+
+def test_server_healthy_after_fuzzing(server):
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+def test_tool_call_round_trip_through_the_real_model(oai, claude):
+    """A conversation carrying a tool definition, the assistant's call and the tool's result is encoded
+    (DSML) and answered by the real model through both client libraries."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+    ]
+    r = oai.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=3, temperature=0,
+                                    extra_body=NO_THINK)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls") and r.usage.prompt_tokens > 20
+    m = claude.messages.create(model="tiny", max_tokens=3, tools=[{
+        "name": "get_weather", "description": "Weather in a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "tu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1", "content": "21 C"}]}])
+    assert m.stop_reason in ("end_turn", "max_tokens", "tool_use") and m.usage.input_tokens >= 0
