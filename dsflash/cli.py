@@ -15,6 +15,7 @@ COMMANDS = [
     "dsflash.engine.generate_cmd",  # generate
     "dsflash.server.serve_cmd",  # serve
     "dsflash.split.box",  # box
+    "dsflash.bench.model",  # bench
 ]
 
 

@@ -1,8 +1,10 @@
+import os
 from pathlib import Path
 
 import pytest
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+# the golden cases live beside the checkout (../shared/golden); DSFLASH_GOLDEN_DIR points elsewhere
+GOLDEN = Path(os.environ.get("DSFLASH_GOLDEN_DIR") or Path(__file__).resolve().parents[1].parent / "shared" / "golden")
 GOLDEN_CASES = sorted(p for p in GOLDEN.glob("*") if (p / "golden.safetensors").exists())
 
 

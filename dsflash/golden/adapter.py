@@ -21,26 +21,29 @@ def selections_from_arrays(sel: dict) -> Selections:
 
 
 class GoldenEngine:
-    def __init__(self, case_dir: str | Path):
-        self.model = load_model(case_dir)
+    def __init__(self, case_dir: str | Path, device: str = "cpu"):
+        self.model = load_model(case_dir, device=device)
+        self.device = self.model.device
 
     def prefill(self, ids: np.ndarray, selections: dict | None) -> dict[str, np.ndarray]:
         select = selections_from_arrays(selections) if selections is not None else None
-        out = self.model.forward(SequenceState(), torch.from_numpy(np.asarray(ids)).long(), select=select)
+        ids = torch.from_numpy(np.asarray(ids)).long().to(self.device)
+        out = self.model.forward(SequenceState(device=self.device), ids, select=select)
         return {
-            "logits": out.logits.numpy(),
-            "handoff_streams": out.handoff_streams.float().numpy(),
-            "handoff_pre_mix": out.handoff_pre_mix.numpy(),
+            "logits": out.logits.cpu().numpy(),
+            "handoff_streams": out.handoff_streams.float().cpu().numpy(),
+            "handoff_pre_mix": out.handoff_pre_mix.cpu().numpy(),
         }
 
     def draft(self, prefill_main_hidden: np.ndarray, anchors: np.ndarray, ctx_rows: np.ndarray,
               start_pos: np.ndarray) -> np.ndarray:
-        dspark = self.model.dspark
-        state = SequenceState()
-        hidden = torch.from_numpy(prefill_main_hidden).to(torch.bfloat16)
-        dspark.write_context(state, hidden, torch.arange(hidden.size(0)))
+        dspark, dev = self.model.dspark, self.device
+        state = SequenceState(device=dev)
+        hidden = torch.from_numpy(prefill_main_hidden).to(device=dev, dtype=torch.bfloat16)
+        dspark.write_context(state, hidden, torch.arange(hidden.size(0), device=dev))
         out = []
         for anchor, row, pos in zip(anchors, ctx_rows, start_pos, strict=True):
-            dspark.write_context(state, torch.from_numpy(row).to(torch.bfloat16).unsqueeze(0), torch.tensor([int(pos)]))
-            out.append(dspark.draft(state, int(anchor))[1].numpy())
+            row = torch.from_numpy(row).to(device=dev, dtype=torch.bfloat16).unsqueeze(0)
+            dspark.write_context(state, row, torch.tensor([int(pos)], device=dev))
+            out.append(dspark.draft(state, int(anchor))[1].cpu().numpy())
         return np.stack(out)

@@ -212,7 +212,9 @@ def check_golden(case_dirs: Sequence[str | os.PathLike], json_out: str | os.Path
 
 
 def _run(args: argparse.Namespace) -> int:
-    return check_golden(args.case_dirs, args.json_out)
+    from dsflash.golden.adapter import GoldenEngine as AdapterEngine
+
+    return check_golden(args.case_dirs, args.json_out, make_engine=lambda d: AdapterEngine(d, args.device))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -222,4 +224,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("case_dirs", nargs="+", metavar="DIR",
                    help="golden case directory (config.json, model.safetensors, golden.safetensors, meta.json)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write every number of every case to this JSON file")
+    p.add_argument("--device", default="cpu", help="run the engine on this device (cpu: the reference backend)")
     p.set_defaults(func=_run)

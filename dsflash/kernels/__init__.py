@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from dsflash.kernels import cpu
+from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
 
 
 @dataclass(frozen=True)
@@ -23,13 +24,18 @@ class Kernels:
     hc_split_sinkhorn: Any
     grouped_linear: Any
     index_scores: Any
-    weight: Any  # cpu.Weight (float32 code values on the CPU) -> the backend's weight on `device`
+    weight: Any  # (kind, stored tensor, stored scale or None) -> the backend's weight on `device`
 
 
-def _move(device: torch.device):
-    def weight(w: cpu.Weight) -> cpu.Weight:
-        scale = None if w.scale is None else w.scale.to(device)
-        return cpu.Weight(w.kind, w.values.to(device), scale)
+def _reference_weight(device: torch.device):
+    def weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
+        """Exact float32 code values and per-(row, 32-input block) float32 scales."""
+        if kind == "fp8":
+            rows = scale.float().repeat_interleave(32, dim=0)[: stored.size(0)]
+            return cpu.Weight("fp8", stored.float().to(device), rows.contiguous().to(device))
+        if kind == "fp4":
+            return cpu.Weight("fp4", decode_e2m1(unpack_fp4(stored)).to(device), scale.float().to(device))
+        return cpu.Weight(kind, stored.to(device=device, dtype=torch.float32 if kind == "fp32" else torch.bfloat16))
 
     return weight
 
@@ -38,7 +44,7 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     device = torch.device(device)
     if device.type == "cpu" or reference:
         return Kernels("reference", device, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn, cpu.grouped_linear,
-                       cpu.index_scores, _move(device))
+                       cpu.index_scores, _reference_weight(device))
     from dsflash.kernels import cuda
 
     def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -46,9 +52,15 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
         return torch.stack([cuda.linear(x[:, g].contiguous(), cuda.to_cuda_weight(cpu.Weight("bf16", w[g]), device))
                             for g in range(w.size(0))], dim=1)
 
+    def cuda_weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
+        if kind in ("fp8", "fp4"):
+            return cuda.weight_from_codes(kind, stored, scale, device)
+        dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+        return cuda.to_cuda_weight(cpu.Weight(kind, stored.to(dtype)), device)
+
     def index_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         n, h, d = q.shape
         return cuda.linear(q.reshape(n * h, d), cuda.to_cuda_weight(cpu.Weight("bf16", keys), device)).view(n, h, -1)
 
     return Kernels("cuda", device, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, grouped_linear,
-                   index_scores, lambda w: cuda.to_cuda_weight(w, device))
+                   index_scores, cuda_weight)

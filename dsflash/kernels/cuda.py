@@ -96,6 +96,15 @@ def _pack_scales(scale: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(scale, (0, pad), value=1.0).t().contiguous()
 
 
+def weight_from_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, device: torch.device) -> CudaWeight:
+    """A checkpoint weight straight from its stored codes, with no float detour: fp8 E4M3 [out, in] with
+    E8M0 tile scales [ceil(out/32), in/32], or fp4 bytes [out, in/2] with E8M0 scales [out, in/32]."""
+    packed = _pack_scales(scale.to(device).float())
+    if kind == "fp8":
+        return CudaWeight("fp8", codes.to(device).contiguous(), packed, 32)
+    return CudaWeight("fp4", codes.to(device).view(torch.uint8).contiguous(), packed, 1)
+
+
 def to_cuda_weight(w: Weight, device: torch.device | str | None = None) -> CudaWeight:
     """Convert a CPU-reference Weight (float32 code values + per-(row, K-block) float32 scales) to the
     CUDA layout. Lossless: E4M3/E2M1 code values and power-of-two scales are stored exactly."""

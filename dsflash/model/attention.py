@@ -18,6 +18,8 @@ from dsflash.model.rope import Rope
 from dsflash.model.weights import WeightLoader
 from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
 
+INDEXER_ROWS = 1024
+
 
 def window_indices(positions: torch.Tensor, window: int, first_row_pos: int) -> torch.Tensor:
     """[N, window] rows of the window source (whose row 0 holds position `first_row_pos`), -1 = none."""
@@ -131,19 +133,25 @@ class Indexer:
         rope.rotate(q, chunk.positions)
         q = fp4_fake_quant(q, 32, e4m3_scale=False)
         weights = self.k.linear(x, self.weights_proj) * (a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5)
-        scores = self.k.index_scores(q, keys)
-        scores = (scores.relu_() * weights.unsqueeze(-1)).sum(dim=1)
-        visible = ((chunk.positions + 1) // self.ratio).unsqueeze(-1)
-        scores.masked_fill_(torch.arange(keys.size(0), device=keys.device) >= visible, -torch.inf)
-        if self.is_candidate_source:
-            chunk.candidates = select_candidate_blocks(scores, visible, a.candidate_topk_blocks, a.candidate_block_size)
-        elif self.uses_candidates:
-            scores = scores.masked_fill(~chunk.candidates, -torch.inf)
         k = min(a.index_topk, keys.size(0))
-        picks = topk_lowest_index(scores, k).sort(dim=-1).values
-        picks = torch.where(picks < visible, picks, -1)
         out = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64, device=keys.device)
-        out[:, :k] = picks
+        visible = ((chunk.positions + 1) // self.ratio).unsqueeze(-1)
+        entries = torch.arange(keys.size(0), device=keys.device)
+        if self.is_candidate_source:
+            chunk.candidates = torch.empty(chunk.rows, keys.size(0), dtype=torch.bool, device=keys.device)
+        # the [rows, heads, entries] score tensor grows with the context: score query rows a block at a time
+        for r in range(0, chunk.rows, INDEXER_ROWS):
+            rows = slice(r, r + INDEXER_ROWS)
+            scores = self.k.index_scores(q[rows], keys)
+            scores = (scores.relu_() * weights[rows].unsqueeze(-1)).sum(dim=1)
+            scores.masked_fill_(entries >= visible[rows], -torch.inf)
+            if self.is_candidate_source:
+                chunk.candidates[rows] = select_candidate_blocks(scores, visible[rows], a.candidate_topk_blocks,
+                                                                 a.candidate_block_size)
+            elif self.uses_candidates:
+                scores = scores.masked_fill(~chunk.candidates[rows], -torch.inf)
+            picks = topk_lowest_index(scores, k).sort(dim=-1).values
+            out[rows, :k] = torch.where(picks < visible[rows], picks, -1)
         forced = chunk.select and chunk.select.rows(chunk.select.index_topk, self.layer, chunk.positions[: chunk.n])
         if forced is not None:
             out[: chunk.n] = -1

@@ -12,7 +12,6 @@ import torch
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.kernels import Kernels
 from dsflash.kernels.cpu import Weight
-from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
 
 
 class WeightLoader:
@@ -32,18 +31,16 @@ class WeightLoader:
         """`prefix.weight` (+ `prefix.scale`) as a Weight; `widen` promotes a bf16 weight to fp32."""
         w = self.ckpt.get(prefix + ".weight")
         if w.dtype == torch.float8_e4m3fn:
-            out_f, in_f = w.shape
-            scale = self.ckpt.get(prefix + ".scale").float().repeat_interleave(32, dim=0)[:out_f]
-            return self.k.weight(Weight("fp8", w.float(), scale.contiguous()))
+            return self.k.weight("fp8", w, self.ckpt.get(prefix + ".scale"))
         if w.dtype in (torch.int8, torch.uint8):
-            return self.k.weight(Weight("fp4", decode_e2m1(unpack_fp4(w)), self.ckpt.get(prefix + ".scale").float()))
+            return self.k.weight("fp4", w, self.ckpt.get(prefix + ".scale"))
         if widen or w.dtype == torch.float32:
-            return self.k.weight(Weight("fp32", w.float()))
-        return self.k.weight(Weight("bf16", w))
+            return self.k.weight("fp32", w, None)
+        return self.k.weight("bf16", w, None)
 
     def plain(self, name: str) -> Weight:
         """A bare fp32/bf16 matrix (e.g. an mHC projection) as a Weight, widened to fp32."""
-        return self.k.weight(Weight("fp32", self.ckpt.get(name).float()))
+        return self.k.weight("fp32", self.ckpt.get(name), None)
 
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         t = self.ckpt.get(name).to(self.k.device)

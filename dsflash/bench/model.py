@@ -1,0 +1,242 @@
+"""`dsflash bench step|prefill`: the engine's own timings on a real-shape checkpoint.
+
+- box step: the encoder half (embed, Engram, layers [0, d), layer d's cache write) appending L rows
+  to a sequence of C tokens, then rolled back, for L = 1..8;
+- back step: the decoder half (layers [d, n), head) on one row, plus one DSpark draft round;
+- prefill: encoder-only prefill (`Session.prefill`) in tokens per second of prompt;
+- reference speedup: the same encoder step with the CPU-reference code path run on the GPU, on a
+  slice of the first layers (the reference keeps FP8/FP4 weights as float32 and cannot hold the
+  whole model).
+
+Results go to bench/results/<name>-<date>.json and .md with the GPU, commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dsflash.config import ModelArgs, preset
+from dsflash.engine.session import Engine, LocalEncoder, Session, engine_identity
+from dsflash.engine.state import SequenceState
+from dsflash.model.transformer import Transformer
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Median wall time of fn() in ms, device work included."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        out.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(out)
+
+
+def build_engine(args: ModelArgs, device: str, reference: bool = False) -> Engine:
+    from dsflash.bench.synthetic import SyntheticCheckpoint
+
+    ckpt = SyntheticCheckpoint(args, device)
+    token_map = [i % args.engram_compressed_vocab_size for i in range(args.vocab_size)]
+    d = args.first_decoder_layer
+    enc = Transformer(args, ckpt, token_map, range(0, d), device=device, reference=reference)
+    dec = Transformer(args, ckpt, None, range(d, args.n_layers), device=device, reference=reference)
+    engine = Engine(dec, enc, 1 << 21, engine_identity(dec))
+    engine.open_encoder = lambda: LocalEncoder(enc)
+    return engine
+
+
+def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, vocab - 2, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _box_ms(enc: LocalEncoder, keep: int, new: list[int], reps: int, device: torch.device) -> float:
+    def box_step() -> None:
+        list(enc.append(new, keep, 8, len(new)))
+        enc.rollback(keep)
+
+    return timed(box_step, device, reps)
+
+
+def _step_ms(s: Session, keep: int, reps: int) -> float:
+    def step() -> None:
+        s.step(keep, [5])
+        s.rollback(keep)
+
+    return timed(step, s.device, reps)
+
+
+def bench_steps(engine: Engine, contexts: list[int], rows: list[int], reps: int) -> dict:
+    a, dev = engine.args, engine.decoder.device
+    out = {"box_step_ms": {}, "back_step_ms": {}, "draft_ms": {}, "prefill_tok_s": {}}
+    for ctx in contexts:
+        s = engine.session()
+        sync(dev)
+        t0 = time.perf_counter()
+        s.prefill(prompt(ctx, a.vocab_size))
+        sync(dev)
+        out["prefill_tok_s"][ctx] = ctx / (time.perf_counter() - t0)
+        keep = s.pos
+        box = {n: _box_ms(s.encoder, keep, prompt(n, a.vocab_size, seed=n), reps, dev) for n in rows}
+        out["box_step_ms"][ctx] = box
+        # a whole step minus its encoder part: layers [d, n) and the head
+        out["back_step_ms"][ctx] = _step_ms(s, keep, reps) - box.get(1, 0.0)
+        if engine.decoder.dspark is not None:
+            out["draft_ms"][ctx] = timed(lambda s=s: s.draft(7), dev, reps)
+    return out
+
+
+def bench_prefill(engine: Engine, lengths: list[int]) -> dict:
+    res = {}
+    for n in lengths:
+        s = engine.session()
+        ids = prompt(n, engine.args.vocab_size)
+        sync(engine.decoder.device)
+        t0 = time.perf_counter()
+        s.prefill(ids)
+        sync(engine.decoder.device)
+        res[n] = n / (time.perf_counter() - t0)
+        del s
+    return res
+
+
+def _slice_times(args: ModelArgs, device: str, layers: int, reference: bool, reps: int) -> dict:
+    from dsflash.bench.synthetic import SyntheticCheckpoint
+
+    dev = torch.device(device)
+    token_map = [i % args.engram_compressed_vocab_size for i in range(args.vocab_size)]
+    model = Transformer(args, SyntheticCheckpoint(args, device), token_map, range(0, layers), device=device,
+                        reference=reference)
+    ids = torch.tensor(prompt(1024, args.vocab_size), device=dev)
+    state = SequenceState(device=dev)
+    model.forward(state, ids[:512])
+    ratios = {s: args.compress_ratios[s] for s in state.compressed}
+
+    def step() -> None:
+        model.forward(state, ids[512:513])
+        state.truncate(512, ratios)
+
+    def chunk() -> None:
+        model.forward(SequenceState(device=dev), ids[:512])
+
+    return {"step_ms": timed(step, dev, reps), "chunk512_ms": timed(chunk, dev, max(2, reps // 4), 1)}
+
+
+def reference_speedup(args: ModelArgs, device: str, layers: int, reps: int) -> dict:
+    """Encoder slice [0, layers): one-row step and a 512-row chunk, Triton backend vs reference ops."""
+    times = {}
+    for name, ref in (("cuda", False), ("reference", True)):
+        times[name] = _slice_times(args, device, layers, ref, reps)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {"layers": layers, **times,
+            "step_speedup": times["reference"]["step_ms"] / times["cuda"]["step_ms"],
+            "chunk_speedup": times["reference"]["chunk512_ms"] / times["cuda"]["chunk512_ms"]}
+
+
+def machine(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def commit() -> str:
+    if os.environ.get("DSFLASH_COMMIT"):
+        return os.environ["DSFLASH_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def to_markdown(r: dict) -> str:
+    lines = [f"# Engine benchmark {r['date']}", "", f"GPU/machine: {r['gpu']}; commit {r['commit']}; torch "
+             f"{r['torch']}", f"Command: `{r['command']}`",
+             f"Checkpoint: {r['checkpoint']} (per-token cost is set by top-{r['top_k']} routing, not by the expert "
+             "count)", ""]
+    if r.get("box_step_ms"):
+        rows = sorted({n for v in r["box_step_ms"].values() for n in v}, key=int)
+        lines += ["| context | " + " | ".join(f"box L={n} ms" for n in rows) + " | back step ms | draft ms | "
+                  "prefill tok/s |", "|---" * (len(rows) + 4) + "|"]
+        for ctx, box in r["box_step_ms"].items():
+            lines.append(f"| {ctx} | " + " | ".join(f"{box[n]:.2f}" for n in rows) +
+                         f" | {r['back_step_ms'][ctx]:.2f} | {r['draft_ms'].get(ctx, float('nan')):.2f} | "
+                         f"{r['prefill_tok_s'][ctx]:,.0f} |")
+    if r.get("prefill_lengths_tok_s"):
+        lines += ["", "| prompt tokens | prefill tok/s |", "|---|---|"]
+        lines += [f"| {n} | {v:,.0f} |" for n, v in r["prefill_lengths_tok_s"].items()]
+    if r.get("reference_speedup"):
+        s = r["reference_speedup"]
+        lines += ["", f"Reference code path on the same device, encoder layers [0, {s['layers']}): one-row step "
+                  f"{s['reference']['step_ms']:.1f} ms vs {s['cuda']['step_ms']:.1f} ms ({s['step_speedup']:.1f}x); "
+                  f"512-row chunk {s['reference']['chunk512_ms']:.1f} ms vs {s['cuda']['chunk512_ms']:.1f} ms "
+                  f"({s['chunk_speedup']:.1f}x)."]
+    return "\n".join(lines) + "\n"
+
+
+def run(ns: argparse.Namespace) -> int:
+    args = preset(ns.preset, ns.experts) if ns.preset == "bench" else preset(ns.preset)
+    args = dataclasses.replace(args, max_seq_len=1 << 21)
+    r = {"date": time.strftime("%Y-%m-%d"), "gpu": machine(ns.device), "commit": commit(), "torch": torch.__version__,
+         "command": "dsflash bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ns.what,
+         "checkpoint": {"preset": ns.preset, "experts": args.n_routed_experts}, "top_k": args.n_activated_experts,
+         "device": ns.device}
+    engine = build_engine(args, ns.device)
+    if ns.what in ("step", "all"):
+        r.update(bench_steps(engine, ns.context, ns.rows, ns.reps))
+    if ns.what in ("prefill", "all"):
+        r["prefill_lengths_tok_s"] = bench_prefill(engine, ns.lengths)
+    del engine
+    if ns.reference_layers:
+        r["reference_speedup"] = reference_speedup(args, ns.device, ns.reference_layers, ns.reps)
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"engine-{ns.what}-{ns.preset}-{r['date']}"
+    stem.with_suffix(".json").write_text(json.dumps(r, indent=1, default=str))
+    stem.with_suffix(".md").write_text(to_markdown(r))
+    print(to_markdown(r))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction, what: str) -> None:
+    p = sub.add_parser(what, help=f"engine benchmark: {what}")
+    p.add_argument("--preset", default="bench", help="bench (real widths, fewer experts), tiny-a, tiny-b, ...")
+    p.add_argument("--experts", type=int, default=48)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--context", type=lambda s: [int(x) for x in s.split(",")], default=[8192])
+    p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=list(range(1, 9)))
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reference-layers", type=int, default=0,
+                   help="also time the reference code path on an encoder slice of this many layers")
+    p.add_argument("--out", default="bench/results")
+    p.set_defaults(func=run, what=what)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (results in bench/results/)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for what in ("step", "prefill", "all"):
+        add_parser(bsub, what)
+    k = bsub.add_parser("kernels", help="each CUDA kernel at real shapes against the measured ceilings")
+    k.add_argument("rest", nargs=argparse.REMAINDER)
+    k.set_defaults(func=lambda ns: __import__("dsflash.bench.kernels", fromlist=["main"]).main(ns.rest))
