@@ -30,11 +30,12 @@ class Kernels:
 def _reference_weight(device: torch.device):
     def weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
         """Exact float32 code values and per-(row, 32-input block) float32 scales."""
+        stored = stored.cpu()  # the codecs' tables live on the CPU; the result moves to `device`
         if kind == "fp8":
-            rows = scale.float().repeat_interleave(32, dim=0)[: stored.size(0)]
+            rows = scale.float().cpu().repeat_interleave(32, dim=0)[: stored.size(0)]
             return cpu.Weight("fp8", stored.float().to(device), rows.contiguous().to(device))
         if kind == "fp4":
-            return cpu.Weight("fp4", decode_e2m1(unpack_fp4(stored)).to(device), scale.float().to(device))
+            return cpu.Weight("fp4", decode_e2m1(unpack_fp4(stored)).to(device), scale.float().cpu().to(device))
         return cpu.Weight(kind, stored.to(device=device, dtype=torch.float32 if kind == "fp32" else torch.bfloat16))
 
     return weight

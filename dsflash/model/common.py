@@ -39,7 +39,7 @@ class Selections:
         t = table.get(layer)
         if t is None or int(positions.max()) >= t.size(0):
             return None
-        return t[positions]
+        return t.to(positions.device)[positions]
 
 
 @dataclass
