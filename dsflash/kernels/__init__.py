@@ -19,6 +19,9 @@ from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
 class Kernels:
     name: str
     device: torch.device
+    # rows of a forward are padded to a multiple of this: the reference backend's CPU BLAS and vector
+    # loops are only batch-invariant on whole tiles; the CUDA kernels are invariant at any row count
+    row_tile: int
     linear: Any
     sparse_attn: Any
     hc_split_sinkhorn: Any
@@ -44,7 +47,7 @@ def _reference_weight(device: torch.device):
 def load_kernels(device: str | torch.device = "cpu", reference: bool = False) -> Kernels:
     device = torch.device(device)
     if device.type == "cpu" or reference:
-        return Kernels("reference", device, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn, cpu.grouped_linear,
+        return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn, cpu.grouped_linear,
                        cpu.index_scores, _reference_weight(device))
     from dsflash.kernels import cuda
 
@@ -63,5 +66,5 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
         n, h, d = q.shape
         return cuda.linear(q.reshape(n * h, d), cuda.to_cuda_weight(cpu.Weight("bf16", keys), device)).view(n, h, -1)
 
-    return Kernels("cuda", device, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, grouped_linear,
+    return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, grouped_linear,
                    index_scores, cuda_weight)

@@ -304,7 +304,10 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
                 b_s = _word_scale(bw, j)
             else:
                 b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
-            partial = tl.dot(a, b)
+            # bf16 operands hold every E4M3/E2M1 code exactly, and the bf16 MMA accumulates in fp32, so
+            # the block's 32 exact products are summed like the CPU reference's fp32 GEMM (the FP8 MMA
+            # keeps fewer accumulator bits and moved every golden battery row off the reference)
+            partial = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
             # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's
             # (partial * a_s) * b_s, exact too; the add is the only rounding, in K order (an FMA
             # gives the same bits, the product being exact). A block past K adds +0.

@@ -58,11 +58,12 @@ class Chunk:
     topk: torch.Tensor | None = None  # published by the latest index source: [rows, index_topk]
     candidates: torch.Tensor | None = None  # published by the candidate source: bool [rows, entries]
     trace: dict | None = None  # debugging: per-layer intermediate outputs when a dict is given
+    row_tile: int = 1  # rows are padded to a multiple of this (see Transformer.forward)
 
     def drop_front(self, k: int) -> Chunk:
         """The same chunk without its first k rows (re-padded), keeping what the layers published."""
         n = self.n - k
-        rows = n + (-n % 64)
+        rows = n + (-n % self.row_tile)
         start = int(self.positions[k])
         positions = torch.arange(start, start + rows, device=self.positions.device)
 
@@ -70,7 +71,7 @@ class Chunk:
             return None if t is None else fit_rows(t[k:], rows)
 
         return Chunk(self.state, positions, n, self.select, cut(self.image_mask), cut(self.topk),
-                     cut(self.candidates), self.trace)
+                     cut(self.candidates), self.trace, self.row_tile)
 
     @property
     def p0(self) -> int:

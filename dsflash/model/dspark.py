@@ -83,7 +83,7 @@ class DSpark:
     def write_context(self, state, main_hidden: torch.Tensor, positions: torch.Tensor) -> None:
         """Store the context KV of target rows (main_hidden = the taps' stream means, [N, n_taps*D])."""
         n = positions.numel()
-        rows = pad_rows(main_hidden)
+        rows = pad_rows(main_hidden, self.k.row_tile)
         pos = torch.arange(int(positions[0]), int(positions[0]) + rows.size(0), device=rows.device)
         main_x = rms_norm(self.k.linear(rows, self.main_proj), self.main_norm, self.args.norm_eps)
         for block in self.stages:
@@ -99,8 +99,8 @@ class DSpark:
         p0 = state.dspark_pos
         dev = self.embed.device
         ids = torch.tensor([anchor] + [a.dspark_noise_token_id] * (b - 1), device=dev)
-        rows = pad_rows(F.embedding(ids, self.embed))
-        chunk = Chunk(state, torch.arange(p0, p0 + rows.size(0), device=dev), b)
+        rows = pad_rows(F.embedding(ids, self.embed), self.k.row_tile)
+        chunk = Chunk(state, torch.arange(p0, p0 + rows.size(0), device=dev), b, row_tile=self.k.row_tile)
         h = rows.unsqueeze(1).repeat(1, a.hc_mult, 1)
         pre = torch.zeros(rows.size(0), a.hc_mult, device=dev)
         pre[:, 0] = 1.0

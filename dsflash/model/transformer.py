@@ -18,7 +18,6 @@ from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ModelArgs
 from dsflash.engine.state import SequenceState
 from dsflash.kernels import load_kernels
-from dsflash.kernels.cpu import ROW_TILE
 from dsflash.model.attention import Attention, SourceWriter
 from dsflash.model.common import Chunk, Selections, fit_rows, rms_norm
 from dsflash.model.dspark import DSpark
@@ -82,7 +81,7 @@ class Transformer:
         """Run the chunk's rows at positions state.pos .. state.pos+n-1 through this model's layers.
 
         The first layer-range (starting at 0) takes token `ids`; a later range takes the incoming
-        `streams`/`pre_mix` of those rows instead. Rows are padded to a multiple of ROW_TILE.
+        `streams`/`pre_mix` of those rows instead. Rows are padded to a multiple of the backend's row tile.
 
         tail_only (encoder-only prefill of the decoder): compute each layer only for the rows the final
         state needs, a triangle ending at the last row. The last layer needs its input on the last
@@ -92,12 +91,12 @@ class Transformer:
         """
         a = self.args
         n = ids.numel() if ids is not None else streams.size(0)
-        rows = n + (-n % ROW_TILE)
+        rows = n + (-n % self.k.row_tile)
         positions = torch.arange(state.pos, state.pos + rows, device=self.device)
         mask = None
         if image_mask is not None:
             mask = torch.cat([image_mask, image_mask.new_zeros(rows - n)])
-        chunk = Chunk(state, positions, n, select, mask, trace=trace)
+        chunk = Chunk(state, positions, n, select, mask, trace=trace, row_tile=self.k.row_tile)
         if self.layers.start == 0:
             ids = torch.cat([ids, ids[-1:].expand(rows - n)])
             h = F.embedding(ids, self.embed).unsqueeze(1).repeat(1, a.hc_mult, 1)
