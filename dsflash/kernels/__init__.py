@@ -47,8 +47,8 @@ def _reference_weight(device: torch.device):
 def load_kernels(device: str | torch.device = "cpu", reference: bool = False) -> Kernels:
     device = torch.device(device)
     if device.type == "cpu" or reference:
-        return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn, cpu.grouped_linear,
-                       cpu.index_scores, _reference_weight(device))
+        return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
+                       cpu.grouped_linear, cpu.index_scores, _reference_weight(device))
     from dsflash.kernels import cuda
 
     def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
