@@ -30,12 +30,18 @@ def test_golden_case_passes_on_cuda(case, tmp_path):
 def test_chunking_steps_and_dspark_are_bit_identical_on_cuda():
     model = load_model(CASE, device="cuda")
     ids = torch.randint(3, 500, (90,), generator=torch.Generator().manual_seed(0)).cuda()
-    whole = model.forward(SequenceState(device="cuda"), ids).logits
+    trace_whole: dict = {}
+    whole = model.forward(SequenceState(device="cuda"), ids, trace=trace_whole).logits
     for size in (1, 7, 64):
-        state, parts = SequenceState(device="cuda"), []
+        state, parts, layers = SequenceState(device="cuda"), [], []
         for i in range(0, ids.numel(), size):
-            parts.append(model.forward(state, ids[i:i + size]).logits)
-        assert torch.equal(torch.cat(parts), whole), size
+            trace: dict = {}
+            parts.append(model.forward(state, ids[i:i + size], trace=trace).logits)
+            layers.append(trace["layer_out"])
+        # name the first layer whose output moved, to say where invariance broke
+        moved = [layer for layer, (h, _) in trace_whole["layer_out"].items()
+                 if not torch.equal(torch.cat([t[layer][0] for t in layers]), h)]
+        assert torch.equal(torch.cat(parts), whole), (size, moved)
     engine = Engine.load(CASE, device="cuda", max_context=4096)
     s = engine.session()
     logits = s.prefill(ids[:40].tolist(), chunk=16)

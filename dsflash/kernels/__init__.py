@@ -27,6 +27,10 @@ class Kernels:
     hc_split_sinkhorn: Any
     grouped_linear: Any
     index_scores: Any
+    mean_square: Any  # mean(x^2) over the last dim, keepdim
+    row_sum: Any  # sum over the last dim
+    small_sum: Any  # sum over a short dim
+    stream_mean: Any  # mean over dim 1 (the mHC streams)
     weight: Any  # (kind, stored tensor, stored scale or None) -> the backend's weight on `device`
 
 
@@ -48,7 +52,8 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     device = torch.device(device)
     if device.type == "cpu" or reference:
         return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
-                       cpu.grouped_linear, cpu.index_scores, _reference_weight(device))
+                       cpu.grouped_linear, cpu.index_scores, cpu.mean_square, cpu.row_sum, cpu.small_sum,
+                       cpu.stream_mean, _reference_weight(device))
     from dsflash.kernels import cuda
 
     def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -66,5 +71,11 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
         n, h, d = q.shape
         return cuda.linear(q.reshape(n * h, d), cuda.to_cuda_weight(cpu.Weight("bf16", keys), device)).view(n, h, -1)
 
+    def stream_mean(h: torch.Tensor) -> torch.Tensor:
+        return (cuda.small_sum(h.float(), 1) / h.size(1)).to(h.dtype)
+
+    def mean_square(x: torch.Tensor) -> torch.Tensor:
+        return (cuda.row_sum(x, square=True) / x.size(-1)).unsqueeze(-1)
+
     return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, grouped_linear,
-                   index_scores, cuda_weight)
+                   index_scores, mean_square, cuda.row_sum, cuda.small_sum, stream_mean, cuda_weight)

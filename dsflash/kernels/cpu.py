@@ -113,6 +113,25 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     return (acc / sum_exp.unsqueeze(-1)).to(torch.bfloat16)[0]
 
 
+def mean_square(x: torch.Tensor) -> torch.Tensor:
+    """mean(x^2) over the last dim, keepdim (x fp32)."""
+    return x.square().mean(-1, keepdim=True)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(-1)
+
+
+def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over a short dim (the mHC streams, the top-k weights, the indexer heads)."""
+    return torch.sum(x, dim=dim)
+
+
+def stream_mean(h: torch.Tensor) -> torch.Tensor:
+    """Mean over the mHC streams (dim 1), in h's dtype (the DSpark taps)."""
+    return h.mean(dim=1)
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The grouped output projection `wo_a`: x [N, G, D] bf16, w [G, R, D] bf16 -> [N, G, R] bf16 (no
     activation quantisation)."""

@@ -634,3 +634,37 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
                                                pre, post, comb, n, iters, float(eps), HC=hc, ROWS=HC_ROWS,
                                                num_warps=1)
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+# ---------------------------------------------------------------------------------------------
+# row reductions with a fixed order (torch's CUDA reductions pick their split by tensor shape, so a
+# row's sum could depend on how many rows share the call)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _row_sum_kernel(x_ptr, y_ptr, D, stride, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, D, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + row * stride + offs, mask=offs < D, other=0.0).to(tl.float32)
+        acc += v * v if SQUARE else v
+    tl.store(y_ptr + row, tl.sum(acc, axis=0))
+
+
+def row_sum(x: torch.Tensor, square: bool = False) -> torch.Tensor:
+    """fp32 sum (of squares) over the last dim, one program per row, fixed order: [..., D] -> [...]."""
+    shape = x.shape[:-1]
+    x2 = x.reshape(-1, x.size(-1)).contiguous()
+    y = torch.empty(x2.size(0), dtype=torch.float32, device=x.device)
+    if x2.size(0):
+        _row_sum_kernel[(x2.size(0),)](x2, y, x2.size(1), x2.stride(0), SQUARE=square, BLOCK=256)
+    return y.view(shape)
+
+
+def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over a short dim as explicit adds in fp32, first index first, in x's dtype."""
+    parts = x.float().unbind(dim)
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = acc + p
+    return acc.to(x.dtype)

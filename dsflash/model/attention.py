@@ -65,7 +65,7 @@ class Compressor:
         """Latents of the groups completed by the chunk's real rows, and the first new group's id."""
         state, ratio = chunk.state, self.ratio
         if ratio == 1:
-            return rms_norm(self.k.linear(x, self.wkv)[: chunk.n], self.norm, self.eps), chunk.p0
+            return rms_norm(self.k.linear(x, self.wkv)[: chunk.n], self.norm, self.eps, self.k), chunk.p0
         xf = x.float()
         kv, score = self.k.linear(xf, self.wkv)[: chunk.n], self.k.linear(xf, self.wgate)[: chunk.n]
         rows = torch.stack([kv, score], dim=1)
@@ -78,7 +78,7 @@ class Compressor:
         grouped = rows[: rows.size(0) // ratio * ratio].unflatten(0, (-1, ratio))
         kv, score = grouped[:, :, 0], grouped[:, :, 1]
         pooled = (kv * score.softmax(dim=1)).sum(dim=1)
-        return rms_norm(pooled.to(torch.bfloat16), self.norm, self.eps), first_group
+        return rms_norm(pooled.to(torch.bfloat16), self.norm, self.eps, self.k), first_group
 
 
 class SourceWriter:
@@ -99,7 +99,7 @@ class SourceWriter:
         """(compressed entries, index keys) of the groups the chunk's real rows complete."""
         latent, first = self.compressor(x, chunk, self.layer)
         group_pos = (torch.arange(latent.size(0), device=latent.device) + first) * self.ratio
-        k = rms_norm(self.k.linear(latent, self.wk), self.k_norm, self.eps)
+        k = rms_norm(self.k.linear(latent, self.wk), self.k_norm, self.eps, self.k)
         self.rope.rotate(k, group_pos)
         self.rope.rotate(latent, group_pos)
         return fp4_fake_quant(latent, 16, e4m3_scale=True), fp4_fake_quant(k, 32, e4m3_scale=False)
@@ -143,7 +143,7 @@ class Indexer:
         for r in range(0, chunk.rows, INDEXER_ROWS):
             rows = slice(r, r + INDEXER_ROWS)
             scores = self.k.index_scores(q[rows], keys)
-            scores = (scores.relu_() * weights[rows].unsqueeze(-1)).sum(dim=1)
+            scores = self.k.small_sum(scores.relu_() * weights[rows].unsqueeze(-1), 1)
             scores.masked_fill_(entries >= visible[rows], -torch.inf)
             if self.is_candidate_source:
                 chunk.candidates[rows] = select_candidate_blocks(scores, visible[rows], a.candidate_topk_blocks,
@@ -190,10 +190,10 @@ class Attention:
     def projections(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qr, q, window kv) of the rows: q RoPE'd, kv RoPE'd and FP8-valued over all of its channels."""
         a = self.args
-        qr = rms_norm(self.k.linear(x, self.wq_a), self.q_norm, self.eps)
+        qr = rms_norm(self.k.linear(x, self.wq_a), self.q_norm, self.eps, self.k)
         q = self.k.linear(qr, self.wq_b).unflatten(-1, (a.n_heads, a.head_dim))
         self.rope.rotate(q, positions)
-        kv = rms_norm(self.k.linear(x, self.wkv), self.kv_norm, self.eps)
+        kv = rms_norm(self.k.linear(x, self.wkv), self.kv_norm, self.eps, self.k)
         self.rope.rotate(kv, positions)
         return qr, q, fp8_fake_quant(kv)
 

@@ -40,7 +40,7 @@ class DSparkAttention(Attention):
         return ring
 
     def write_context(self, state, main_x: torch.Tensor, positions: torch.Tensor, n: int) -> None:
-        kv = rms_norm(self.k.linear(main_x, self.wkv), self.kv_norm, self.eps)
+        kv = rms_norm(self.k.linear(main_x, self.wkv), self.kv_norm, self.eps, self.k)
         self.rope.rotate(kv, positions)
         self.history(state).write(positions[:n], fp8_fake_quant(kv)[:n])
 
@@ -85,7 +85,7 @@ class DSpark:
         n = positions.numel()
         rows = pad_rows(main_hidden, self.k.row_tile)
         pos = torch.arange(int(positions[0]), int(positions[0]) + rows.size(0), device=rows.device)
-        main_x = rms_norm(self.k.linear(rows, self.main_proj), self.main_norm, self.args.norm_eps)
+        main_x = rms_norm(self.k.linear(rows, self.main_proj), self.main_norm, self.args.norm_eps, self.k)
         for block in self.stages:
             block.attn.write_context(state, main_x, pos, n)
         state.dspark_pos = int(positions[-1]) + 1
@@ -106,7 +106,7 @@ class DSpark:
         pre[:, 0] = 1.0
         for block in self.stages:
             h, pre = block(h, pre, chunk)
-        x = rms_norm(collapse(h, pre), self.norm, a.norm_eps)
+        x = rms_norm(collapse(h, pre, self.k), self.norm, a.norm_eps, self.k)
         logits = self.k.linear(x.float(), self.head)[:b]
         out, embeds = [anchor], []
         for i in range(b):

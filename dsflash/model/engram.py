@@ -92,8 +92,9 @@ class Engram:
         key = key.float().unflatten(-1, (self.hc, self.dim))
         hf = h.float()
         # normalised per (token, stream) over the model width, not jointly over the streams
-        rstd = torch.rsqrt(hf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (hf * self.qk_weight * key).sum(-1) * rstd * self.dim ** -0.5
+        k = self.k
+        rstd = torch.rsqrt(k.mean_square(hf)[..., 0] + self.eps) * torch.rsqrt(k.mean_square(key)[..., 0] + self.eps)
+        dot = k.row_sum(hf * self.qk_weight * key) * rstd * self.dim ** -0.5
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         if image_mask is not None:
             gate = gate.masked_fill(image_mask.unsqueeze(-1), 0)

@@ -10,20 +10,21 @@ from __future__ import annotations
 import torch
 
 from dsflash.config import ModelArgs
+from dsflash.kernels import Kernels
 from dsflash.model.attention import Attention
 from dsflash.model.common import Chunk, rms_norm
 from dsflash.model.moe import MoE
 from dsflash.model.weights import WeightLoader
 
 
-def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+def collapse(h: torch.Tensor, pre: torch.Tensor, k: Kernels) -> torch.Tensor:
     """Weighted sum of the streams ([N, hc, D] x [N, hc] -> [N, D]) in fp32, back in h's dtype."""
-    return torch.sum(pre.unsqueeze(-1) * h.float(), dim=1).to(h.dtype)
+    return k.small_sum(pre.unsqueeze(-1) * h.float(), 1).to(h.dtype)
 
 
-def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, k: Kernels) -> torch.Tensor:
     """out_k = post_k * y + sum_j comb[j, k] * residual_j, in fp32, back in y's dtype."""
-    out = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=1)
+    out = post.unsqueeze(-1) * y.unsqueeze(-2) + k.small_sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), 1)
     return out.type_as(y)
 
 
@@ -40,12 +41,13 @@ class MixSite:
     def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = h.flatten(1).float()
         # one RMS statistic per token over all hc*D values
-        mixes = self.k.linear(x, self.fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
+        mixes = self.k.linear(x, self.fn) * torch.rsqrt(self.k.mean_square(x) + self.eps)
         return self.k.hc_split_sinkhorn(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)
 
 
 class Block:
     def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, attention: Attention):
+        self.k = w.k
         self.layer = layer
         self.eps = args.norm_eps
         self.attn = attention
@@ -57,8 +59,8 @@ class Block:
 
     def __call__(self, h: torch.Tensor, pre: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         attn_pre, attn_post, attn_comb = self.attn_site(h)
-        y = self.attn(rms_norm(collapse(h, pre), self.attn_norm, self.eps), chunk)
-        h = expand(y, h, attn_post, attn_comb)
+        y = self.attn(rms_norm(collapse(h, pre, self.k), self.attn_norm, self.eps, self.k), chunk)
+        h = expand(y, h, attn_post, attn_comb, self.k)
         ffn_pre, ffn_post, ffn_comb = self.ffn_site(h)
-        z = self.ffn(rms_norm(collapse(h, attn_pre), self.ffn_norm, self.eps), chunk)
-        return expand(z, h, ffn_post, ffn_comb), ffn_pre
+        z = self.ffn(rms_norm(collapse(h, attn_pre, self.k), self.ffn_norm, self.eps, self.k), chunk)
+        return expand(z, h, ffn_post, ffn_comb, self.k), ffn_pre

@@ -66,7 +66,7 @@ class MoE:
                 ids[: chunk.n] = forced
         weights = scores.gather(1, ids)
         if a.norm_topk_prob and self.topk > 1:
-            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+            weights /= self.k.small_sum(weights, -1).unsqueeze(-1) + 1e-20
         weights *= a.route_scale
         return weights, ids
 

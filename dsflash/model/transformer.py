@@ -122,7 +122,7 @@ class Transformer:
                 slot = a.engram_layer_ids.index(i)
                 h = self.engram[i](h, hashes[:, slot], mask)
             if i in a.dspark_target_layer_ids:
-                taps.append(h.mean(dim=1))
+                taps.append(self.k.stream_mean(h))
             h, pre = self.blocks[i](h, pre, chunk)
             if trace is not None:
                 trace.setdefault("layer_out", {})[i] = (h[:n], pre[:n])
@@ -131,11 +131,11 @@ class Transformer:
         state.pos = end
         logits = None
         if self.has_head:
-            x = rms_norm(collapse(h, pre), self.norm, a.norm_eps)
+            x = rms_norm(collapse(h, pre, self.k), self.norm, a.norm_eps, self.k)
             logits = self.k.linear(x.float(), self.head)[:n]
         entries = None
         if self.next_source is not None:
-            x = rms_norm(collapse(h, pre), self.next_attn_norm, a.norm_eps)
+            x = rms_norm(collapse(h, pre, self.k), self.next_attn_norm, a.norm_eps, self.k)
             entries = self.next_source.entries(x, chunk)
         main_hidden = torch.cat(taps, dim=-1)[:n] if taps else None
         return ForwardOutput(logits, *(handoff or (None, None)), main_hidden, h[:n], pre[:n], entries,
