@@ -152,6 +152,25 @@ def reference_speedup(args: ModelArgs, device: str, layers: int, reps: int) -> d
             "chunk_speedup": times["reference"]["chunk512_ms"] / times["cuda"]["chunk512_ms"]}
 
 
+def profile_step(engine: Engine, context: int, rows: int) -> str:
+    """torch.profiler table of one box step and one back step: where the time goes, per op and kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s = engine.session()
+    s.prefill(prompt(context, engine.args.vocab_size))
+    keep = s.pos
+    new = prompt(rows, engine.args.vocab_size, seed=1)
+    for _ in range(2):  # warm-up: compilation and caches stay out of the profile
+        s.step(keep, new)
+        s.rollback(keep)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        s.step(keep, new)
+        sync(engine.decoder.device)
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=25)
+
+
 def machine(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
@@ -201,6 +220,15 @@ def run(ns: argparse.Namespace) -> int:
          "checkpoint": {"preset": ns.preset, "experts": args.n_routed_experts}, "top_k": args.n_activated_experts,
          "device": ns.device}
     engine = build_engine(args, ns.device)
+    if ns.what == "profile":
+        table = profile_step(engine, ns.context[0], ns.rows[0])
+        out = Path(ns.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"engine-profile-{ns.preset}-{r['date']}.md").write_text(
+            f"# Profile of one step (context {ns.context[0]}, {ns.rows[0]} rows)\n\n"
+            f"{r['gpu']}, commit {r['commit']}\n\n```\n{table}\n```\n")
+        print(table)
+        return 0
     if ns.what in ("step", "all"):
         r.update(bench_steps(engine, ns.context, ns.rows, ns.reps))
     if ns.what in ("prefill", "all"):
@@ -235,7 +263,7 @@ def add_parser(sub: argparse._SubParsersAction, what: str) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (results in bench/results/)")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    for what in ("step", "prefill", "all"):
+    for what in ("step", "prefill", "all", "profile"):
         add_parser(bsub, what)
     k = bsub.add_parser("kernels", help="each CUDA kernel at real shapes against the measured ceilings")
     k.add_argument("rest", nargs=argparse.REMAINDER)
