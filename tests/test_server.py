@@ -34,7 +34,7 @@ SERVER_SCRIPT = textwrap.dedent("""
 
     ckpt, port = sys.argv[1], int(sys.argv[2])
     # a small context so the context-length error is cheap to provoke
-    app = create_app(Engine.load(ckpt, max_context=1024), load_tokenizer(ckpt), model_name="tiny")
+    app = create_app(Engine.load(ckpt, max_context=1024), load_tokenizer(ckpt), model_name="tiny", chunk=16)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 """)
 
@@ -338,3 +338,14 @@ def test_tool_call_round_trip_through_the_real_model(oai, claude):
                                            "input": {"city": "Paris"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1", "content": "21 C"}]}])
     assert m.stop_reason in ("end_turn", "max_tokens", "tool_use") and m.usage.input_tokens >= 0
+
+
+def test_streamed_prefill_progress(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me a story " * 8}], "max_tokens": 2,
+            "stream": True, "return_progress": True, **NO_THINK}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+    assert progress, chunks[:3]
+    assert progress[-1]["processed"] == progress[-1]["total"] and progress[-1]["total"] > 16
+    assert all(a["processed"] <= b["processed"] for a, b in zip(progress, progress[1:], strict=False))

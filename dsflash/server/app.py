@@ -150,6 +150,8 @@ class Job:
     split: int  # also snapshot the prompt at this length (before the generation-prompt tail)
     arrived: float
     cancel: threading.Event = field(default_factory=threading.Event)
+    # prefill progress as llama.cpp reports it: total, cache, processed, time_ms (set by the worker thread)
+    progress: dict | None = None
 
 
 @dataclass
@@ -204,13 +206,20 @@ class Worker:
 
     def _prepare(self, job: Job, stats: DecodeStats):
         prompt, cache = job.prompt, self.cache
+        t0 = time.perf_counter()
+
+        def progress(done: int, total: int) -> None:
+            job.progress = {"total": len(prompt), "cache": stats.cached_tokens, "processed": stats.cached_tokens + done,
+                            "time_ms": round((time.perf_counter() - t0) * 1000, 1)}
+
         if cache is None or not 0 < job.split < len(prompt) or cache.lookup(prompt)[0] == len(prompt):
-            return prepare_session(self.engine, prompt, cache, self.chunk, stats)
+            return prepare_session(self.engine, prompt, cache, self.chunk, stats, progress)
         # Snapshot also at the split, so the next turn of the conversation (whose text differs from this
         # prompt's generation-prompt tail, e.g. `<think>` vs `</think>`) resumes from there.
-        session, logits = prepare_session(self.engine, prompt[:job.split], cache, self.chunk, stats)
+        session, logits = prepare_session(self.engine, prompt[:job.split], cache, self.chunk, stats, progress)
         t0 = time.perf_counter()
         logits = session.prefill(prompt[job.split:], chunk=self.chunk)
+        progress(len(prompt) - stats.cached_tokens, len(prompt) - stats.cached_tokens)
         cache.put(session.tokens, session.snapshot())
         stats.prefill_s += time.perf_counter() - t0
         stats.prompt_tokens = len(prompt)
@@ -319,6 +328,7 @@ class _Sampling(_Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
+    return_progress: bool = False  # llama.cpp's prompt_progress chunks while prefilling (streaming only)
 
 
 class ChatRequest(_Sampling):
@@ -466,12 +476,13 @@ def _anthropic_to_openai(req: MessagesRequest) -> tuple[list[dict], list[dict] |
 
 
 class Server:
-    def __init__(self, engine: Engine, tokenizer, cache: PrefixCache | None, model_name: str, dspark: int):
+    def __init__(self, engine: Engine, tokenizer, cache: PrefixCache | None, model_name: str, dspark: int,
+                 chunk: int = DEFAULT_CHUNK):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.metrics = Metrics()
         if getattr(engine, "link", None) is not None:
             self.metrics.box_reconnects = lambda: engine.link.reconnects
-        self.worker = Worker(engine, tokenizer, cache, dspark, self.metrics)
+        self.worker = Worker(engine, tokenizer, cache, dspark, self.metrics, chunk)
         self.created = _now()
 
     # ------------------------------------------------------------------ prompt building
@@ -522,6 +533,39 @@ class Server:
             job.cancel.set()  # no-op after Done; stops generation if the consumer went away
 
 
+KEEPALIVE_S = 5.0
+
+
+async def with_keepalive(events: AsyncIterator[str], job: Job, progress_event: Callable[[dict], str] | None
+                         ) -> AsyncIterator[str]:
+    """An SSE stream with a comment line every KEEPALIVE_S while nothing else is sent (a long prefill),
+    and, when the request asked for it, the prefill progress as it changes."""
+    it = events.__aiter__()
+    pending = asyncio.ensure_future(it.__anext__())
+    last_sent, last_progress = time.monotonic(), None
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=0.25)
+            if not done:
+                if progress_event is not None and job.progress is not None and job.progress is not last_progress:
+                    last_progress = job.progress
+                    last_sent = time.monotonic()
+                    yield progress_event(last_progress)
+                elif time.monotonic() - last_sent >= KEEPALIVE_S:
+                    last_sent = time.monotonic()
+                    yield ": keepalive\n\n"
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            last_sent = time.monotonic()
+            yield item
+            pending = asyncio.ensure_future(it.__anext__())
+    finally:
+        pending.cancel()
+
+
 def _openai_error(e: ApiError) -> JSONResponse:
     body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code, **e.extra}}
     return JSONResponse(body, status_code=e.status, headers=e.headers)
@@ -539,16 +583,21 @@ def _usage(done: Done) -> dict:
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
+def _progress_chunk(cid: str, created: int, kind: str) -> Callable[[dict], str]:
+    return lambda p: _sse({"id": cid, "object": kind, "created": created, "choices": [], "prompt_progress": p})
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, model_name: str = "deepseek-v4.1-flash",
-               dspark: int = 0, prefix_cache: bool = True) -> FastAPI:
-    """The HTTP app. Without `cache`, a RAM-only prefix cache is made (unless `prefix_cache` is False)."""
+               dspark: int = 0, prefix_cache: bool = True, chunk: int = DEFAULT_CHUNK) -> FastAPI:
+    """The HTTP app. Without `cache`, a RAM-only prefix cache is made (unless `prefix_cache` is False).
+    `chunk`: prefill chunk size (the prefix-cache snapshot grid and the progress granularity)."""
     if cache is None and prefix_cache:
         cache = PrefixCache(engine.identity)
-    srv = Server(engine, tokenizer, cache, model_name, dspark)
+    srv = Server(engine, tokenizer, cache, model_name, dspark, chunk)
     app = FastAPI(title="dsflash", version="0.1")
     app.state.server = srv
     m = srv.metrics
@@ -633,8 +682,9 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         created = _now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_chat_stream(job, request, cid, created, thinking, include_usage),
-                                     media_type="text/event-stream")
+            progress = _progress_chunk(cid, created, "chat.completion.chunk") if req.return_progress else None
+            return StreamingResponse(with_keepalive(_chat_stream(job, request, cid, created, thinking, include_usage),
+                                                    job, progress), media_type="text/event-stream")
         parser = DsmlParser(thinking)
         content, reasoning, lps = [], [], []
         calls: dict[int, dict] = {}
@@ -768,7 +818,8 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
                     yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+            progress = _progress_chunk(cid, created, "text_completion") if req.return_progress else None
+            return StreamingResponse(with_keepalive(stream(), job, progress), media_type="text/event-stream")
         texts, lps, done = [], [], None
         async for ev in srv.events(job, request):
             if isinstance(ev, Done):
@@ -810,8 +861,8 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
                     "cache_read_input_tokens": done.cached_tokens, "cache_creation_input_tokens": 0}
 
         if req.stream:
-            return StreamingResponse(_messages_stream(job, request, mid, thinking, stop_reason, usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(with_keepalive(_messages_stream(job, request, mid, thinking, stop_reason, usage),
+                                                    job, None), media_type="text/event-stream")
         parser = DsmlParser(thinking)
         blocks: list[dict] = []
         args: dict[int, list[str]] = {}
