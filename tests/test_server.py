@@ -243,7 +243,7 @@ def test_tool_calls_formatting_in_process():
                 emit(Text(completion[i:i + 7], []))
             emit(Done("stop", None, len(job.prompt), 0, 12, {}))
 
-    engine = SimpleNamespace(max_context=4096, model=SimpleNamespace(args=SimpleNamespace(vocab_size=512)))
+    engine = SimpleNamespace(max_context=4096, args=SimpleNamespace(vocab_size=512))
     app = create_app(engine, build_tiny_tokenizer(512), prefix_cache=False, model_name="tiny")
     app.state.server.worker = ScriptedWorker()
     client = TestClient(app)
@@ -347,5 +347,5 @@ def test_streamed_prefill_progress(server):
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
     assert progress, chunks[:3]
-    assert progress[-1]["processed"] == progress[-1]["total"] and progress[-1]["total"] > 16
+    assert progress[-1]["processed"] == progress[-1]["total"] and progress[-1]["total"] > 16, progress
     assert all(a["processed"] <= b["processed"] for a, b in zip(progress, progress[1:], strict=False))

@@ -559,6 +559,9 @@ async def with_keepalive(events: AsyncIterator[str], job: Job, progress_event: C
                 item = pending.result()
             except StopAsyncIteration:
                 return
+            if progress_event is not None and job.progress is not None and job.progress is not last_progress:
+                last_progress = job.progress  # the last update before the first token, too
+                yield progress_event(last_progress)
             last_sent = time.monotonic()
             yield item
             pending = asyncio.ensure_future(it.__anext__())
@@ -781,7 +784,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
             if not prompt or prompt[0] != BOS_ID:
                 prompt = [BOS_ID] + prompt
         else:
-            vocab = engine.model.args.vocab_size
+            vocab = engine.args.vocab_size
             if not req.prompt or any(not 0 <= t < vocab for t in req.prompt):
                 raise ApiError(400, f"prompt: token ids must be a non-empty list in [0, {vocab})", "prompt")
             prompt = list(req.prompt)
