@@ -88,3 +88,6 @@ def test_split_server_answers_then_503_while_box_down_then_recovers(split_server
     assert again.choices[0].message.content == first.choices[0].message.content
     metrics = httpx.get(base + "/metrics").text
     assert "dsflash_box_reconnects_total" in metrics
+    # finished requests close their box sessions
+    box_health = httpx.get(f"http://127.0.0.1:{box_port + 1}/health").json()
+    assert box_health["sessions"] == 0, box_health

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
             text = new
         elif not args.json:
             print(tok, end=" ", flush=True)
+    session.close()
     report = {"tokens": out, "text": text if tokenizer else None, **stats.as_dict()}
     if args.json:
         print(json.dumps(report))

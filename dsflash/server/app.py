@@ -228,6 +228,12 @@ class Worker:
     def _generate(self, job: Job, emit: Callable[[Any], None]) -> None:
         stats = DecodeStats()
         session, first_logits = self._prepare(job, stats)
+        try:
+            self._decode(job, emit, session, first_logits, stats)
+        finally:
+            session.close()  # frees the box's side of a split session too; the prefix cache keeps snapshots
+
+    def _decode(self, job: Job, emit: Callable[[Any], None], session, first_logits, stats: DecodeStats) -> None:
         m = self.metrics
         with m.lock:
             m.prompt_tokens += stats.prompt_tokens
