@@ -285,6 +285,9 @@ _FIELDS = {
                         "max_tokens": st.integers(-2, 2) | _JSON, "stop": _JSON},
     "/v1/messages": {"messages": st.lists(_MESSAGE, max_size=3) | _JSON, "system": _JSON, "stream": _JSON,
                      "max_tokens": st.integers(-2, 2) | _JSON, "thinking": _JSON, "tools": _JSON},
+    "/v1/responses": {"input": st.lists(_JSON, max_size=3) | _JSON | st.text(max_size=20), "instructions": _JSON,
+                      "stream": _JSON, "max_output_tokens": st.integers(-2, 2) | _JSON, "tools": _JSON,
+                      "reasoning": _JSON},
 }
 
 
@@ -295,6 +298,8 @@ def _request(draw):
     keys = draw(st.lists(st.sampled_from(sorted(fields)), unique=True))
     body = {k: draw(fields[k]) for k in keys}
     body.setdefault("max_tokens", 1)  # valid bodies generate; keep them short
+    if path == "/v1/responses":
+        body.setdefault("max_output_tokens", 1)
     if draw(st.booleans()):
         body.update(draw(st.dictionaries(st.text(max_size=6), _JSON, max_size=2)))
     return path, body
@@ -349,3 +354,23 @@ def test_streamed_prefill_progress(server):
     assert progress, chunks[:3]
     assert progress[-1]["processed"] == progress[-1]["total"] and progress[-1]["total"] > 16, progress
     assert all(a["processed"] <= b["processed"] for a, b in zip(progress, progress[1:], strict=False))
+
+
+def test_responses_api_streaming_and_not(oai):
+    kwargs = {"model": "tiny", "input": "Say something", "max_output_tokens": 5, "temperature": 0}
+    r = oai.responses.create(**kwargs)
+    assert r.object == "response" and r.usage.input_tokens > 0 and r.status in ("completed", "incomplete")
+    events = list(oai.responses.create(stream=True, **kwargs))
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and types[-1] == "response.completed"
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == r.output_text
+    # a function call and its output in the input are encoded and answered
+    follow = oai.responses.create(model="tiny", max_output_tokens=3, temperature=0, tools=[
+        {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}], input=[
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    assert follow.usage.input_tokens > r.usage.input_tokens
+    bad = httpx.post(str(oai.base_url) + "responses", json={"model": "tiny", "input": [{"type": "image"}]})
+    assert bad.status_code == 400 and "input[0].type" in bad.text

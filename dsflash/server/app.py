@@ -975,4 +975,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
             m.inc(m.errors, "internal")
             yield event("error", {"error": {"type": "api_error", "message": f"{type(e).__name__}: {e}"}})
 
+    from dsflash.server.responses import add_routes  # the Responses API builds on the pieces above
+
+    add_routes(app, srv, model_name)
     return app
