@@ -104,16 +104,32 @@ def bench_steps(engine: Engine, contexts: list[int], rows: list[int], reps: int)
     return out
 
 
-def bench_prefill(engine: Engine, lengths: list[int]) -> dict:
-    res = {}
+def bench_prefill(engine: Engine, lengths: list[int], compare_full: bool) -> dict:
+    """Encoder-only prefill tok/s by prompt length; with `compare_full`, also a full prefill (every layer
+    on every row, one model over all layers) and the state size per token."""
+    a, dev = engine.args, engine.decoder.device
+    full = None
+    if compare_full:
+        full = Transformer(a, engine.decoder.ckpt, [i % a.engram_compressed_vocab_size for i in range(a.vocab_size)],
+                           device=dev)
+    res: dict = {"tok_s": {}, "full_tok_s": {}, "decoder_rows": {}, "snapshot_bytes_per_token": {}}
     for n in lengths:
         s = engine.session()
-        ids = prompt(n, engine.args.vocab_size)
-        sync(engine.decoder.device)
+        ids = prompt(n, a.vocab_size)
+        sync(dev)
         t0 = time.perf_counter()
         s.prefill(ids)
-        sync(engine.decoder.device)
-        res[n] = n / (time.perf_counter() - t0)
+        sync(dev)
+        res["tok_s"][n] = n / (time.perf_counter() - t0)
+        res["decoder_rows"][n] = min(n, s.tail_rows())
+        if full is not None:
+            state = SequenceState(device=dev)
+            t0 = time.perf_counter()
+            for i in range(0, n, 8192):
+                full.forward(state, torch.tensor(ids[i:i + 8192], device=dev))
+            sync(dev)
+            res["full_tok_s"][n] = n / (time.perf_counter() - t0)
+            res["snapshot_bytes_per_token"][n] = len(s.snapshot()) / n
         del s
     return res
 
@@ -201,8 +217,14 @@ def to_markdown(r: dict) -> str:
                          f" | {r['back_step_ms'][ctx]:.2f} | {r['draft_ms'].get(ctx, float('nan')):.2f} | "
                          f"{r['prefill_tok_s'][ctx]:,.0f} |")
     if r.get("prefill_lengths_tok_s"):
-        lines += ["", "| prompt tokens | prefill tok/s |", "|---|---|"]
-        lines += [f"| {n} | {v:,.0f} |" for n, v in r["prefill_lengths_tok_s"].items()]
+        full = r.get("full_tok_s") or {}
+        lines += ["", "| prompt tokens | encoder-only prefill tok/s | decoder rows | full prefill tok/s | speed-up |"
+                  " snapshot B/token |", "|---|---|---|---|---|---|"]
+        for n, v in r["prefill_lengths_tok_s"].items():
+            f = full.get(n)
+            lines.append(f"| {n} | {v:,.0f} | {r['decoder_rows'][n]} | {f'{f:,.0f}' if f else '-'} | "
+                         f"{f'{v / f:.2f}x' if f else '-'} | "
+                         f"{r['snapshot_bytes_per_token'].get(n, float('nan')):,.0f} |")
     if r.get("reference_speedup"):
         s = r["reference_speedup"]
         lines += ["", f"Reference code path on the same device, encoder layers [0, {s['layers']}): one-row step "
@@ -232,7 +254,9 @@ def run(ns: argparse.Namespace) -> int:
     if ns.what in ("step", "all"):
         r.update(bench_steps(engine, ns.context, ns.rows, ns.reps))
     if ns.what in ("prefill", "all"):
-        r["prefill_lengths_tok_s"] = bench_prefill(engine, ns.lengths)
+        pre = bench_prefill(engine, ns.lengths, ns.compare_full)
+        r["prefill_lengths_tok_s"] = pre.pop("tok_s")
+        r.update(pre)
     del engine
     if ns.reference_layers:
         r["reference_speedup"] = reference_speedup(args, ns.device, ns.reference_layers, ns.reps)
@@ -254,6 +278,8 @@ def add_parser(sub: argparse._SubParsersAction, what: str) -> None:
     p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=list(range(1, 9)))
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768])
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--compare-full", action="store_true",
+                   help="also time a full prefill (decoder on every row) and report snapshot bytes per token")
     p.add_argument("--reference-layers", type=int, default=0,
                    help="also time the reference code path on an encoder slice of this many layers")
     p.add_argument("--out", default="bench/results")
