@@ -55,3 +55,35 @@ def test_chunking_steps_and_dspark_are_bit_identical_on_cuda():
         x = engine.session()
         outs.append(list(decode(x, x.prefill(ids[:50].tolist()), 10, SamplingParams(), stop=set(), dspark=k)))
     assert outs[0] == outs[1]
+
+
+def test_resume_split_and_restart_are_bit_identical_on_cuda(tmp_path):
+    """resume == fresh, split == single and restart == uninterrupted, with both halves on the GPU."""
+    from dsflash.engine.session import Session
+    from tests.test_split import BoxProcess, free_port
+
+    local = Engine.load(CASE, device="cuda", max_context=4096)
+    ids = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    fresh = local.session()
+    fresh_logits = fresh.prefill(ids, chunk=16)
+    expected = list(decode(fresh, fresh_logits, 10, SamplingParams(), stop=set(), dspark=2))
+    first = local.session()
+    first.prefill(ids[:41])
+    resumed = Session.restore(local, first.snapshot())
+    assert torch.equal(resumed.prefill(ids[41:]), fresh_logits)
+    assert list(decode(resumed, resumed.last_logits, 10, SamplingParams(), stop=set(), dspark=2)) == expected
+
+    box = BoxProcess(free_port(), cache_dir=tmp_path / "cache", device="cuda").start()
+    try:
+        split = Engine.load(CASE, device="cuda", max_context=4096, box=f"127.0.0.1:{box.port}")
+        s = split.session()
+        assert torch.equal(s.prefill(ids, chunk=16), fresh_logits)
+        out = []
+        for i, tok in enumerate(decode(s, s.last_logits, 10, SamplingParams(), stop=set(), dspark=2)):
+            out.append(tok)
+            if i == 3:
+                box.kill()
+                box.start()
+        assert out == expected and split.link.reconnects >= 1
+    finally:
+        box.kill()

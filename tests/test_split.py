@@ -34,12 +34,14 @@ def free_port() -> int:
 
 
 class BoxProcess:
-    def __init__(self, port: int, token: str | None = None, cache_dir: Path | None = None):
-        self.port, self.token, self.cache_dir = port, token, cache_dir
+    def __init__(self, port: int, token: str | None = None, cache_dir: Path | None = None, device: str = "cpu",
+                 case: Path = CASE):
+        self.port, self.token, self.cache_dir, self.device, self.case = port, token, cache_dir, device, case
         self.proc = None
 
     def start(self) -> "BoxProcess":
-        cmd = [sys.executable, "-m", "dsflash.cli", "box", "--model", str(CASE), "--listen", f"127.0.0.1:{self.port}"]
+        cmd = [sys.executable, "-m", "dsflash.cli", "box", "--model", str(self.case), "--listen",
+               f"127.0.0.1:{self.port}", "--device", self.device]
         if self.token:
             cmd += ["--token", self.token]
         if self.cache_dir:
