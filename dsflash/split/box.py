@@ -227,7 +227,7 @@ class Box:
             s = BoxSession(LocalEncoder(self.model))
             if blob is not None:
                 try:
-                    states, tokens, _ = snapshot.decode(blob, self.identity)
+                    states, tokens, _ = snapshot.decode(blob, self.identity, self.model.device)
                     s = BoxSession(LocalEncoder(self.model, states["encoder"]), tokens)
                     cached = n
                 except snapshot.SnapshotError:
