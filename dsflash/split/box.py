@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -166,7 +167,9 @@ class Box:
             try:
                 more = self._run(conn, request, work)
             except Exception as e:  # one request's failure answers that request; the box keeps serving
-                conn.send(error_frame(request, type(e).__name__, str(e), retryable=False))
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                conn.send(error_frame(request, type(e).__name__, f"{e} (at {where.filename}:{where.lineno})",
+                                      retryable=False))
                 continue
             if more is not None:
                 self._enqueue(prio, conn, request, more)
