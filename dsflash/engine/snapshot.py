@@ -18,7 +18,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dsflash.engine.state import GrowingRows, PositionRing, SequenceState
-from dsflash.numerics import NUMERICS_VERSION
+from dsflash.numerics import NUMERICS_VERSION, packing
 
 MAGIC = b"DSFLSNAP"
 FORMAT_VERSION = 1
@@ -27,6 +27,10 @@ _PREFIX = struct.Struct("<8sII")
 
 class SnapshotError(ValueError):
     """A snapshot is truncated, corrupted, or made by another model or numerics version."""
+
+
+# the growing caches are stored in the model's own FP4 format (lossless, see numerics/packing.py)
+_PACKED = {"compressed": "fp4_e4m3_16", "index_keys": "fp4_e8m0_32"}
 
 
 def _state_tensors(part: str, state: SequenceState) -> dict[str, torch.Tensor]:
@@ -49,6 +53,12 @@ def encode(states: dict[str, SequenceState], tokens: list[int], model_id: str,
         tensors.update(_state_tensors(part, state))
     tensors.update(extras)
     tensors = {k: v.cpu() for k, v in tensors.items()}
+    packed = {}
+    for key, t in tensors.items():
+        fmt = _PACKED.get(key.split("/")[-1].split(".")[0]) if "/" in key else None
+        p = packing.pack(t, fmt) if fmt and t.numel() else None
+        if p is not None:
+            tensors[key], packed[key] = p, [fmt, t.size(1)]
     tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)
     payload = st_save({k: v.contiguous() for k, v in tensors.items()})
     header = json.dumps({
@@ -59,6 +69,7 @@ def encode(states: dict[str, SequenceState], tokens: list[int], model_id: str,
         "payload_bytes": len(payload),
         "sha256": hashlib.sha256(payload).hexdigest(),
         "sections": sorted(tensors),
+        "packed": packed,
     }).encode()
     return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + payload
 
@@ -88,11 +99,13 @@ def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu"
         raise SnapshotError(f"snapshot belongs to model {header.get('model')}, not to the loaded {model_id}")
     start = _PREFIX.size + len(json.dumps(header).encode())
     payload = blob[start:]
-    if len(payload) != header["payload_bytes"]:
+    if len(payload) != header.get("payload_bytes"):
         raise SnapshotError(f"truncated snapshot: payload {len(payload)} bytes, header says {header['payload_bytes']}")
     if hashlib.sha256(payload).hexdigest() != header["sha256"]:
         raise SnapshotError("corrupted snapshot: payload checksum mismatch")
     tensors = st_load(payload)
+    for key, (fmt, width) in header.get("packed", {}).items():
+        tensors[key] = packing.unpack(tensors[key], fmt, width)
     ids = tensors.pop("tokens")
     states = {part: SequenceState(pos=p["pos"], dspark_pos=p["dspark_pos"], device=device)
               for part, p in header["parts"].items()}
