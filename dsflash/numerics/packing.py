@@ -50,7 +50,7 @@ def pack(values: torch.Tensor, fmt: str) -> torch.Tensor | None:
     for g in _MAGNITUDES:
         s = amax / g
         codes, exact = _scale_codes(s, kind)
-        q = v / s.unsqueeze(-1)
+        q = v / torch.where(s > 0, s, 1.0).unsqueeze(-1)  # an all-zero block never divides by zero
         fits = exact & (decode_e2m1(encode_e2m1(q.clamp(-6, 6))) == q).all(-1) & ~found
         scale = torch.where(fits, s, scale)
         scale_code = torch.where(fits, codes, scale_code)
