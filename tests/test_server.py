@@ -269,6 +269,17 @@ def test_tool_calls_formatting_in_process():
     m = client.post("/v1/messages", json=anth).json()
     assert m["stop_reason"] == "tool_use" and m["content"][-1]["input"] == {"city": "Paris", "days": 2}
 
+    resp_body = {"input": "weather?", "tools": [{"type": "function", "name": "get_weather",
+                                                  "parameters": {"type": "object"}}]}
+    out = client.post("/v1/responses", json=resp_body).json()["output"]
+    assert [o["type"] for o in out] == ["message", "function_call"]
+    assert json.loads(out[1]["arguments"]) == {"city": "Paris", "days": 2}
+    with client.stream("POST", "/v1/responses", json={**resp_body, "stream": True}) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    pieces = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(pieces) > 2 and json.loads("".join(pieces)) == {"city": "Paris", "days": 2}
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["output"][1]["name"] == "get_weather"
+
 
 _SCALARS = (st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
             | st.text(max_size=20))

@@ -30,7 +30,14 @@ from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import SamplingParams, logprobs
 from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine
 from dsflash.engine.spec import DecodeStats, decode
-from dsflash.server.dsml import ContentDelta, DsmlParser, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
+from dsflash.server.dsml import (
+    Collected,
+    ContentDelta,
+    DsmlParser,
+    ReasoningDelta,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+)
 from dsflash.server.encoding import EncodingError, encode_messages
 from dsflash.split.link import BoxUnavailable
 from dsflash.tokenizer import BOS_ID, EOS_ID
@@ -512,6 +519,18 @@ class Server:
                            extra={"prompt_tokens": len(prompt), "max_tokens": max_tokens, "max_context": limit})
         return Job(prompt, max_tokens or room, params, stop, top_logprobs, split, arrived)
 
+    async def collect(self, job: Job, request: Request, thinking: bool) -> tuple[Collected, list[dict], Done]:
+        """Run `job` to the end: the parsed reply, the logprob entries, and the Done event."""
+        parser, got, lps, done = DsmlParser(thinking), Collected(), [], None
+        async for ev in self.events(job, request):
+            if isinstance(ev, Done):
+                done = ev
+                got.add(parser.finish())
+            else:
+                lps.extend(ev.logprobs)
+                got.add(parser.feed(ev.text))
+        return got, lps, done
+
     async def events(self, job: Job, request: Request) -> AsyncIterator[Any]:
         """Run `job` on the worker; yield its Text events, then Done. Cancels on client disconnect."""
         loop = asyncio.get_running_loop()
@@ -694,30 +713,13 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
             progress = _progress_chunk(cid, created, "chat.completion.chunk") if req.return_progress else None
             return StreamingResponse(with_keepalive(_chat_stream(job, request, cid, created, thinking, include_usage),
                                                     job, progress), media_type="text/event-stream")
-        parser = DsmlParser(thinking)
-        content, reasoning, lps = [], [], []
-        calls: dict[int, dict] = {}
-        done = None
-        async for ev in srv.events(job, request):
-            if isinstance(ev, Done):
-                done = ev
-                evs = parser.finish()
-            else:
-                lps.extend(ev.logprobs)
-                evs = parser.feed(ev.text)
-            for e in evs:
-                if isinstance(e, ContentDelta):
-                    content.append(e.text)
-                elif isinstance(e, ReasoningDelta):
-                    reasoning.append(e.text)
-                elif isinstance(e, ToolCallStart):
-                    calls[e.index] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                      "function": {"name": e.name, "arguments": ""}}
-                elif isinstance(e, ToolCallArgumentsDelta):
-                    calls[e.index]["function"]["arguments"] += e.text
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not calls else None}
+        got, lps, done = await srv.collect(job, request, thinking)
+        calls = {i: {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                     "function": {"name": c.name, "arguments": c.arguments}} for i, c in got.calls.items()}
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": "".join(got.content) if got.content or not calls else None}
         if thinking:
-            message["reasoning_content"] = "".join(reasoning)
+            message["reasoning_content"] = "".join(got.reasoning)
         finish = done.finish if done.finish != "cancelled" else "stop"
         if calls:
             message["tool_calls"] = [calls[i] for i in sorted(calls)]

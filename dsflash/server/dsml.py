@@ -229,24 +229,34 @@ class DsmlParser:
             self._state = _State.CALLS
 
 
+class Collected:
+    """Parser events gathered into a whole reply: content, reasoning and the tool calls (name and the
+    JSON text of the arguments, by call index; `closed` marks the calls whose block ended)."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, ToolCall] = {}
+        self.closed: set[int] = set()
+
+    def add(self, events: list) -> None:
+        for event in events:
+            if isinstance(event, ContentDelta):
+                self.content.append(event.text)
+            elif isinstance(event, ReasoningDelta):
+                self.reasoning.append(event.text)
+            elif isinstance(event, ToolCallStart):
+                self.calls[event.index] = ToolCall(event.name, "")
+            elif isinstance(event, ToolCallArgumentsDelta):
+                call = self.calls[event.index]
+                self.calls[event.index] = ToolCall(call.name, call.arguments + event.text)
+            else:
+                self.closed.add(event.index)
+
+
 def parse_complete(text: str, *, thinking: bool) -> tuple[str, str, list[ToolCall]]:
     """Non-streaming parse of a whole generation: (content, reasoning, completed tool calls)."""
     parser = DsmlParser(thinking)
-    events = parser.feed(text) + parser.finish()
-    content, reasoning = [], []
-    names: dict[int, str] = {}
-    arguments: dict[int, list[str]] = {}
-    calls: list[ToolCall] = []
-    for event in events:
-        if isinstance(event, ContentDelta):
-            content.append(event.text)
-        elif isinstance(event, ReasoningDelta):
-            reasoning.append(event.text)
-        elif isinstance(event, ToolCallStart):
-            names[event.index] = event.name
-            arguments[event.index] = []
-        elif isinstance(event, ToolCallArgumentsDelta):
-            arguments[event.index].append(event.text)
-        else:
-            calls.append(ToolCall(names[event.index], "".join(arguments[event.index])))
-    return "".join(content), "".join(reasoning), calls
+    got = Collected()
+    got.add(parser.feed(text) + parser.finish())
+    return "".join(got.content), "".join(got.reasoning), [got.calls[i] for i in sorted(got.closed)]

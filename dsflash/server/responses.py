@@ -29,7 +29,7 @@ from dsflash.server.app import (
     _stop_list,
     with_keepalive,
 )
-from dsflash.server.dsml import ContentDelta, DsmlParser, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
+from dsflash.server.dsml import Collected, ContentDelta, DsmlParser, ToolCallArgumentsDelta, ToolCallStart
 from dsflash.server.encoding import EncodingError, encode_messages
 
 
@@ -97,24 +97,20 @@ def _usage(done: Done) -> dict:
             "total_tokens": done.prompt_tokens + done.completion_tokens}
 
 
-class _Output:
-    """Accumulates parser events into Responses output items."""
-
-    def __init__(self) -> None:
-        self.reasoning, self.text = [], []
-        self.calls: dict[int, dict] = {}
-        self.msg_id = f"msg_{uuid.uuid4().hex[:24]}"
-
-    def items(self) -> list[dict]:
-        out = []
-        if self.reasoning:
-            out.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}",
-                        "summary": [{"type": "summary_text", "text": "".join(self.reasoning)}]})
-        if self.text or not self.calls:
-            out.append({"type": "message", "id": self.msg_id, "status": "completed", "role": "assistant",
-                        "content": [{"type": "output_text", "text": "".join(self.text), "annotations": []}]})
-        out += [self.calls[i] for i in sorted(self.calls)]
-        return out
+def output_items(got: Collected, msg_id: str, call_ids: dict[int, tuple[str, str]]) -> list[dict]:
+    """Responses output items of a parsed reply: reasoning, the message, the function calls."""
+    out = []
+    if got.reasoning:
+        out.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}",
+                    "summary": [{"type": "summary_text", "text": "".join(got.reasoning)}]})
+    if got.content or not got.calls:
+        out.append({"type": "message", "id": msg_id, "status": "completed", "role": "assistant",
+                    "content": [{"type": "output_text", "text": "".join(got.content), "annotations": []}]})
+    for i in sorted(got.calls):
+        item_id, call_id = call_ids.get(i) or (f"fc_{uuid.uuid4().hex[:24]}", f"call_{uuid.uuid4().hex[:24]}")
+        out.append({"type": "function_call", "id": item_id, "call_id": call_id, "name": got.calls[i].name,
+                    "arguments": got.calls[i].arguments, "status": "completed"})
+    return out
 
 
 def add_routes(app: FastAPI, srv: Server, model_name: str) -> None:
@@ -148,22 +144,8 @@ def add_routes(app: FastAPI, srv: Server, model_name: str) -> None:
         if req.stream:
             return StreamingResponse(with_keepalive(stream(job, request, rid, created, thinking), job, None),
                                      media_type="text/event-stream")
-        out, parser, done = _Output(), DsmlParser(thinking), None
-        async for ev in srv.events(job, request):
-            evs = parser.finish() if isinstance(ev, Done) else parser.feed(ev.text)
-            done = ev if isinstance(ev, Done) else done
-            for e in evs:
-                if isinstance(e, ContentDelta):
-                    out.text.append(e.text)
-                elif isinstance(e, ReasoningDelta):
-                    out.reasoning.append(e.text)
-                elif isinstance(e, ToolCallStart):
-                    out.calls[e.index] = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}",
-                                          "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": e.name,
-                                          "arguments": "", "status": "completed"}
-                elif isinstance(e, ToolCallArgumentsDelta):
-                    out.calls[e.index]["arguments"] += e.text
-        return response_object(rid, created, "completed", out.items(), done)
+        got, _, done = await srv.collect(job, request, thinking)
+        return response_object(rid, created, "completed", output_items(got, f"msg_{uuid.uuid4().hex[:24]}", {}), done)
 
     async def stream(job, request: Request, rid: str, created: float, thinking: bool) -> AsyncIterator[str]:
         seq = 0
@@ -173,58 +155,50 @@ def add_routes(app: FastAPI, srv: Server, model_name: str) -> None:
             seq += 1
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **data})}\n\n"
 
-        out, parser = _Output(), DsmlParser(thinking)
-        message_open, index_of = False, {}
+        got, parser = Collected(), DsmlParser(thinking)
+        msg_id, call_ids, order = f"msg_{uuid.uuid4().hex[:24]}", {}, {}  # order: output index by item
         yield event("response.created", response=response_object(rid, created, "in_progress", [], None))
         try:
             async for ev in srv.events(job, request):
                 evs = parser.finish() if isinstance(ev, Done) else parser.feed(ev.text)
+                got.add(evs)
                 for e in evs:
-                    if isinstance(e, ReasoningDelta):
-                        out.reasoning.append(e.text)
-                    elif isinstance(e, ContentDelta):
-                        if not message_open:
-                            message_open = True
-                            index_of["msg"] = len(index_of)
-                            item = {"type": "message", "id": out.msg_id, "status": "in_progress", "role": "assistant",
-                                    "content": []}
-                            yield event("response.output_item.added", output_index=index_of["msg"], item=item)
-                            yield event("response.content_part.added", item_id=out.msg_id,
-                                        output_index=index_of["msg"], content_index=0,
-                                        part={"type": "output_text", "text": "", "annotations": []})
-                        out.text.append(e.text)
-                        yield event("response.output_text.delta", item_id=out.msg_id, output_index=index_of["msg"],
+                    if isinstance(e, ContentDelta):
+                        if "msg" not in order:
+                            order["msg"] = len(order)
+                            yield event("response.output_item.added", output_index=order["msg"],
+                                        item={"type": "message", "id": msg_id, "status": "in_progress",
+                                              "role": "assistant", "content": []})
+                            yield event("response.content_part.added", item_id=msg_id, output_index=order["msg"],
+                                        content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                        yield event("response.output_text.delta", item_id=msg_id, output_index=order["msg"],
                                     content_index=0, delta=e.text)
                     elif isinstance(e, ToolCallStart):
-                        call = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}",
-                                "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": e.name, "arguments": "",
-                                "status": "in_progress"}
-                        out.calls[e.index] = call
-                        index_of[("call", e.index)] = len(index_of)
-                        yield event("response.output_item.added", output_index=index_of[("call", e.index)], item=call)
+                        call_ids[e.index] = (f"fc_{uuid.uuid4().hex[:24]}", f"call_{uuid.uuid4().hex[:24]}")
+                        order[e.index] = len(order)
+                        yield event("response.output_item.added", output_index=order[e.index],
+                                    item={"type": "function_call", "id": call_ids[e.index][0],
+                                          "call_id": call_ids[e.index][1], "name": e.name, "arguments": "",
+                                          "status": "in_progress"})
                     elif isinstance(e, ToolCallArgumentsDelta):
-                        out.calls[e.index]["arguments"] += e.text
-                        yield event("response.function_call_arguments.delta", item_id=out.calls[e.index]["id"],
-                                    output_index=index_of[("call", e.index)], delta=e.text)
+                        yield event("response.function_call_arguments.delta", item_id=call_ids[e.index][0],
+                                    output_index=order[e.index], delta=e.text)
                 if isinstance(ev, Done):
-                    text = "".join(out.text)
-                    if message_open:
-                        i = index_of["msg"]
+                    items = output_items(got, msg_id, call_ids)
+                    by_id = {item["id"]: item for item in items}
+                    if "msg" in order:
+                        i, text = order["msg"], "".join(got.content)
                         part = {"type": "output_text", "text": text, "annotations": []}
-                        yield event("response.output_text.done", item_id=out.msg_id, output_index=i, content_index=0,
+                        yield event("response.output_text.done", item_id=msg_id, output_index=i, content_index=0,
                                     text=text)
-                        yield event("response.content_part.done", item_id=out.msg_id, output_index=i,
-                                    content_index=0, part=part)
-                        yield event("response.output_item.done", output_index=i,
-                                    item={"type": "message", "id": out.msg_id, "status": "completed",
-                                          "role": "assistant", "content": [part]})
-                    for k, call in out.calls.items():
-                        call["status"] = "completed"
-                        yield event("response.function_call_arguments.done", item_id=call["id"],
-                                    output_index=index_of[("call", k)], arguments=call["arguments"])
-                        yield event("response.output_item.done", output_index=index_of[("call", k)], item=call)
-                    yield event("response.completed",
-                                response=response_object(rid, created, "completed", out.items(), ev))
+                        yield event("response.content_part.done", item_id=msg_id, output_index=i, content_index=0,
+                                    part=part)
+                        yield event("response.output_item.done", output_index=i, item=by_id[msg_id])
+                    for k, (item_id, _) in call_ids.items():
+                        yield event("response.function_call_arguments.done", item_id=item_id, output_index=order[k],
+                                    arguments=got.calls[k].arguments)
+                        yield event("response.output_item.done", output_index=order[k], item=by_id[item_id])
+                    yield event("response.completed", response=response_object(rid, created, "completed", items, ev))
         except ApiError as e:
             yield event("error", code=e.code, message=e.message, param=e.param)
         except Exception as e:  # reported in the stream; the server keeps serving
