@@ -14,6 +14,7 @@ COMMANDS = [
     "dsflash.model.logits_cmd",  # logits
     "dsflash.engine.generate_cmd",  # generate
     "dsflash.server.serve_cmd",  # serve
+    "dsflash.server.chat_cmd",  # chat
     "dsflash.split.box",  # box
     "dsflash.bench.model",  # bench
 ]
@@ -23,13 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsflash", description="DeepSeek-V4.1-Flash inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     for mod in COMMANDS:
-        try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue  # a command still being written is simply not offered
-        module.register(sub)
+        importlib.import_module(mod).register(sub)
     return parser
 
 

@@ -385,3 +385,12 @@ def test_responses_api_streaming_and_not(oai):
     assert follow.usage.input_tokens > r.usage.input_tokens
     bad = httpx.post(str(oai.base_url) + "responses", json={"model": "tiny", "input": [{"type": "image"}]})
     assert bad.status_code == 400 and "input[0].type" in bad.text
+
+
+def test_chat_client_holds_a_conversation(server):
+    script = "Hello there\nAnd again\n/exit\n"
+    r = subprocess.run([sys.executable, "-m", "dsflash.cli", "chat", "--url", server, "--max-tokens", "3",
+                        "--temperature", "0"], input=script, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("\n") >= 2 and "error" not in r.stderr
