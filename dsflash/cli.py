@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-# module path of each subcommand's `register`; imported lazily so `dsflash --help` stays fast
+# the module of each subcommand, whose `register(subparsers)` adds it
 COMMANDS = [
     "dsflash.golden.check",  # check-golden
     "dsflash.checkpoint.make",  # make-checkpoint
