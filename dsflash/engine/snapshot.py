@@ -68,7 +68,7 @@ def encode(states: dict[str, SequenceState], tokens: list[int], model_id: str,
         "parts": {part: {"pos": st.pos, "dspark_pos": st.dspark_pos} for part, st in states.items()},
         "payload_bytes": len(payload),
         "sha256": hashlib.sha256(payload).hexdigest(),
-        "sections": sorted(tensors),
+        "sections": {k: v.numel() * v.element_size() for k, v in sorted(tensors.items())},  # bytes each
         "packed": packed,
     }).encode()
     return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + payload

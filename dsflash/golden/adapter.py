@@ -1,5 +1,7 @@
 """The engine as `dsflash check-golden` drives it: one fresh sequence per prefill, selections forced
-through the engine's general override facility (replay) or chosen by its own lowest-index rule."""
+through the engine's general override facility (replay) or chosen by its own lowest-index rule. Image
+cases: the vision tower fed the stored pixel tensors, then one prefill with the token types and the
+aligner rows (the merged input rows, Engram hash ids and router picks read from the forward's trace)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,39 @@ class GoldenEngine:
             "handoff_streams": out.handoff_streams.float().cpu().numpy(),
             "handoff_pre_mix": out.handoff_pre_mix.cpu().numpy(),
         }
+
+    def encode_image(self, pixels: np.ndarray, n_vit_h: int, n_vit_w: int) -> dict[str, np.ndarray]:
+        """One image's ViT and aligner rows from its (stored) pixel tensor [n_patch, 3, p, p]."""
+        if self.model.vision is None:
+            raise NotImplementedError("the model has no vision tower")
+        vit_out, aligner_out = self.model.vision.encode(torch.from_numpy(np.asarray(pixels, np.float32)),
+                                                        int(n_vit_h), int(n_vit_w))
+        return {"vit_out": vit_out.float().cpu().numpy(), "aligner_out": aligner_out.float().cpu().numpy()}
+
+    def prefill_image(self, ids: np.ndarray, token_types: np.ndarray, image_rows: np.ndarray,
+                      selections: dict | None) -> dict[str, np.ndarray]:
+        """One prefill of an image sequence at start_pos 0 from a fresh state: ids and token_types [S], image_rows
+        [number of IMAGE positions, dim] (the aligner rows of every image, in span order). Returns the prefill
+        arrays plus "input_embeds" [S, dim] (the merged input rows), "engram_hash_ids" [S, n_engram, cols] and
+        "moe_expert_ids" [L, S, k] (the router picks, forced ones in replay)."""
+        select = selections_from_arrays(selections) if selections is not None else None
+        dev = self.device
+        trace: dict = {}
+        out = self.model.forward(
+            SequenceState(device=dev), torch.from_numpy(np.asarray(ids)).long().to(dev), select=select, trace=trace,
+            token_types=torch.from_numpy(np.asarray(token_types)).long().to(dev),
+            image_rows=torch.from_numpy(np.asarray(image_rows, np.float32)).to(device=dev, dtype=torch.bfloat16))
+        moe = trace["moe_ids"]
+        result = {
+            "logits": out.logits.cpu().numpy(),
+            "handoff_streams": out.handoff_streams.float().cpu().numpy(),
+            "handoff_pre_mix": out.handoff_pre_mix.cpu().numpy(),
+            "input_embeds": trace["input_embeds"].float().cpu().numpy(),
+            "moe_expert_ids": torch.stack([moe[i] for i in sorted(moe)]).cpu().numpy(),
+        }
+        if "engram_hash_ids" in trace:
+            result["engram_hash_ids"] = trace["engram_hash_ids"].cpu().numpy()
+        return result
 
     def draft(self, prefill_main_hidden: np.ndarray, anchors: np.ndarray, ctx_rows: np.ndarray,
               start_pos: np.ndarray) -> np.ndarray:

@@ -7,8 +7,13 @@ Per text case the engine runs (README "Tolerances" -> "What the engine runs for 
   selection (compared with battery_lowtie.*);
 - the drafter, fed the stored DSpark context (README "How replay is meant").
 
+Per image case (README "Image cases" -> "Rules for image cases"):
+- the vision tower on every stored image<k>.pixels (ViT and aligner rows);
+- replay: one prefill of full.input_ids with full.token_types and those aligner rows, full.* selections forced;
+- own selection: the same prefill with the engine's own lowest-index selection, compared with full_lowtie.*.
+
 One line per case and quantity, then the case's tier. The exit status is non-zero when any case is FAIL,
-an unsupported image case, unreadable, or its engine raised.
+unreadable, or its engine raised.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ import numpy as np
 from dsflash.golden.case import GoldenCase, GoldenCaseError, load_case, replay_selections
 from dsflash.golden.rules import (
     FAITHFUL_LOGITS_ABS,
-    UNSUPPORTED_IMAGE,
+    IMAGE,
     CaseVerdict,
     RuleResult,
-    image_case_verdict,
+    case_images,
     judge_case,
+    judge_image_case,
 )
 
 PREFILL_KEYS = ("logits", "handoff_streams", "handoff_pre_mix")
@@ -53,6 +59,19 @@ class GoldenEngine(Protocol):
         [R, B, V]."""
         ...
 
+    def encode_image(self, pixels: np.ndarray, n_vit_h: int, n_vit_w: int) -> dict[str, np.ndarray]:
+        """The vision tower on one image's pixel tensor [n_vit_h * n_vit_w, 3, p, p]: "vit_out" float32
+        [n_patch, vision_dim], "aligner_out" float32 [n_llm_h * n_llm_w, dim]."""
+        ...
+
+    def prefill_image(self, ids: np.ndarray, token_types: np.ndarray, image_rows: np.ndarray,
+                      selections: dict | None) -> dict[str, np.ndarray]:
+        """One prefill of an image sequence at start_pos 0 from a fresh state: ids, token_types int64 [S],
+        image_rows float32 [number of IMAGE positions, dim] (aligner rows of every image, span order). Returns
+        the prefill keys plus "input_embeds" [S, dim], "engram_hash_ids" [S, n_engram, cols] and
+        "moe_expert_ids" [L, S, k]."""
+        ...
+
 
 @dataclass
 class CaseCheck:
@@ -63,6 +82,7 @@ class CaseCheck:
     verdict: CaseVerdict | None = None
     error: str | None = None
     not_run: list[str] = field(default_factory=list)  # engine steps that raised NotImplementedError
+    image_case: bool = False  # checked by the image rules (README "Image cases")
 
     @property
     def ok(self) -> bool:
@@ -70,7 +90,7 @@ class CaseCheck:
 
     def to_dict(self) -> dict:
         out = {"case_dir": self.case_dir, "case": self.name, "ok": self.ok, "error": self.error,
-               "not_run": self.not_run}
+               "not_run": self.not_run, "image_case": self.image_case}
         if self.verdict is not None:
             out.update(self.verdict.to_dict())
         return out
@@ -89,19 +109,80 @@ def _battery_prefills(case: GoldenCase, engine: GoldenEngine, replay: bool) -> d
     return {k: np.stack([o[k] for o in outs]) for k in PREFILL_KEYS}
 
 
-def image_case_check(case: GoldenCase) -> CaseCheck:
-    """Image cases are out of scope for now: tier UNSUPPORTED (image case), counted as a failure."""
-    return CaseCheck(case_dir=str(case.path), name=case.name, verdict=image_case_verdict())
+IMAGE_PREFILL_KEYS = ("logits", "handoff_streams", "handoff_pre_mix", "moe_expert_ids")
+_IMAGE_ARRAYS = ("full.input_embeds", "full.engram_hash_ids", "image0.pixels")
+_IMAGE_ARRAYS_PER_IMAGE = ("pixels", "grid", "span", "vit_out", "aligner_out")
+
+
+def _check_image_case(case: GoldenCase) -> None:
+    """Every array an image case's check reads is present and consistent; GoldenCaseError otherwise."""
+    g, a = case.golden, case.args
+    needed = list(_IMAGE_ARRAYS)
+    for prefix in ("full.", "full_lowtie."):
+        needed += [prefix + n for n in IMAGE_PREFILL_KEYS]
+    needed += [f"full.index_topk_L{i}" for i in case.index_source_layers]
+    k = 0
+    while f"image{k}.pixels" in g:
+        needed += [f"image{k}.{n}" for n in _IMAGE_ARRAYS_PER_IMAGE]
+        k += 1
+    missing = [n for n in needed if n not in g]
+    if missing:
+        raise GoldenCaseError(f"golden.safetensors incomplete (image case): missing {', '.join(missing)}")
+    if not a.vision_enabled:
+        raise GoldenCaseError("image case, but config.json has no vision tower (vision_n_layers = 0)")
+    types = g["full.token_types"]
+    S = len(g["full.input_ids"])
+    if types.shape != (S,):
+        raise GoldenCaseError(f"full.token_types: shape {types.shape}, expected ({S},)")
+    n_image_rows = sum(len(im["aligner_out"]) for im in case_images(case))
+    if int((types == IMAGE).sum()) != n_image_rows:
+        raise GoldenCaseError(f"{int((types == IMAGE).sum())} IMAGE positions, {n_image_rows} aligner rows stored")
+
+
+def image_case_check(case: GoldenCase, engine: GoldenEngine) -> CaseCheck:
+    """Run the engine on an image case (vision tower from the stored pixels, replay and own-selection prefills)
+    and apply the image rules."""
+    _check_image_case(case)
+    check = CaseCheck(case_dir=str(case.path), name=case.name, image_case=True)
+    g = case.golden
+
+    def attempt(step: str, run: Callable[[], object]):
+        try:
+            return run()
+        except NotImplementedError as e:
+            check.not_run.append(f"{step}: {e}" if str(e) else step)
+            return None
+
+    def encode_all() -> list[dict[str, np.ndarray]]:
+        out = []
+        for im in case_images(case):
+            n_vit_h, n_vit_w = im["grid"][:2]
+            rows = engine.encode_image(im["pixels"], n_vit_h, n_vit_w)
+            out.append({k: np.asarray(rows[k], np.float32) for k in ("vit_out", "aligner_out")})
+        return out
+
+    vision = attempt("vision", encode_all)
+
+    def prefill(selections: dict | None) -> dict[str, np.ndarray]:
+        if vision is None:
+            raise NotImplementedError("no image rows without the vision tower")
+        image_rows = np.concatenate([v["aligner_out"] for v in vision])
+        return dict(engine.prefill_image(g["full.input_ids"], g["full.token_types"], image_rows, selections))
+
+    replay = attempt("replay", lambda: prefill(replay_selections(case, "full.")))
+    own = attempt("own selection", lambda: prefill(None))
+    check.verdict = judge_image_case(case, replay, own, vision)
+    return check
 
 
 def check_case(case: GoldenCase | str | os.PathLike, engine: GoldenEngine) -> CaseCheck:
     """Run the engine on one case (path or loaded GoldenCase) and apply the rules. An engine step raising
-    NotImplementedError is recorded in not_run and its rules count as missing (FAIL). An image case is
-    UNSUPPORTED without running the engine. Raises GoldenCaseError for an unreadable case."""
+    NotImplementedError is recorded in not_run and its rules count as missing (FAIL). An image case gets the
+    image rules (image_case_check). Raises GoldenCaseError for an unreadable or incomplete case."""
     if not isinstance(case, GoldenCase):
         case = load_case(case)
     if case.is_image_case:
-        return image_case_check(case)
+        return image_case_check(case, engine)
     check = CaseCheck(case_dir=str(case.path), name=case.name)
     g = case.golden
 
@@ -155,10 +236,10 @@ def report_lines(check: CaseCheck) -> list[str]:
     if check.error is not None:
         return [f"{head}  ERROR  {check.error}"]
     verdict = check.verdict
-    if verdict.tier == UNSUPPORTED_IMAGE:
-        return [f"{head}  tier {verdict.tier}"]
     r = verdict.rules
     lines = [f"{head}  not run: {step}" for step in check.not_run]
+    if check.image_case:
+        return lines + _image_lines(head, r) + [_tier_line(head, verdict)]
     for mode, full, bat in (("replay", "full.", "battery."), ("own_selection", "full_lowtie.", "battery_lowtie.")):
         lines += [
             f"{head}  {_logits_line(f'{mode} {full}logits', r.get(f'{mode}.b_envelope'))}",
@@ -171,12 +252,58 @@ def report_lines(check: CaseCheck) -> list[str]:
         logits_max = r["faithful(info)"].numbers["logits_max_abs"]
         lines.append(f"{head}  replay logits max |Δ| vs full.logits {logits_max:.3g} "
                      f"(FAITHFUL needs <= {FAITHFUL_LOGITS_ABS:g} and a bit-identical hand-off)")
+    lines.append(_tier_line(head, verdict))
+    return lines
+
+
+def _tier_line(head: str, verdict: CaseVerdict) -> str:
     tier = f"{head}  tier {verdict.tier}"
     if verdict.failed:
         tier += "  failed: " + ", ".join(verdict.failed)
     if verdict.missing:
         tier += "  missing: " + ", ".join(verdict.missing)
-    lines.append(tier)
+    return tier
+
+
+def _image_lines(head: str, r: dict[str, RuleResult]) -> list[str]:
+    """The image-case quantities: (b), (c) per mode, (e) vision, (e') merged input rows, (f) image routing,
+    (g) Engram hash ids, the image rows' replay envelope (reported) and the FAITHFUL distance."""
+    lines = []
+    for mode, full in (("replay", "full."), ("own_selection", "full_lowtie.")):
+        lines += [f"{head}  {_logits_line(f'{mode} {full}logits', r.get(f'{mode}.b_envelope'))}",
+                  f"{head}  {_handoff_line(f'{mode} {full}hand-off', r.get(f'{mode}.c_handoff'))}"]
+    rule = r.get("vision.e_vit_aligner")
+    text = "not run" if rule is None else (
+        f"max |Δ|/row RMS {rule.numbers['max_rel_rms']:.3g}  bit-identical rows "
+        f"{rule.numbers['rows_bit_identical']}/{rule.numbers['rows']}")
+    lines.append(f"{head}  {'vision ViT + aligner rows':<40} {text} {_verdict_mark(rule)}")
+    rule = r.get("replay.e_input_embeds")
+    text = "not run" if rule is None else (
+        f"text/delimiter rows differing {rule.numbers['non_image_rows_differing']}  IMAGE rows max |Δ|/RMS "
+        f"{rule.numbers['image_rows_max_rel_rms']:.3g}  bit-identical {rule.numbers['bit_identical']}")
+    lines.append(f"{head}  {'replay merged input rows':<40} {text} {_verdict_mark(rule)}")
+    rule = r.get("own_selection.f_image_routing")
+    text = "not run" if rule is None else (
+        f"image-row picks equal {rule.numbers['share']:.1%} of (layer, row)  text rows "
+        f"{rule.numbers['text_rows_share(info)']:.1%} (info)")
+    lines.append(f"{head}  {'own_selection image-row routing':<40} {text} {_verdict_mark(rule)}")
+    rule = r.get("replay.g_engram_hash")
+    text = "not run" if rule is None else (
+        f"text positions differing {rule.numbers.get('text_positions_differing', 'shape mismatch')}  image "
+        f"positions differing {rule.numbers.get('image_positions_differing(info)', '-')} (info)")
+    lines.append(f"{head}  {'replay Engram hash ids':<40} {text} {_verdict_mark(rule)}")
+    info = r.get("replay.image_rows_envelope(info)")
+    if info is not None:
+        lines.append(f"{head}  {'replay image rows of full.logits (info)':<40} max |Δ| {info.numbers['max_abs']:.3g}  "
+                     f"mean |Δ| {info.numbers['mean_abs']:.3g}  bit-identical rows "
+                     f"{info.numbers['bit_identical_rows']}/{info.numbers['rows']}")
+    if "faithful(info)" in r:
+        f = r["faithful(info)"].numbers
+        lines.append(f"{head}  replay logits max |Δ| vs full.logits {f['logits_max_abs']:.3g}, hand-off streams "
+                     f"bit-identical {f['handoff_streams_bit_identical']}, "
+                     f"pre-mix {f['handoff_pre_mix_bit_identical']} "
+                     f"(FAITHFUL needs <= {FAITHFUL_LOGITS_ABS:g}, both, and bit-identical ViT, aligner and merged "
+                     "input rows)")
     return lines
 
 
@@ -196,7 +323,7 @@ def check_golden(case_dirs: Sequence[str | os.PathLike], json_out: str | os.Path
     for case_dir in case_dirs:
         try:
             case = load_case(case_dir)
-            check = image_case_check(case) if case.is_image_case else check_case(case, make_engine(case.path))
+            check = check_case(case, make_engine(case.path))
         except GoldenCaseError as e:
             check = CaseCheck(case_dir=str(case_dir), name=str(case_dir), error=f"unreadable case: {e}")
         except Exception as e:  # one broken engine run must not hide the other cases' results

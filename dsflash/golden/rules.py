@@ -16,10 +16,20 @@ scores; compared with `full_lowtie.*` / `battery_lowtie.*`).
 The own-selection bounds of (b) and (c) are the README's calibration change: a harmless engine decides some
 near-ties differently there, and every later row then moves as much as under another tie rule.
 
-Tier: FAITHFUL, PASS, or FAIL (any required rule failed or its input missing). Image cases (recognised by
-`full.token_types`) are out of scope for now: they get the tier UNSUPPORTED_IMAGE, which counts as a failure.
+Tier: FAITHFUL, PASS, or FAIL (any required rule failed or its input missing).
+
+Image cases (recognised by `full.token_types`; README "Image cases" -> "Rules for image cases") have no
+battery and no drafter: (b) and (c) in both modes with the mode's bounds, and
+- (e) vision: every ViT and aligner row within VISION_REL_RMS x the RMS of the reference row;
+- (e') merged input rows: text and delimiter rows bit-identical to `full.input_embeds`, IMAGE rows within (e);
+- (f) own-selection router picks (as sets) on the image rows equal to `full_lowtie.moe_expert_ids` on at least
+  IMAGE_ROUTE_MIN_SHARE of the (layer, image row) pairs (only this rule sees a `bias_vl` error);
+- (g) Engram hash ids identical to `full.engram_hash_ids` on every text position;
+- FAITHFUL: the text FAITHFUL condition, and ViT, aligner and merged input rows bit-identical.
+
 Rule names and number keys are those of the reference checker `load_case.check_engine`, so results compare
-one to one.
+one to one (its nested per-image and per-layer lists appear here flattened: `image0.vit_out.max_rel_rms`,
+`per_layer_image_rows_agree.3`).
 """
 
 from __future__ import annotations
@@ -46,21 +56,28 @@ OWN_HANDOFF_REL_RMS = 2.0  # (c) own-selection mode
 OWN_PREMIX_ABS = 0.2  # (c) own-selection mode
 FAITHFUL_LOGITS_ABS = 1e-5  # FAITHFUL: logits (head summation order); hand-off and pre-mix bit-identical
 REPORT_TOL = 0.02  # reported only: share of rows within this
+VISION_REL_RMS = 0.06  # (e), (e'): ViT / aligner / merged IMAGE rows, max |Δ| <= this x RMS of the reference row
+IMAGE_ROUTE_MIN_SHARE = 0.75  # (f) share of (layer, image row) pairs whose own-selection picks equal full_lowtie's
 
 FAITHFUL = "FAITHFUL"
 PASS = "PASS"
 FAIL = "FAIL"
-UNSUPPORTED_IMAGE = "UNSUPPORTED (image case)"
 
 REQUIRED = (
     "replay.a_clean_rows", "replay.b_envelope", "replay.c_handoff", "replay.c_handoff_battery",
     "own_selection.a_clean_rows", "own_selection.b_envelope", "own_selection.c_handoff",
     "own_selection.c_handoff_battery", "drafter.d_envelope",
 )
+REQUIRED_IMAGE = (
+    "replay.b_envelope", "replay.c_handoff", "own_selection.b_envelope", "own_selection.c_handoff",
+    "vision.e_vit_aligner", "replay.e_input_embeds", "own_selection.f_image_routing", "replay.g_engram_hash",
+)
+TEXT = -1  # full.token_types of a text position; span positions are >= 0
+IMAGE = 1  # full.token_types of an IMAGE slot (0, 2, 3: start, new line, end delimiters)
 
 # engine prefill output: "logits" [..., V], "handoff_streams" [..., hc, D], "handoff_pre_mix" [..., hc]
 PrefillArrays = Mapping[str, np.ndarray]
-Number = float | int | bool | None
+Number = float | int | bool | str | None
 
 
 @dataclass(frozen=True)
@@ -233,10 +250,10 @@ def judge_case(case: GoldenCase, replay: PrefillArrays | None, own: PrefillArray
     replay / own: the engine's one-shot prefill of full.input_ids ([S, V], [S, hc, D], [S, hc]), selections forced
     to full.* (replay) or its own lowest-index selection (own). battery / battery_own: the same keys with a
     leading sequence dimension, each battery sequence prefilled alone. draft_logits: [rounds, B, V] of the drafter
-    fed the stored hand-off. An input given as None makes its rules missing, hence FAIL. An image case gets
-    UNSUPPORTED_IMAGE without looking at the inputs."""
+    fed the stored hand-off. An input given as None makes its rules missing, hence FAIL. Image cases are judged by
+    judge_image_case."""
     if case.is_image_case:
-        return image_case_verdict()
+        raise ValueError(f"{case.name} is an image case: judge it with judge_image_case")
     g = case.golden
     rules: dict[str, RuleResult] = {}
     modes = (
@@ -268,6 +285,142 @@ def judge_case(case: GoldenCase, replay: PrefillArrays | None, own: PrefillArray
     return CaseVerdict(tier=tier, failed=failed, missing=missing, rules=rules)
 
 
-def image_case_verdict() -> CaseVerdict:
-    """Image cases are not checked yet; their tier is UNSUPPORTED_IMAGE and counts as a failure."""
-    return CaseVerdict(tier=UNSUPPORTED_IMAGE, failed=[], missing=[], rules={})
+def case_images(case: GoldenCase) -> list[dict]:
+    """Per image k of an image case (span order): start, length, grid (n_vit_h, n_vit_w, n_llm_h, n_llm_w),
+    pixels (the ViT input, float32 [n_patch, 3, p, p]), vit_out and aligner_out (the reference's rows)."""
+    g, out = case.golden, []
+    while f"image{len(out)}.pixels" in g:
+        k = len(out)
+        start, length = (int(v) for v in g[f"image{k}.span"])
+        out.append({"start": start, "length": length, "grid": tuple(int(v) for v in g[f"image{k}.grid"]),
+                    "pixels": g[f"image{k}.pixels"], "vit_out": g[f"image{k}.vit_out"],
+                    "aligner_out": g[f"image{k}.aligner_out"]})
+    return out
+
+
+def _row_rel_rms(test: np.ndarray, ref: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of [..., width]: (max |Δ| / RMS of the reference row, max |Δ|)."""
+    a, b = np.asarray(test, np.float64), np.asarray(ref, np.float64)
+    _same_shape(a, b, what)
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    d = np.abs(a - b).max(-1)
+    return d / np.sqrt((b**2).mean(-1)), d
+
+
+def vision_rule(test_vision: list[Mapping[str, np.ndarray]], case: GoldenCase) -> RuleResult:
+    """(e) one dict per image (span order) with 'vit_out' [n_patch, vision_dim] and 'aligner_out' [n_tok, dim] from
+    the stored pixels: every row's max |Δ| <= VISION_REL_RMS x the RMS of the reference row."""
+    imgs = case_images(case)
+    if len(test_vision) != len(imgs):
+        raise ValueError(f"vision: {len(test_vision)} engine images, the case has {len(imgs)}")
+    numbers: dict[str, Number] = {}
+    worst, rows, bit_rows = 0.0, 0, 0
+    for k, (mine, ref) in enumerate(zip(test_vision, imgs, strict=True)):
+        for key in ("vit_out", "aligner_out"):
+            rel, d = _row_rel_rms(mine[key], ref[key], f"image{k}.{key}")
+            same = int((d == 0).sum())
+            numbers.update({f"image{k}.{key}.max_rel_rms": float(rel.max()), f"image{k}.{key}.max_abs": float(d.max()),
+                            f"image{k}.{key}.rows": int(len(d)), f"image{k}.{key}.rows_bit_identical": same,
+                            f"image{k}.{key}.worst_row": int(rel.argmax())})
+            worst, rows, bit_rows = max(worst, float(rel.max())), rows + len(d), bit_rows + same
+    numbers.update({"max_rel_rms": worst, "rows": rows, "rows_bit_identical": bit_rows,
+                    "bit_identical": bool(bit_rows == rows)})
+    return RuleResult(passed=bool(worst <= VISION_REL_RMS), numbers=numbers, bounds={"max_rel_rms": VISION_REL_RMS})
+
+
+def input_embeds_rule(test_embeds: np.ndarray, case: GoldenCase) -> RuleResult:
+    """(e') the engine's LM input rows [S, dim] after the image merge: text and delimiter rows bit-identical to
+    full.input_embeds (table rows), IMAGE rows within the (e) bound (they are the engine's aligner rows)."""
+    g = case.golden
+    types = g["full.token_types"]
+    a, b = np.asarray(test_embeds, np.float32), g["full.input_embeds"]
+    _same_shape(a, b, "input_embeds")
+    exact = types != IMAGE
+    differing = np.nonzero((a[exact] != b[exact]).any(-1))[0]
+    rel, d = _row_rel_rms(a[~exact], b[~exact], "input_embeds")
+    worst = float(rel.max()) if len(rel) else 0.0
+    numbers: dict[str, Number] = {
+        "non_image_rows_differing": int(len(differing)),
+        "first_differing_position": int(np.nonzero(exact)[0][differing[0]]) if len(differing) else None,
+        "image_rows_max_rel_rms": worst,
+        "bit_identical": bool(len(differing) == 0 and (d == 0).all()),
+    }
+    return RuleResult(passed=bool(len(differing) == 0 and worst <= VISION_REL_RMS), numbers=numbers,
+                      bounds={"image_rows_max_rel_rms": VISION_REL_RMS})
+
+
+def image_routing_rule(test_ids: np.ndarray, case: GoldenCase) -> RuleResult:
+    """(f) own-selection router picks [L, S, k] compared as sets with full_lowtie.moe_expert_ids on the image rows
+    (token_types >= 0, which pick with scores + gate.bias_vl)."""
+    g = case.golden
+    img = g["full.token_types"] != TEXT
+    a, b = np.sort(np.asarray(test_ids), -1), np.sort(g["full_lowtie.moe_expert_ids"], -1)
+    _same_shape(a, b, "moe_expert_ids")
+    same = (a == b).all(-1)  # [L, S]
+    share = float(same[:, img].mean())
+    numbers: dict[str, Number] = {"share": share, "image_rows": int(img.sum()),
+                                  "text_rows_share(info)": float(same[:, ~img].mean())}
+    for layer, agree in enumerate(same[:, img].sum(-1)):
+        numbers[f"per_layer_image_rows_agree.{layer}"] = int(agree)
+    return RuleResult(passed=bool(share >= IMAGE_ROUTE_MIN_SHARE), numbers=numbers,
+                      bounds={"share": IMAGE_ROUTE_MIN_SHARE})
+
+
+def engram_hash_rule(test_hash: np.ndarray, case: GoldenCase) -> RuleResult:
+    """(g) Engram table row ids [S, n_engram, cols] equal full.engram_hash_ids on every text position; image positions
+    are reported only (their gate is zeroed, so an engine may hash them any way)."""
+    g = case.golden
+    ref, text = g["full.engram_hash_ids"], g["full.token_types"] == TEXT
+    t = np.asarray(test_hash)
+    if t.shape != ref.shape:
+        return RuleResult(passed=False, numbers={"equal": False, "shape": str(list(t.shape)),
+                                                 "expected_shape": str(list(ref.shape))})
+    diff = (t != ref).reshape(len(ref), -1).any(-1)
+    rows = np.nonzero(diff & text)[0]
+    return RuleResult(passed=not len(rows), numbers={
+        "equal": not len(rows), "text_positions_differing": int(len(rows)),
+        "first_position": int(rows[0]) if len(rows) else None,
+        "image_positions_differing(info)": int((diff & ~text).sum())})
+
+
+def judge_image_case(case: GoldenCase, replay: PrefillArrays | None, own: PrefillArrays | None,
+                     vision: list[Mapping[str, np.ndarray]] | None) -> CaseVerdict:
+    """Apply the image-case rules and give the tier.
+
+    replay: the engine's one-shot prefill of full.input_ids / full.token_types (stored pixels, selections forced to
+    full.*): 'logits', 'handoff_streams', 'handoff_pre_mix', 'input_embeds' [S, dim], 'engram_hash_ids'. own: the
+    same prefill with its own lowest-index selections: 'logits', 'handoff_streams', 'handoff_pre_mix',
+    'moe_expert_ids' [L, S, k]. vision: per image 'vit_out' and 'aligner_out'. Missing inputs make their rules
+    missing, hence FAIL."""
+    g = case.golden
+    rules: dict[str, RuleResult] = {}
+    if replay is not None:
+        rules["replay.b_envelope"] = envelope_rule(replay["logits"], g["full.logits"], REPLAY_ENVELOPE)
+        rules["replay.c_handoff"] = handoff_rule(replay, g["full.handoff_streams"], g["full.handoff_pre_mix"],
+                                                 REPLAY_HANDOFF)
+        if "input_embeds" in replay:
+            rules["replay.e_input_embeds"] = input_embeds_rule(replay["input_embeds"], case)
+        if "engram_hash_ids" in replay:
+            rules["replay.g_engram_hash"] = engram_hash_rule(replay["engram_hash_ids"], case)
+        img = g["full.token_types"] != TEXT
+        info = envelope_rule(np.asarray(replay["logits"])[img], g["full.logits"][img], REPLAY_ENVELOPE)
+        rules["replay.image_rows_envelope(info)"] = RuleResult(passed=None, numbers=info.numbers, bounds=info.bounds)
+        rules["faithful(info)"] = faithful_rule(replay, g)
+    if own is not None:
+        rules["own_selection.b_envelope"] = envelope_rule(own["logits"], g["full_lowtie.logits"], OWN_ENVELOPE)
+        rules["own_selection.c_handoff"] = handoff_rule(own, g["full_lowtie.handoff_streams"],
+                                                        g["full_lowtie.handoff_pre_mix"], OWN_HANDOFF)
+        if "moe_expert_ids" in own:
+            rules["own_selection.f_image_routing"] = image_routing_rule(own["moe_expert_ids"], case)
+    if vision is not None:
+        rules["vision.e_vit_aligner"] = vision_rule(vision, case)
+    missing = [r for r in REQUIRED_IMAGE if r not in rules]
+    failed = [r for r in REQUIRED_IMAGE if r in rules and not rules[r].passed]
+    if missing or failed:
+        tier = FAIL
+    elif (rules["faithful(info)"].numbers["faithful"] and rules["vision.e_vit_aligner"].numbers["bit_identical"]
+          and rules["replay.e_input_embeds"].numbers["bit_identical"]):
+        tier = FAITHFUL
+    else:
+        tier = PASS
+    return CaseVerdict(tier=tier, failed=failed, missing=missing, rules=rules)

@@ -24,6 +24,7 @@ from dsflash.model.dspark import DSpark
 from dsflash.model.engram import Engram, EngramLayout
 from dsflash.model.mhc import Block, collapse
 from dsflash.model.rope import Rope
+from dsflash.model.vision import Vision
 from dsflash.model.weights import WeightLoader
 
 
@@ -49,6 +50,8 @@ class Transformer:
         w = WeightLoader(ckpt, self.k)
         self.ropes = (Rope(args, compressed=False), Rope(args, compressed=True))
         self.embed = w.tensor("embed.weight")
+        # the side that embeds tokens (the box in a split) owns the vision tower and the span delimiters
+        self.vision = Vision(args, w) if args.vision_n_layers > 0 and self.layers.start == 0 else None
         self.blocks = {}
         self.engram = {}
         for i in self.layers:
@@ -77,11 +80,22 @@ class Transformer:
     def forward(self, state: SequenceState, ids: torch.Tensor | None = None, *,
                 streams: torch.Tensor | None = None, pre_mix: torch.Tensor | None = None,
                 select: Selections | None = None, image_mask: torch.Tensor | None = None,
-                trace: dict | None = None, tail_only: bool = False) -> ForwardOutput:
+                trace: dict | None = None, tail_only: bool = False, token_types: torch.Tensor | None = None,
+                image_rows: torch.Tensor | None = None) -> ForwardOutput:
         """Run the chunk's rows at positions state.pos .. state.pos+n-1 through this model's layers.
 
         The first layer-range (starting at 0) takes token `ids`; a later range takes the incoming
         `streams`/`pre_mix` of those rows instead. Rows are padded to a multiple of the backend's row tile.
+
+        Images: token_types (int64 [n]; -1 text, 0 IMAGE_START, 1 IMAGE, 2 IMAGE_NEW_LINE, 3 IMAGE_END) marks
+        the image-span rows. On the first range their input rows are replaced (delimiters by the learned
+        vectors, IMAGE rows by `image_rows`, [number of IMAGE rows in the chunk, dim] aligner rows in reading
+        order, see model/vision.py). Span rows (type >= 0) are the image mask: they route with gate.bias_vl
+        and are Engram's dead positions. `image_mask` alone (a later range) gives the routing mask only.
+        Padding rows are text rows.
+
+        trace (a dict, debugging and golden checks): also gets "input_embeds" (the merged input rows) and
+        "engram_hash_ids" (the Engram table rows per position) on the first range.
 
         tail_only (encoder-only prefill of the decoder): compute each layer only for the rows the final
         state needs, a triangle ending at the last row. The last layer needs its input on the last
@@ -93,17 +107,39 @@ class Transformer:
         n = ids.numel() if ids is not None else streams.size(0)
         rows = n + (-n % self.k.row_tile)
         positions = torch.arange(state.pos, state.pos + rows, device=self.device)
+        if token_types is not None:
+            if token_types.numel() != n:
+                raise ValueError(f"token_types has {token_types.numel()} entries for {n} rows")
+            types_mask = token_types.to(self.device) >= 0
+            if image_mask is not None and not torch.equal(image_mask.to(self.device), types_mask):
+                raise ValueError("image_mask disagrees with token_types")
+            image_mask = types_mask
+        elif image_rows is not None:
+            raise ValueError("image_rows need token_types")
         mask = None
         if image_mask is not None:
             mask = torch.cat([image_mask, image_mask.new_zeros(rows - n)])
         chunk = Chunk(state, positions, n, select, mask, trace=trace, row_tile=self.k.row_tile)
         if self.layers.start == 0:
             ids = torch.cat([ids, ids[-1:].expand(rows - n)])
-            h = F.embedding(ids, self.embed).unsqueeze(1).repeat(1, a.hc_mult, 1)
+            x = F.embedding(ids, self.embed)
+            if token_types is not None and bool(mask.any()):
+                if self.vision is None:
+                    raise ValueError("image spans in the input, but the model has no vision tower")
+                x = torch.cat([self.vision.merge(x[:n], token_types.to(self.device), image_rows), x[n:]])
+            elif image_rows is not None and image_rows.size(0):
+                raise ValueError(f"{image_rows.size(0)} image rows given, but the chunk has no IMAGE positions")
+            h = x.unsqueeze(1).repeat(1, a.hc_mult, 1)
             pre = torch.zeros(rows, a.hc_mult, device=self.device)
             pre[:, 0] = 1.0
             hashes = self.engram_layout.hash_ids(chunk, ids, a.engram_max_ngram_size) if self.engram else None
+            if trace is not None:
+                trace["input_embeds"] = x[:n]
+                if hashes is not None:
+                    trace["engram_hash_ids"] = hashes[:n]
         else:
+            if image_rows is not None:
+                raise ValueError("image rows go to the first layer range (the one that embeds tokens)")
             h = torch.cat([streams, streams[-1:].expand(rows - n, -1, -1)])
             pre = torch.cat([pre_mix, pre_mix[-1:].expand(rows - n, -1)])
         taps, handoff = [], None
