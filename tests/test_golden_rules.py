@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from dsflash import cli
 from dsflash.golden.case import GoldenCase, GoldenCaseError, load_case, replay_selections
 from dsflash.golden.check import check_case, check_golden
-from dsflash.golden.rules import FAIL, FAITHFUL, PASS, UNSUPPORTED_IMAGE, CaseVerdict, judge_case
+from dsflash.golden.rules import FAIL, FAITHFUL, PASS, CaseVerdict, judge_case
 
 SHARED_GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 if not (SHARED_GOLDEN / "load_case.py").is_file():
@@ -191,7 +191,8 @@ def copy_case(tmp_path: Path, name: str, skip: tuple[str, ...] = ()) -> Path:
 
 
 def image_case(tmp_path: Path) -> Path:
-    """A minimal case in the image format: recognised by full.token_types, never run."""
+    """A case in the image format without its image arrays: recognised by full.token_types, refused as incomplete
+    (complete image cases: tests/test_golden_vision.py)."""
     dst = copy_case(tmp_path, "image_case", skip=("golden.safetensors",))
     ids = np.arange(3, 13, dtype=np.int64)
     types = np.array([-1, -1, 0, 1, 2, 3, -1, -1, -1, -1], np.int64)
@@ -225,9 +226,9 @@ class NeverCalledEngine:
         raise AssertionError("an image case must not run the engine")
 
 
-def test_image_case_is_unsupported(tmp_path):
-    result = check_case(image_case(tmp_path), NeverCalledEngine())
-    assert result.verdict.tier == UNSUPPORTED_IMAGE and not result.ok
+def test_incomplete_image_case_is_unreadable(tmp_path):
+    with pytest.raises(GoldenCaseError, match=r"incomplete \(image case\): missing full.input_embeds"):
+        check_case(image_case(tmp_path), NeverCalledEngine())
 
 
 def test_check_golden_reports_every_case(tmp_path, capsys):
@@ -244,13 +245,12 @@ def test_check_golden_reports_every_case(tmp_path, capsys):
     status = check_golden([unreadable, good, image_case(tmp_path)], out, make_engine=stored_engine)
     assert status == 1
     report = json.loads(out.read_text())
-    assert [c["tier"] if c["error"] is None else "error" for c in report["cases"]] == ["error", FAITHFUL,
-                                                                                      UNSUPPORTED_IMAGE]
+    assert [c["tier"] if c["error"] is None else "error" for c in report["cases"]] == ["error", FAITHFUL, "error"]
     assert report["cases"][1]["rules"]["replay.b_envelope"]["max_abs"] == 0.0
     printed = capsys.readouterr().out
     assert "missing golden.safetensors" in printed
     assert "tinyA_s0_T40  tier FAITHFUL" in printed
-    assert f"tier {UNSUPPORTED_IMAGE}" in printed
+    assert "incomplete (image case)" in printed
 
 
 def test_cli_subcommand_unreadable_case(tmp_path, capsys):

@@ -314,3 +314,18 @@ def test_hc_split_sinkhorn_batch_invariant():
         part = kc.hc_split_sinkhorn(mixes[rows], scale, base, 4, 20, 1e-6)
         for a, b in zip(part, full, strict=True):
             assert torch.equal(a, b[rows]), f"M={m}"
+
+
+@pytest.mark.parametrize("m", [1, 5, 37])
+def test_grouped_linear_equals_per_group_calls_and_cpu(m):
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 8, 4096, generator=g).to(torch.bfloat16)
+    w = (torch.randn(8, 1024, 4096, generator=g) * 4096 ** -0.5).to(torch.bfloat16)
+    got = kc.grouped_linear(x.to(DEV), w.to(DEV))
+    for gi in (0, 3, 7):
+        one = kc.linear(x[:, gi].contiguous().to(DEV), kc.to_cuda_weight(cpu.Weight("bf16", w[gi]), DEV))
+        assert torch.equal(got[:, gi], one)
+    rel = ((got.float().cpu() - cpu.grouped_linear(x, w).float()).norm() / cpu.grouped_linear(x, w).float().norm())
+    assert rel < 1e-3
+    # a row's bits do not depend on the other rows
+    assert torch.equal(kc.grouped_linear(x[:1].to(DEV), w.to(DEV)), got[:1])

@@ -114,7 +114,7 @@ _IMAGE_ARRAYS = ("full.input_embeds", "full.engram_hash_ids", "image0.pixels")
 _IMAGE_ARRAYS_PER_IMAGE = ("pixels", "grid", "span", "vit_out", "aligner_out")
 
 
-def _check_image_case(case: GoldenCase) -> None:
+def check_image_arrays(case: GoldenCase) -> None:
     """Every array an image case's check reads is present and consistent; GoldenCaseError otherwise."""
     g, a = case.golden, case.args
     needed = list(_IMAGE_ARRAYS)
@@ -142,7 +142,7 @@ def _check_image_case(case: GoldenCase) -> None:
 def image_case_check(case: GoldenCase, engine: GoldenEngine) -> CaseCheck:
     """Run the engine on an image case (vision tower from the stored pixels, replay and own-selection prefills)
     and apply the image rules."""
-    _check_image_case(case)
+    check_image_arrays(case)
     check = CaseCheck(case_dir=str(case.path), name=case.name, image_case=True)
     g = case.golden
 
@@ -323,6 +323,8 @@ def check_golden(case_dirs: Sequence[str | os.PathLike], json_out: str | os.Path
     for case_dir in case_dirs:
         try:
             case = load_case(case_dir)
+            if case.is_image_case:
+                check_image_arrays(case)  # before building the engine
             check = check_case(case, make_engine(case.path))
         except GoldenCaseError as e:
             check = CaseCheck(case_dir=str(case_dir), name=str(case_dir), error=f"unreadable case: {e}")

@@ -56,11 +56,6 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
                        cpu.stream_mean, _reference_weight(device))
     from dsflash.kernels import cuda
 
-    def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # one batch-invariant GEMM per output group (cuBLAS batched GEMMs are not row-invariant)
-        return torch.stack([cuda.linear(x[:, g].contiguous(), cuda.to_cuda_weight(cpu.Weight("bf16", w[g]), device))
-                            for g in range(w.size(0))], dim=1)
-
     def cuda_weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
         if kind in ("fp8", "fp4"):
             return cuda.weight_from_codes(kind, stored, scale, device)
@@ -77,5 +72,5 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     def mean_square(x: torch.Tensor) -> torch.Tensor:
         return (cuda.row_sum(x, square=True) / x.size(-1)).unsqueeze(-1)
 
-    return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, grouped_linear,
+    return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, cuda.grouped_linear,
                    index_scores, mean_square, cuda.row_sum, cuda.small_sum, stream_mean, cuda_weight)

@@ -382,8 +382,15 @@ def fp4_to_fp8(values: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["M"])
 def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       group_x, group_w, group_y,
                        PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        GROUP_M: tl.constexpr):
+    # program_id(1) picks one of several independent GEMMs laid side by side (grouped `wo_a`); each is
+    # computed exactly as a single call with the same config would
+    g = tl.program_id(1).to(tl.int64)
+    x_ptr += g * group_x
+    w_ptr += g * group_w
+    y_ptr += g * group_y
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -497,7 +504,7 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
     if m == 0:
         return y
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN),)
-    _plain_gemm_kernel[grid](x, w.values, y, m, n, k, x.stride(0), w.values.stride(0), y.stride(0),
+    _plain_gemm_kernel[grid](x, w.values, y, m, n, k, x.stride(0), w.values.stride(0), y.stride(0), 0, 0, 0,
                              PREC=fp32_precision if dtype == torch.float32 else "tf32", BM=cfg.BM, BN=cfg.BN,
                              BK=cfg.BK, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
@@ -668,3 +675,21 @@ def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     for p in parts[1:]:
         acc = acc + p
     return acc.to(x.dtype)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The grouped output projection: x [M, G, D] bf16, w [G, R, D] bf16 -> [M, G, R] bf16, one launch;
+    group g's bits equal `linear(x[:, g], Weight("bf16", w[g]))`."""
+    m, groups, d = x.shape
+    r = w.size(1)
+    x = x.to(torch.bfloat16).contiguous()
+    w = w.to(torch.bfloat16).contiguous()
+    y = torch.empty((m, groups, r), dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return y
+    cfg = linear_config("bf16", r, d)
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(r, cfg.BN), groups)
+    _plain_gemm_kernel[grid](x, w, y, m, r, d, x.stride(0), w.stride(1), y.stride(0), d, r * d, r,
+                             PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
