@@ -182,6 +182,8 @@ class Session:
                 progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Append a prompt: the encoder half in chunks, then the decoder over the tail triangle only.
         Returns the last row's logits [V]."""
+        if not ids:
+            raise ValueError("prefill needs at least one token")
         self._check_ids(ids)
         hands, done = [], 0
         for hand in self.encoder.append(ids, self.pos, chunk, self.tail_rows()):
