@@ -197,3 +197,21 @@ def test_two_concurrent_requests_match_running_alone(local, box):
     for t in threads:
         t.join()
     assert results == alone
+
+
+@pytest.mark.slow
+def test_box_killed_mid_prefill_and_restarted_gives_the_same_state(local, box):
+    ids = prompt(1500, seed=8)
+    split = Engine.load(CASE, box=f"127.0.0.1:{box.port}", box_deadline=60, max_context=4096)
+    s = split.session()
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(logits=s.prefill(ids, chunk=16)))
+    worker.start()
+    time.sleep(1.5)  # well inside the ~94 chunks of the prefill
+    box.kill()
+    box.start()
+    worker.join(120)
+    ref = Engine(local.decoder, local.encoder, 4096, local.identity, local.open_encoder).session()
+    assert torch.equal(result["logits"], ref.prefill(ids, chunk=16))
+    assert torch.equal(s.step(s.pos, [5, 6]), ref.step(ref.pos, [5, 6]))
+    assert split.link.reconnects >= 1
