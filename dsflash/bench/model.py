@@ -187,6 +187,56 @@ def profile_step(engine: Engine, context: int, rows: int) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=25)
 
 
+def bench_link(model: str, device: str, prompt_len: int, steps: int) -> dict:
+    """Bytes and step latency through a real `dsflash box` process on loopback, against one process."""
+    import socket as socketlib
+
+    from dsflash.split import link as link_mod
+
+    counted = {"sent": 0, "received": 0}
+    request, parse = link_mod.BoxLink.request, link_mod.RemoteEncoder._parse
+
+    def counting_request(self, frame):
+        counted["sent"] += len(frame.encode())
+        return request(self, frame)
+
+    def counting_parse(self, frame):
+        counted["received"] += 16 + 4 + len(json.dumps(frame.meta, separators=(",", ":"))) + len(frame.body)
+        return parse(self, frame)
+
+    with socketlib.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    box = subprocess.Popen([sys.executable, "-m", "dsflash.cli", "box", "--model", model, "--listen",
+                            f"127.0.0.1:{port}", "--device", device], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    try:
+        assert "serving" in box.stdout.readline()
+        link_mod.BoxLink.request, link_mod.RemoteEncoder._parse = counting_request, counting_parse
+        out = {}
+        for name, addr in (("one_process", None), ("split", f"127.0.0.1:{port}")):
+            engine = Engine.load(model, box=addr, device=device, max_context=prompt_len + steps + 16)
+            s = engine.session()
+            counted.update(sent=0, received=0)
+            s.prefill(prompt(prompt_len, engine.args.vocab_size), chunk=256)
+            prefill_bytes = dict(counted)
+            counted.update(sent=0, received=0)
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                s.step(s.pos, [7])
+                times.append((time.perf_counter() - t0) * 1000)
+            out[name] = {"step_ms": statistics.median(times), "prefill_bytes_received": prefill_bytes["received"],
+                         "prefill_bytes_sent": prefill_bytes["sent"], "tail_rows": s.tail_rows(),
+                         "step_bytes_received": counted["received"] / steps, "step_bytes_sent": counted["sent"] / steps}
+            s.close()
+        return out
+    finally:
+        link_mod.BoxLink.request, link_mod.RemoteEncoder._parse = request, parse
+        box.kill()
+        box.wait()
+
+
 def machine(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
@@ -241,6 +291,16 @@ def run(ns: argparse.Namespace) -> int:
          "command": "dsflash bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ns.what,
          "checkpoint": {"preset": ns.preset, "experts": args.n_routed_experts}, "top_k": args.n_activated_experts,
          "device": ns.device}
+    if ns.what == "link":
+        if not ns.model:
+            raise SystemExit("bench link needs --model (a checkpoint directory both processes load)")
+        r["link"] = bench_link(ns.model, ns.device, ns.context[0], ns.reps)
+        r["checkpoint"] = {"model": ns.model}
+        out = Path(ns.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"engine-link-{r['date']}.json").write_text(json.dumps(r, indent=1))
+        print(json.dumps(r["link"], indent=1))
+        return 0
     engine = build_engine(args, ns.device)
     if ns.what == "profile":
         table = profile_step(engine, ns.context[0], ns.rows[0])
@@ -282,6 +342,7 @@ def add_parser(sub: argparse._SubParsersAction, what: str) -> None:
                    help="also time a full prefill (decoder on every row) and report snapshot bytes per token")
     p.add_argument("--reference-layers", type=int, default=0,
                    help="also time the reference code path on an encoder slice of this many layers")
+    p.add_argument("--model", help="checkpoint directory (bench link)")
     p.add_argument("--out", default="bench/results")
     p.set_defaults(func=run, what=what)
 
@@ -289,7 +350,7 @@ def add_parser(sub: argparse._SubParsersAction, what: str) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (results in bench/results/)")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    for what in ("step", "prefill", "all", "profile"):
+    for what in ("step", "prefill", "all", "profile", "link"):
         add_parser(bsub, what)
     k = bsub.add_parser("kernels", help="each CUDA kernel at real shapes against the measured ceilings")
     k.add_argument("rest", nargs=argparse.REMAINDER)
