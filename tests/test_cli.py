@@ -52,3 +52,15 @@ def test_make_checkpoint_then_check_golden_refuses_a_non_case(tmp_path):
     assert r.returncode == 0, r.stderr
     r = dsflash("check-golden", str(tmp_path / "tb"))
     assert r.returncode != 0 and "unreadable case" in (r.stdout + r.stderr)
+
+
+def test_bench_commands_write_results(tmp_path):
+    r = dsflash("bench", "all", "--preset", "tiny-a", "--device", "cpu", "--context", "80", "--rows", "1,3",
+                "--lengths", "100", "--reps", "1", "--compare-full", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    (result,) = tmp_path.glob("engine-all-tiny-a-*.json")
+    data = json.loads(result.read_text())
+    for key in ("gpu", "commit", "command", "checkpoint", "box_step_ms", "back_step_ms", "prefill_tok_s",
+                "prefill_lengths_tok_s", "full_tok_s", "snapshot_bytes_per_token"):
+        assert key in data, key
+    assert data["decoder_rows"]["100"] < 100  # the encoder-only prefill ran the decoder on the tail only
