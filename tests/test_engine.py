@@ -6,6 +6,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
@@ -133,3 +135,35 @@ def test_prefill_runs_the_decoder_on_the_tail_only_and_matches_a_full_prefill(en
     nxt = [7, 8, 9]
     ref = whole_model.forward(SequenceState(), torch.tensor(ids + nxt)).logits[-3:]
     assert torch.equal(s.step(len(ids), nxt), ref)
+
+
+@pytest.fixture(scope="module")
+def tiny_b(tmp_path_factory):
+    from dsflash.checkpoint.make import make_checkpoint
+    from dsflash.config import PRESETS
+
+    ckpt = make_checkpoint(PRESETS["tiny-b"], 11, tmp_path_factory.mktemp("tinyb"))
+    return Engine.load(ckpt, max_context=4096), load_model(ckpt)
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_random_step_and_rollback_sequences_on_tiny_b(tiny_b, data):
+    """Window 8 (rings wrap), three ratio-2 sources (rollbacks land mid-group), 3 DSpark stages."""
+    engine, whole_model = tiny_b
+    n = data.draw(st.integers(30, 90))
+    ids = data.draw(st.lists(st.integers(3, 500), min_size=n, max_size=n))
+    whole = whole_model.forward(SequenceState(), torch.tensor(ids)).logits
+    s = engine.session()
+    first = data.draw(st.integers(1, 25))
+    assert torch.equal(s.prefill(ids[:first], chunk=data.draw(st.integers(1, 16))), whole[first - 1])
+    while s.pos < n:
+        real = ids[s.pos:s.pos + data.draw(st.integers(1, 4))]
+        junk = data.draw(st.lists(st.integers(3, 500), max_size=8 - len(real)))
+        p = s.pos
+        logits = s.step(p, real + junk)
+        assert torch.equal(logits[: len(real)], whole[p:p + len(real)])
+        s.rollback(p + len(real))
+        if data.draw(st.booleans()) and s.pos < n:  # resume from a snapshot at this point
+            s = type(s).restore(engine, s.snapshot())
+    assert s.tokens == ids
