@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from dsflash.engine.images import ImageSpan, cache_key, span_keys
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import DEFAULT_CHUNK, Engine, Session, default_device
@@ -34,10 +35,13 @@ class Progress:
 
 
 def prepare_session(engine: Engine, prompt: list[int], cache: PrefixCache | None, chunk: int,
-                    stats: DecodeStats, progress=None):
+                    stats: DecodeStats, progress=None, images: list[ImageSpan] | None = None):
     """Resume from the longest cached prefix, prefill the rest, snapshot on the chunk grid and at the
-    end of the prompt. Returns (session, last-row logits)."""
-    n, blob = cache.lookup(prompt) if cache else (0, None)
+    end of the prompt. `images`: the prompt's image spans (absolute positions). Returns (session,
+    last-row logits)."""
+    images = images or []
+    spans = span_keys(images)
+    n, blob = cache.lookup(cache_key(prompt, spans)) if cache else (0, None)
     session = engine.session()
     if blob:
         try:
@@ -46,16 +50,19 @@ def prepare_session(engine: Engine, prompt: list[int], cache: PrefixCache | None
             print(f"prefix cache: ignoring a {n}-token entry: {e}", file=sys.stderr)
     stats.prompt_tokens, stats.cached_tokens = len(prompt), session.pos
     t0 = time.perf_counter()
-    rest = prompt[session.pos:]
     logits = session.last_logits
-    while rest:
-        take = min(chunk - session.pos % chunk, len(rest))
-        logits = session.prefill(rest[:take], chunk=chunk)
-        rest = rest[take:]
+    while session.pos < len(prompt):
+        end = min(session.pos + chunk - session.pos % chunk, len(prompt))
+        # a piece never cuts an image span (keys inside a span are never stored, so none is ever resumed)
+        for s in images:
+            if s.start < end < s.start + s.length:
+                end = s.start + s.length
+        piece = [s for s in images if session.pos <= s.start < end]
+        logits = session.prefill(prompt[session.pos:end], chunk=chunk, images=piece)
         if progress:
             progress(session.pos - stats.cached_tokens, len(prompt) - stats.cached_tokens)
-        if cache and (session.pos % chunk == 0 or not rest):
-            cache.put(session.tokens, session.snapshot())
+        if cache and (session.pos % chunk == 0 or session.pos == len(prompt)):
+            cache.put(session.cache_key(), session.snapshot())
     stats.prefill_s = time.perf_counter() - t0
     return session, logits
 

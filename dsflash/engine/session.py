@@ -10,7 +10,7 @@ prefill of the same rows gives, and prefill runs the decoder only over the rows 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -19,11 +19,13 @@ import torch
 
 from dsflash.checkpoint.reader import model_identity
 from dsflash.engine import snapshot
+from dsflash.engine.images import ImageSpan, SpanKey, cache_key, span_keys, token_types
 from dsflash.engine.state import ROLLBACK_ROWS, PositionRing, SequenceState
 from dsflash.model.attention import append_entries
 from dsflash.model.dspark import argmax_sampler
 from dsflash.model.load import load_model
 from dsflash.model.transformer import Transformer
+from dsflash.model.vision import IMAGE, TEXT
 from dsflash.numerics import NUMERICS_VERSION
 
 DEFAULT_CHUNK = 8192
@@ -52,9 +54,11 @@ class EncoderSession(Protocol):
 
     pos: int
 
-    def append(self, ids: list[int], keep: int, chunk: int, tail: int) -> Iterator[HandOff]:
+    def append(self, ids: list[int], keep: int, chunk: int, tail: int, images: Sequence[ImageSpan] = ()
+               ) -> Iterator[HandOff]:
         """Roll back to `keep` tokens, append `ids` in chunks; per chunk, its new cache entries and the
-        hand-off of those of its rows that are among the last `tail` rows of the append."""
+        hand-off of those of its rows that are among the last `tail` rows of the append. `images`:
+        spans inside the appended positions."""
 
     def rollback(self, keep: int) -> None: ...
 
@@ -70,13 +74,28 @@ class LocalEncoder:
     def pos(self) -> int:
         return self.state.pos
 
-    def append(self, ids: list[int], keep: int, chunk: int, tail: int) -> Iterator[HandOff]:
+    def append(self, ids: list[int], keep: int, chunk: int, tail: int, images: Sequence[ImageSpan] = ()
+               ) -> Iterator[HandOff]:
         self.rollback(keep)
         tail_from = keep + len(ids) - tail
+        types = token_types(len(ids), list(images), keep)
+        rows = None
+        if images:
+            if self.model.vision is None:
+                raise ValueError("this model has no vision tower: it takes no images")
+            dev = self.model.device
+            rows = torch.cat([self.model.vision.encode(s.image.pixels.to(dev), s.image.n_vit_h, s.image.n_vit_w)[1]
+                              for s in sorted(images, key=lambda s: s.start)])
         for i in range(0, len(ids), chunk):
             start = self.pos
+            kwargs = {}
+            if types is not None and bool((types[i:i + chunk] != TEXT).any()):
+                # the chunk's IMAGE positions take the next aligner rows, in reading order
+                done = int((types[:i] == IMAGE).sum())
+                here = int((types[i:i + chunk] == IMAGE).sum())
+                kwargs = {"token_types": types[i:i + chunk], "image_rows": rows[done:done + here]}
             out = self.model.forward(self.state, torch.tensor(ids[i:i + chunk], dtype=torch.int64,
-                                                              device=self.model.device))
+                                                              device=self.model.device), **kwargs)
             skip = min(max(tail_from - start, 0), out.streams.size(0))
             yield HandOff(start + skip, out.streams[skip:], out.pre_mix[skip:], *out.source_entries)
 
@@ -140,6 +159,7 @@ class Session:
         self.device = engine.decoder.device
         self.state = SequenceState(device=self.device)  # the decoder half's
         self.tokens: list[int] = []
+        self.spans: list[SpanKey] = []  # the image spans among self.tokens (start, length, digest)
         a = engine.args
         # DSpark context inputs of recent rows, written into the drafter's rings only when a draft needs them
         width = a.dim * len(a.dspark_target_layer_ids)
@@ -170,23 +190,31 @@ class Session:
         a = self.engine.args
         append_entries(self.state, a, a.first_decoder_layer, hand.entries.to(self.device), hand.keys.to(self.device))
 
-    def _decode_rows(self, hand: HandOff, tail_only: bool) -> torch.Tensor:
+    def _decode_rows(self, hand: HandOff, tail_only: bool, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         self.state.pos = hand.start
         streams, pre_mix = hand.streams.to(self.device), hand.pre_mix.to(self.device)
-        out = self.decoder.forward(self.state, streams=streams, pre_mix=pre_mix, tail_only=tail_only)
+        out = self.decoder.forward(self.state, streams=streams, pre_mix=pre_mix, tail_only=tail_only,
+                                   image_mask=image_mask)
         if out.main_hidden is not None:
             self._main_hidden.write(torch.arange(out.first_row, self.pos, device=self.device), out.main_hidden)
         return out.logits
 
     def prefill(self, ids: list[int], chunk: int = DEFAULT_CHUNK,
-                progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+                progress: Callable[[int, int], None] | None = None,
+                images: Sequence[ImageSpan] = ()) -> torch.Tensor:
         """Append a prompt: the encoder half in chunks, then the decoder over the tail triangle only.
-        Returns the last row's logits [V]."""
+        `images`: image spans (absolute positions) inside the appended tokens, whose ids carry the image
+        token id. Returns the last row's logits [V]."""
         if not ids:
             raise ValueError("prefill needs at least one token")
         self._check_ids(ids)
+        first = self.pos
+        types = token_types(len(ids), list(images), first)
+        if images and any(ids[s.start - first + k] != self.engine.args.image_token_id
+                          for s in images for k in range(s.length)):
+            raise ValueError("an image span's positions must carry the image token id")
         hands, done = [], 0
-        for hand in self.encoder.append(ids, self.pos, chunk, self.tail_rows()):
+        for hand in self.encoder.append(ids, first, chunk, self.tail_rows(), images):
             self._append_entries(hand)
             if hand.streams.size(0):
                 hands.append(hand)
@@ -194,15 +222,20 @@ class Session:
             if progress:
                 progress(done, len(ids))
         self.tokens.extend(ids)
+        self.spans.extend(span_keys(list(images)))
         tail = HandOff(hands[0].start, torch.cat([h.streams for h in hands]), torch.cat([h.pre_mix for h in hands]),
                        hands[0].entries[:0], hands[0].keys[:0])
-        logits = self._decode_rows(tail, tail_only=True)
+        # image rows route with gate.bias_vl in the decoder layers too
+        mask = None if types is None else (types[tail.start - first:] != TEXT).to(self.device)
+        logits = self._decode_rows(tail, tail_only=True, image_mask=mask)
         self.last_logits = logits[-1]
         return self.last_logits
 
     def rollback(self, keep: int) -> None:
         a = self.engine.args
         self.encoder.rollback(keep)
+        if any(start + length > keep for start, length, _ in self.spans):
+            raise ValueError(f"cannot roll back to {keep}: an image span would be cut")
         self.state.truncate(keep, {s: a.compress_ratios[s] for s in self.state.compressed})
         del self.tokens[keep:]
 
@@ -229,13 +262,18 @@ class Session:
             dspark.write_context(self.state, self._main_hidden.read(positions), positions)
         return dspark.draft(self.state, anchor, sampler)[0][1:]
 
+    def cache_key(self) -> list[int]:
+        """The prefix-cache key of the session's tokens (image spans by content, see engine/images.py)."""
+        return cache_key(self.tokens, self.spans)
+
     def close(self) -> None:
         self.encoder.close()
 
     def snapshot(self) -> bytes:
         """The decoder half's state, and the encoder half's when it is local (a box keeps its own and is
         re-synchronised from the tokens on restore)."""
-        extras = {"main_hidden": self._main_hidden.data}
+        extras = {"main_hidden": self._main_hidden.data,
+                  "image_spans": torch.tensor(self.spans, dtype=torch.int64).view(-1, 3)}
         if self.last_logits is not None:
             extras["last_logits"] = self.last_logits
         states = {"decoder": self.state}
@@ -255,5 +293,6 @@ class Session:
             s.encoder.restore(tokens)
         s.state, s.tokens = states["decoder"], tokens
         s._main_hidden.data.copy_(extras["main_hidden"])
+        s.spans = [tuple(row) for row in extras.get("image_spans", torch.zeros(0, 3, dtype=torch.int64)).tolist()]
         s.last_logits = extras.get("last_logits")
         return s

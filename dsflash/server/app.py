@@ -227,7 +227,7 @@ class Worker:
         t0 = time.perf_counter()
         logits = session.prefill(prompt[job.split:], chunk=self.chunk)
         progress(len(prompt) - stats.cached_tokens, len(prompt) - stats.cached_tokens)
-        cache.put(session.tokens, session.snapshot())
+        cache.put(session.cache_key(), session.snapshot())
         stats.prefill_s += time.perf_counter() - t0
         stats.prompt_tokens = len(prompt)
         return session, logits
@@ -305,7 +305,7 @@ class Worker:
             emit(Text(full[sent:], pending_lp))
         if finish == "stop" and stop_string is None and self.cache is not None:
             try:  # the finished turn, for the conversation's next request
-                self.cache.put(list(session.tokens), session.snapshot())
+                self.cache.put(session.cache_key(), session.snapshot())
             except Exception:
                 pass
         emit(Done(finish, stop_string, stats.prompt_tokens, stats.cached_tokens, emitted, stats.as_dict()))

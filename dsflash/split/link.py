@@ -15,7 +15,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -208,7 +208,9 @@ class RemoteEncoder:
             entries, keys = packing.unpack(entries, "fp4_e4m3_16", hd), packing.unpack(keys, "fp4_e8m0_32", kd)
         return HandOff(int(m["hand_start"]), streams, pre, entries, keys), int(m["rows"])
 
-    def append(self, ids: list[int], keep: int, chunk: int, tail: int) -> Iterator[HandOff]:
+    def append(self, ids: list[int], keep: int, chunk: int, tail: int, images: Sequence = ()) -> Iterator[HandOff]:
+        if images:
+            raise ValueError("images are not supported through a box yet: serve them from one process")
         self.rollback(keep)
         end = keep + len(ids)
         t0 = None

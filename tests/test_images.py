@@ -1,0 +1,78 @@
+"""Images through the engine (session, encoder-only prefill, prefix cache) on the golden image case's
+checkpoint: the same bits as DeepSeek's one-shot prefill with the lowest-index tie rule, whatever the
+chunking, and cache keys that tell images apart."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from dsflash.engine.generate_cmd import prepare_session
+from dsflash.engine.images import ImageSpan
+from dsflash.engine.prefix_cache import PrefixCache
+from dsflash.engine.session import Engine
+from dsflash.engine.spec import DecodeStats
+from dsflash.model.vision import ImageInput, preprocess_image
+from tests.conftest import GOLDEN
+
+CASE = GOLDEN.parent / "golden-vision" / "tinyA-vis_s5"
+
+
+@pytest.fixture(scope="module")
+def case():
+    assert (CASE / "golden.safetensors").exists(), f"no image case at {CASE}"
+    return Engine.load(CASE, max_context=4096), load_file(str(CASE / "golden.safetensors"))
+
+
+def span_of(g) -> ImageSpan:
+    n_vit_h, n_vit_w, n_llm_h, n_llm_w = (int(v) for v in g["image0.grid"])
+    pixels = torch.from_numpy(g["image0.pixels"]).to(torch.bfloat16)
+    return ImageSpan(int(g["image0.span"][0]), ImageInput(pixels, n_vit_h, n_vit_w, n_llm_h, n_llm_w))
+
+
+@pytest.mark.parametrize("chunk", [60, 7, 25])
+def test_prefill_with_an_image_equals_the_reference_one_shot(case, chunk):
+    engine, g = case
+    ids = g["full.input_ids"].tolist()
+    s = engine.session()
+    logits = s.prefill(ids, chunk=chunk, images=[span_of(g)])
+    assert torch.equal(logits, torch.from_numpy(g["full_lowtie.logits"][-1]))
+
+
+def test_image_changes_the_answer_and_the_cache_key(case, tmp_path):
+    engine, g = case
+    ids = g["full.input_ids"].tolist()
+    span = span_of(g)
+    other = ImageSpan(span.start, ImageInput(-span.image.pixels, *(span.image.n_vit_h, span.image.n_vit_w,
+                                                                   span.image.n_llm_h, span.image.n_llm_w)))
+    cache = PrefixCache(engine.identity, disk_dir=tmp_path)
+    first, a = prepare_session(engine, ids, cache, 16, DecodeStats(), images=[span])
+    stats = DecodeStats()
+    again, b = prepare_session(engine, ids, cache, 16, stats, images=[span])
+    assert stats.cached_tokens == len(ids) and torch.equal(a, b)
+    stats = DecodeStats()
+    changed, c = prepare_session(engine, ids, cache, 16, stats, images=[other])
+    assert stats.cached_tokens <= span.start  # nothing past the image is reused for another image
+    assert not torch.equal(a, c)
+
+
+def test_png_preprocessing_gives_the_stored_pixels(case):
+    engine, g = case
+    from PIL import Image
+
+    image = Image.fromarray(np.asarray(g["image0.rgb_u8"]))
+    got = preprocess_image(image, engine.args)
+    assert torch.equal(got.pixels.float(), torch.from_numpy(g["image0.pixels"]))
+
+
+def test_wrong_spans_are_refused(case):
+    engine, g = case
+    ids = g["full.input_ids"].tolist()
+    span = span_of(g)
+    with pytest.raises(ValueError, match="image token id"):
+        engine.session().prefill([5] * len(ids), images=[span])
+    with pytest.raises(ValueError, match="not inside"):
+        engine.session().prefill(ids[:22], images=[span])
+    assert Path(CASE).exists()
