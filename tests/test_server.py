@@ -394,3 +394,10 @@ def test_chat_client_holds_a_conversation(server):
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("\n") >= 2 and "error" not in r.stderr
+
+
+def test_images_to_a_model_without_vision_are_400(server):
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}], **NO_THINK}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "no vision tower" in r.text

@@ -39,6 +39,7 @@ from dsflash.server.dsml import (
     ToolCallStart,
 )
 from dsflash.server.encoding import EncodingError, encode_messages
+from dsflash.server.images import ImageError, Images
 from dsflash.split.link import BoxUnavailable
 from dsflash.tokenizer import BOS_ID, EOS_ID
 
@@ -159,6 +160,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     # prefill progress as llama.cpp reports it: total, cache, processed, time_ms (set by the worker thread)
     progress: dict | None = None
+    images: list = field(default_factory=list)  # ImageSpan of the prompt's images
 
 
 @dataclass
@@ -220,10 +222,11 @@ class Worker:
                             "time_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
         if cache is None or not 0 < job.split < len(prompt) or cache.lookup(prompt)[0] == len(prompt):
-            return prepare_session(self.engine, prompt, cache, self.chunk, stats, progress)
+            return prepare_session(self.engine, prompt, cache, self.chunk, stats, progress, job.images)
         # Snapshot also at the split, so the next turn of the conversation (whose text differs from this
         # prompt's generation-prompt tail, e.g. `<think>` vs `</think>`) resumes from there.
-        session, logits = prepare_session(self.engine, prompt[:job.split], cache, self.chunk, stats, progress)
+        session, logits = prepare_session(self.engine, prompt[:job.split], cache, self.chunk, stats, progress,
+                                          job.images)
         t0 = time.perf_counter()
         logits = session.prefill(prompt[job.split:], chunk=self.chunk)
         progress(len(prompt) - stats.cached_tokens, len(prompt) - stats.cached_tokens)
@@ -426,7 +429,7 @@ def _reasoning_effort(value: str | int | None) -> tuple[bool | None, int | None]
     return (False, None) if effort is None else (None, effort)
 
 
-def _anthropic_to_openai(req: MessagesRequest) -> tuple[list[dict], list[dict] | None]:
+def _anthropic_to_openai(req: MessagesRequest, images: Images) -> tuple[list[dict], list[dict] | None]:
     messages: list[dict] = []
     if req.system is not None:
         if isinstance(req.system, str):
@@ -450,6 +453,14 @@ def _anthropic_to_openai(req: MessagesRequest) -> tuple[list[dict], list[dict] |
             bw = f"{where}.content[{j}]"
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
+            elif kind == "image" and role == "user":
+                source = block.get("source") if isinstance(block.get("source"), dict) else {}
+                if source.get("type") != "base64":
+                    raise ApiError(400, f"{bw}.source.type: only base64 images are accepted", f"{bw}.source.type")
+                try:
+                    texts.append(images.add_base64(source.get("data"), f"{bw}.source.data"))
+                except ImageError as e:
+                    raise ApiError(400, str(e), e.field) from e
             elif kind == "thinking" and role == "assistant":
                 reasoning.append(str(block.get("thinking", "")))
             elif kind == "redacted_thinking":
@@ -499,6 +510,13 @@ class Server:
         self.created = _now()
 
     # ------------------------------------------------------------------ prompt building
+
+    def prompt_ids(self, text: str, images: Images) -> tuple[list[int], list]:
+        """Token ids of an encoded conversation and its image spans."""
+        try:
+            return images.prompt(text, self.tokenize, self.engine)
+        except ImageError as e:
+            raise ApiError(400, str(e), e.field) from e
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -696,16 +714,20 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
                 raise ApiError(400, "chat_template_kwargs.thinking: must be a bool", "chat_template_kwargs.thinking")
             thinking = kwargs["thinking"] if kwargs["thinking"] is not None else thinking
         thinking = True if thinking is None else thinking
+        images = Images()
         try:
-            text = encode_messages(req.messages, req.tools, thinking, effort)
+            text = encode_messages(images.openai_messages(req.messages), req.tools, thinking, effort)
         except EncodingError as e:
             raise ApiError(400, str(e), str(e).split(":")[0]) from e
-        prompt = srv.tokenize(text)
+        except ImageError as e:
+            raise ApiError(400, str(e), e.field) from e
+        prompt, spans = srv.prompt_ids(text, images)
         # the generation-prompt tail `<think>`/`</think>` differs from the next turn's text; snapshot before it
         split = len(prompt) - 1
         top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         job = srv.job(prompt, max_tokens, _sampling(req), _stop_list(req.stop), top, split, arrived)
+        job.images = spans
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = _now()
         if req.stream:
@@ -849,15 +871,17 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
     async def messages(req: MessagesRequest, request: Request):
         arrived = time.perf_counter()
         m.inc(m.requests, "messages")
-        msgs, tools = _anthropic_to_openai(req)
+        images = Images()
+        msgs, tools = _anthropic_to_openai(req, images)
         thinking = req.thinking is not None and req.thinking.type != "disabled"
         try:
             text = encode_messages(msgs, tools, thinking)
         except EncodingError as e:
             raise ApiError(400, str(e), str(e).split(":")[0]) from e
-        prompt = srv.tokenize(text)
+        prompt, spans = srv.prompt_ids(text, images)
         job = srv.job(prompt, req.max_tokens, _sampling(req), _stop_list(req.stop_sequences), None,
                       len(prompt) - 1, arrived)
+        job.images = spans
         mid = f"msg_{uuid.uuid4().hex[:24]}"
 
         def stop_reason(done: Done, calls: bool) -> str:

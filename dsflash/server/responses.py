@@ -31,6 +31,7 @@ from dsflash.server.app import (
 )
 from dsflash.server.dsml import Collected, ContentDelta, DsmlParser, ToolCallArgumentsDelta, ToolCallStart
 from dsflash.server.encoding import EncodingError, encode_messages
+from dsflash.server.images import ImageError, Images
 
 
 class ResponsesRequest(_Sampling):
@@ -42,20 +43,27 @@ class ResponsesRequest(_Sampling):
     reasoning: dict[str, Any] | None = None
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str, images: Images) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for i, p in enumerate(content):
-            if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
-                raise ApiError(400, f"{where}[{i}].type: only text parts are supported", f"{where}[{i}].type")
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind == "input_image":
+                try:
+                    parts.append(images.add_data_url(p.get("image_url"), f"{where}[{i}].image_url"))
+                except ImageError as e:
+                    raise ApiError(400, str(e), e.field) from e
+                continue
+            if kind not in ("input_text", "output_text", "text"):
+                raise ApiError(400, f"{where}[{i}].type: only text and image parts are supported", f"{where}[{i}].type")
             parts.append(str(p.get("text", "")))
         return "".join(parts)
     raise ApiError(400, f"{where}: expected a string or a list of text parts", where)
 
 
-def to_messages(req: ResponsesRequest) -> tuple[list[dict], list[dict] | None]:
+def to_messages(req: ResponsesRequest, images: Images) -> tuple[list[dict], list[dict] | None]:
     """Responses input + instructions + tools -> chat messages and chat-style tools."""
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
@@ -66,7 +74,7 @@ def to_messages(req: ResponsesRequest) -> tuple[list[dict], list[dict] | None]:
             if role not in ("user", "assistant", "system"):
                 raise ApiError(400, f"input[{i}].role: expected user, assistant, system or developer",
                                f"input[{i}].role")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}].content")})
+            messages.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}].content", images)})
         elif kind == "function_call":
             call = {"id": item.get("call_id") or item.get("id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
@@ -132,14 +140,16 @@ def add_routes(app: FastAPI, srv: Server, model_name: str) -> None:
         m.inc(m.requests, "responses")
         thinking, effort = _reasoning_effort((req.reasoning or {}).get("effort"))
         thinking = bool(req.reasoning) if thinking is None else thinking
-        messages, tools = to_messages(req)
+        images = Images()
+        messages, tools = to_messages(req, images)
         try:
             text = encode_messages(messages, tools, thinking, effort)
         except EncodingError as e:
             raise ApiError(400, str(e), str(e).split(":")[0]) from e
-        prompt = srv.tokenize(text)
+        prompt, spans = srv.prompt_ids(text, images)
         job = srv.job(prompt, req.max_output_tokens or req.max_tokens, _sampling(req), _stop_list(req.stop), None,
                       len(prompt) - 1, arrived)
+        job.images = spans
         rid, created = f"resp_{uuid.uuid4().hex}", time.time()
         if req.stream:
             return StreamingResponse(with_keepalive(stream(job, request, rid, created, thinking), job, None),
