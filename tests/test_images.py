@@ -76,3 +76,32 @@ def test_wrong_spans_are_refused(case):
     with pytest.raises(ValueError, match="not inside"):
         engine.session().prefill(ids[:22], images=[span])
     assert Path(CASE).exists()
+
+
+def test_split_with_an_image_equals_one_process(case, tmp_path):
+    """The box runs the vision tower: an image prompt through a box process gives the same bits, and a
+    box restarted mid-answer is rebuilt with the image (the back side keeps its pixels)."""
+    from dsflash.engine.sampling import SamplingParams
+    from dsflash.engine.spec import decode
+    from tests.test_split import BoxProcess, free_port
+
+    engine, g = case
+    ids = g["full.input_ids"].tolist()
+    local = engine.session()
+    expected_logits = local.prefill(ids, chunk=16, images=[span_of(g)])
+    expected = list(decode(local, expected_logits, 6, SamplingParams(), stop=set()))
+    box = BoxProcess(free_port(), cache_dir=tmp_path / "cache", case=CASE).start()
+    try:
+        split = Engine.load(CASE, max_context=4096, box=f"127.0.0.1:{box.port}")
+        s = split.session()
+        logits = s.prefill(ids, chunk=16, images=[span_of(g)])
+        assert torch.equal(logits, expected_logits)
+        out = []
+        for i, tok in enumerate(decode(s, logits, 6, SamplingParams(), stop=set())):
+            out.append(tok)
+            if i == 2:
+                box.kill()
+                box.start()
+        assert out == expected and split.link.reconnects >= 1
+    finally:
+        box.kill()

@@ -25,7 +25,7 @@ from dsflash.model.attention import append_entries
 from dsflash.model.dspark import argmax_sampler
 from dsflash.model.load import load_model
 from dsflash.model.transformer import Transformer
-from dsflash.model.vision import IMAGE, TEXT
+from dsflash.model.vision import IMAGE, IMAGE_START, TEXT
 from dsflash.numerics import NUMERICS_VERSION
 
 DEFAULT_CHUNK = 8192
@@ -47,6 +47,7 @@ class HandOff:
     pre_mix: torch.Tensor  # fp32 [n, hc]
     entries: torch.Tensor  # bf16: layer d's new compressed KV entries
     keys: torch.Tensor  # bf16: layer d's new index keys
+    rows: int = 0  # tokens this chunk appended
 
 
 class EncoderSession(Protocol):
@@ -86,18 +87,24 @@ class LocalEncoder:
             dev = self.model.device
             rows = torch.cat([self.model.vision.encode(s.image.pixels.to(dev), s.image.n_vit_h, s.image.n_vit_w)[1]
                               for s in sorted(images, key=lambda s: s.start)])
-        for i in range(0, len(ids), chunk):
+        i = 0
+        while i < len(ids):
+            end = min(i + chunk, len(ids))
+            # a chunk ends outside image spans, so an interrupted append never stops inside one
+            while types is not None and end < len(ids) and types[end] != TEXT and types[end] != IMAGE_START:
+                end += 1
             start = self.pos
             kwargs = {}
-            if types is not None and bool((types[i:i + chunk] != TEXT).any()):
+            if types is not None and bool((types[i:end] != TEXT).any()):
                 # the chunk's IMAGE positions take the next aligner rows, in reading order
                 done = int((types[:i] == IMAGE).sum())
-                here = int((types[i:i + chunk] == IMAGE).sum())
-                kwargs = {"token_types": types[i:i + chunk], "image_rows": rows[done:done + here]}
-            out = self.model.forward(self.state, torch.tensor(ids[i:i + chunk], dtype=torch.int64,
+                here = int((types[i:end] == IMAGE).sum())
+                kwargs = {"token_types": types[i:end], "image_rows": rows[done:done + here]}
+            out = self.model.forward(self.state, torch.tensor(ids[i:end], dtype=torch.int64,
                                                               device=self.model.device), **kwargs)
             skip = min(max(tail_from - start, 0), out.streams.size(0))
-            yield HandOff(start + skip, out.streams[skip:], out.pre_mix[skip:], *out.source_entries)
+            yield HandOff(start + skip, out.streams[skip:], out.pre_mix[skip:], *out.source_entries, end - i)
+            i = end
 
     def rollback(self, keep: int) -> None:
         a = self.model.args
@@ -218,7 +225,7 @@ class Session:
             self._append_entries(hand)
             if hand.streams.size(0):
                 hands.append(hand)
-            done = min(done + chunk, len(ids))
+            done += hand.rows
             if progress:
                 progress(done, len(ids))
         self.tokens.extend(ids)
@@ -289,6 +296,9 @@ class Session:
                 raise snapshot.SnapshotError("snapshot holds no encoder state (made with a box)")
             s = cls(engine, LocalEncoder(engine.encoder, states["encoder"]))
         else:
+            if extras.get("image_spans") is not None and extras["image_spans"].numel():
+                # the box would need the images' pixels to rebuild its side; a snapshot holds only their digests
+                raise snapshot.SnapshotError("a session with images cannot be resumed through a box")
             s = cls(engine)
             s.encoder.restore(tokens)
         s.state, s.tokens = states["decoder"], tokens

@@ -66,13 +66,8 @@ class Images:
         pieces = text.split(IMAGE_MARK)
         if len(pieces) - 1 != len(self.data):
             raise ImageError("the text of the request contains the image mark itself", "messages")
-        if self.data:
-            vision = engine.encoder.vision if engine.encoder is not None else None
-            if engine.encoder is None:
-                raise ImageError("images are not supported through a box yet; serve them from one process",
-                                 self.data[0][1])
-            if vision is None:
-                raise ImageError("this model has no vision tower: it takes no images", self.data[0][1])
+        if self.data and engine.args.vision_n_layers == 0:
+            raise ImageError("this model has no vision tower: it takes no images", self.data[0][1])
         ids: list[int] = []
         spans: list[ImageSpan] = []
         for k, piece in enumerate(pieces):

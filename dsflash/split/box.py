@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import torch
+
 from dsflash.engine import snapshot
+from dsflash.engine.images import SpanKey, cache_key, span_keys
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.session import MAX_STEP_ROWS, LocalEncoder, default_device, engine_identity
 from dsflash.engine.state import ROLLBACK_ROWS
@@ -35,11 +38,11 @@ from dsflash.split.protocol import (
     Frame,
     FrameType,
     ProtocolError,
-    body_tokens,
     error_frame,
     field_of,
     read_frame,
     tensors_body,
+    tokens_and_images,
 )
 
 MAX_CHUNK = 1 << 16
@@ -50,6 +53,15 @@ ENTRY_FORMAT, KEY_FORMAT = "fp4_e4m3_16", "fp4_e8m0_32"
 class BoxSession:
     encoder: LocalEncoder
     tokens: list[int] = field(default_factory=list)
+    spans: list[SpanKey] = field(default_factory=list)  # the image spans among the tokens
+
+    def cache_key(self) -> list[int]:
+        return cache_key(self.tokens, self.spans)
+
+    def truncate(self, keep: int) -> None:
+        self.encoder.rollback(keep)
+        del self.tokens[keep:]
+        self.spans = [sp for sp in self.spans if sp[0] + sp[1] <= keep]
 
 
 class Connection:
@@ -138,17 +150,23 @@ class Box:
             keep = field_of(f.meta, "keep", int, 0)
             chunk = min(field_of(f.meta, "chunk", int, 1), MAX_CHUNK)
             tail = field_of(f.meta, "tail", int, 0)
-            ids = body_tokens(f.body)
-            self._check_tokens(ids)
-            prio = 0 if len(ids) <= MAX_STEP_ROWS else 1
-            self._enqueue(prio, conn, f.request, ("append", sid, keep, chunk, tail, ids))
+            ids, images = self._payload(f)
+            prio = 0 if len(ids) <= MAX_STEP_ROWS and not images else 1
+            self._enqueue(prio, conn, f.request, ("append", sid, keep, chunk, tail, ids, images))
         elif f.type == FrameType.SYNC:
             sid = field_of(f.meta, "session", int, 0)
-            ids = body_tokens(f.body)
-            self._check_tokens(ids)
-            self._enqueue(1, conn, f.request, ("sync", sid, ids))
+            ids, images = self._payload(f)
+            self._enqueue(1, conn, f.request, ("sync", sid, ids, images))
         else:
             raise ProtocolError(f"unexpected {f.type.name} frame")
+
+    def _payload(self, f: Frame) -> tuple[list[int], list]:
+        a = self.args
+        ids, images = tokens_and_images(f.meta, f.body, a.vision_patch_size, a.vision_downsample_ratio)
+        self._check_tokens(ids)
+        if images and self.model.vision is None:
+            raise ProtocolError("images sent to a box whose model has no vision tower")
+        return ids, images
 
     def _check_tokens(self, ids: list[int]) -> None:
         vocab = self.args.vocab_size
@@ -178,7 +196,7 @@ class Box:
     def _run(self, conn: Connection, request: int, work):
         kind = work[0]
         if kind == "append":
-            _, sid, keep, chunk, tail, ids = work
+            _, sid, keep, chunk, tail, ids, images = work
             s = conn.sessions.get(sid)
             if s is None:
                 if keep:
@@ -186,8 +204,9 @@ class Box:
                 s = conn.sessions[sid] = BoxSession(LocalEncoder(self.model))
             if keep > len(s.tokens) or len(s.tokens) - keep > ROLLBACK_ROWS:
                 raise ValueError(f"session {sid} has {len(s.tokens)} tokens; cannot continue from {keep}")
-            gen = s.encoder.append(ids, keep, chunk, tail)
+            gen = s.encoder.append(ids, keep, chunk, tail, images)
             del s.tokens[keep:]
+            s.spans = [sp for sp in s.spans if sp[0] + sp[1] <= keep] + span_keys(images)
             return self._next_part(conn, request, sid, s, gen, ids, chunk, 0)
         if kind == "part":
             return self._next_part(conn, request, *work[1:])
@@ -199,7 +218,7 @@ class Box:
 
     def _next_part(self, conn, request, sid, s, gen, ids, chunk, done):
         hand = next(gen)
-        rows = min(chunk, len(ids) - done)
+        rows = hand.rows
         s.tokens.extend(ids[done:done + rows])
         done += rows
         last = done == len(ids)
@@ -220,36 +239,39 @@ class Box:
             return None
         return ("part", sid, s, gen, ids, chunk, done)
 
-    def _sync(self, conn, request, sid, ids):
+    def _sync(self, conn, request, sid, ids, images):
+        target = cache_key(ids, span_keys(images))  # image spans compare by content, not by token id
         s = conn.sessions.get(sid)
         if s is not None:
-            common = next((i for i, (a, b) in enumerate(zip(s.tokens, ids, strict=False)) if a != b),
-                          min(len(s.tokens), len(ids)))
-            if len(s.tokens) - common <= ROLLBACK_ROWS:
-                s.encoder.rollback(common)
-                del s.tokens[common:]
+            have = s.cache_key()
+            common = next((i for i, (a, b) in enumerate(zip(have, target, strict=False)) if a != b),
+                          min(len(have), len(target)))
+            if len(s.tokens) - common <= ROLLBACK_ROWS and not any(a < common < a + n for a, n, _ in s.spans):
+                s.truncate(common)
             else:
                 s = None
         cached = 0
         if s is None:
-            n, blob = self.cache.lookup(ids)
+            n, blob = self.cache.lookup(target)
             s = BoxSession(LocalEncoder(self.model))
             if blob is not None:
                 try:
-                    states, tokens, _ = snapshot.decode(blob, self.identity, self.model.device)
-                    s = BoxSession(LocalEncoder(self.model, states["encoder"]), tokens)
+                    states, tokens, extras = snapshot.decode(blob, self.identity, self.model.device)
+                    spans = [tuple(r) for r in extras["image_spans"].tolist()] if "image_spans" in extras else []
+                    s = BoxSession(LocalEncoder(self.model, states["encoder"]), tokens, spans)
                     cached = n
                 except snapshot.SnapshotError:
                     pass
             conn.sessions[sid] = s
         rest = ids[len(s.tokens):]
-        gen = s.encoder.append(rest, len(s.tokens), 8192, 0) if rest else iter(())
+        todo = [sp for sp in images if sp.start >= len(s.tokens)]
+        s.spans += span_keys(todo)
+        gen = s.encoder.append(rest, len(s.tokens), 8192, 0, todo) if rest else iter(())
         return self._sync_part(conn, request, sid, s, gen, rest, 0, cached)
 
     def _sync_part(self, conn, request, sid, s, gen, rest, done, cached):
         if done < len(rest):
-            next(gen)
-            step = min(8192, len(rest) - done)
+            step = next(gen).rows
             s.tokens.extend(rest[done:done + step])
             return ("sync_part", sid, s, gen, rest, done + step, cached)
         if rest:
@@ -258,8 +280,9 @@ class Box:
         return None
 
     def _remember(self, s: BoxSession) -> None:
-        blob = snapshot.encode({"encoder": s.encoder.state}, s.tokens, self.identity, {})
-        self.cache.put(list(s.tokens), blob)
+        spans = torch.tensor(s.spans, dtype=torch.int64).view(-1, 3)
+        blob = snapshot.encode({"encoder": s.encoder.state}, s.tokens, self.identity, {"image_spans": spans})
+        self.cache.put(s.cache_key(), blob)
 
     def health(self) -> dict:
         return {"status": "ok", "identity": self.identity, "numerics": NUMERICS_VERSION,

@@ -28,6 +28,7 @@ from dsflash.split.protocol import (
     Frame,
     FrameType,
     body_tensors,
+    images_body,
     read_frame,
     tokens_body,
 )
@@ -180,6 +181,7 @@ class RemoteEncoder:
         self.link, self.args = link, args
         self.sid = next(self._ids)
         self.tokens: list[int] = []
+        self.images: list = []  # ImageSpan of the tokens sent, pixels kept to rebuild the box's side
         self._epoch = 0  # the connection epoch the box-side session belongs to
 
     @property
@@ -188,9 +190,16 @@ class RemoteEncoder:
 
     def rollback(self, keep: int) -> None:
         del self.tokens[keep:]  # the box rolls back with the next append, which carries `keep`
+        self.images = [s for s in self.images if s.start + s.length <= keep]
+
+    def _frame(self, kind: FrameType, meta: dict, tokens: list[int], images: list) -> Frame:
+        if not images:
+            return Frame(kind, 0, meta, tokens_body(tokens))
+        image_meta, pixels = images_body(images)
+        return Frame(kind, 0, {**meta, "images": image_meta, "n_tokens": len(tokens)}, tokens_body(tokens) + pixels)
 
     def _sync(self) -> None:
-        frame = Frame(FrameType.SYNC, 0, {"session": self.sid}, tokens_body(self.tokens))
+        frame = self._frame(FrameType.SYNC, {"session": self.sid}, self.tokens, self.images)
         for _ in self.link.replies(self.link.request(frame), FrameType.SYNCED):
             pass
 
@@ -206,11 +215,9 @@ class RemoteEncoder:
             ((nh, a.hc_mult, a.dim), torch.bfloat16), ((nh, a.hc_mult), torch.float32)])
         if m.get("packed"):
             entries, keys = packing.unpack(entries, "fp4_e4m3_16", hd), packing.unpack(keys, "fp4_e8m0_32", kd)
-        return HandOff(int(m["hand_start"]), streams, pre, entries, keys), int(m["rows"])
+        return HandOff(int(m["hand_start"]), streams, pre, entries, keys, int(m["rows"])), int(m["rows"])
 
     def append(self, ids: list[int], keep: int, chunk: int, tail: int, images: Sequence = ()) -> Iterator[HandOff]:
-        if images:
-            raise ValueError("images are not supported through a box yet: serve them from one process")
         self.rollback(keep)
         end = keep + len(ids)
         t0 = None
@@ -222,12 +229,16 @@ class RemoteEncoder:
                         self._sync()
                     self._epoch = epoch
                 rest = ids[len(self.tokens) - keep:]
+                pending = sorted((s for s in images if s.start >= len(self.tokens)), key=lambda s: s.start)
                 meta = {"session": self.sid, "keep": len(self.tokens), "chunk": chunk, "tail": tail}
-                q = self.link.request(Frame(FrameType.APPEND, 0, meta, tokens_body(rest)))
+                q = self.link.request(self._frame(FrameType.APPEND, meta, rest, pending))
                 for f in self.link.replies(q, FrameType.PART):  # PART frames until the one marked last
                     hand, rows = self._parse(f)
                     self.tokens.extend(rest[:rows])
                     rest = rest[rows:]
+                    done = [s for s in pending if s.start + s.length <= len(self.tokens)]
+                    self.images += done
+                    pending = pending[len(done):]
                     yield hand
             except _Lost:
                 # the box went away mid-request: reconnect and re-sync from the committed tokens

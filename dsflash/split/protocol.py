@@ -133,3 +133,37 @@ def body_tensors(body: bytes, specs: list[tuple[tuple[int, ...], torch.dtype]]) 
 
 def error_frame(request: int, code: str, message: str, retryable: bool) -> Frame:
     return Frame(FrameType.ERROR, request, {"code": code, "retryable": retryable, "message": message})
+
+
+def images_body(spans) -> tuple[list[dict], bytes]:
+    """APPEND/SYNC image payload: per span its start and grids in the meta, its bf16 pixels in the body
+    (after the int32 tokens)."""
+    meta = [{"start": s.start, "grid": [s.image.n_vit_h, s.image.n_vit_w, s.image.n_llm_h, s.image.n_llm_w]}
+            for s in spans]
+    return meta, tensors_body([s.image.pixels.to(torch.bfloat16) for s in spans])
+
+
+def tokens_and_images(meta: dict, body: bytes, patch: int, ratio: int) -> tuple[list[int], list]:
+    """Split an APPEND/SYNC body into token ids and image spans (ProtocolError if they disagree)."""
+    from dsflash.engine.images import ImageSpan
+    from dsflash.model.vision import ImageInput, llm_grid
+
+    images = meta.get("images") or []
+    if not images:
+        return body_tokens(body), []
+    if not isinstance(images, list):
+        raise ProtocolError("meta field 'images' must be a list")
+    n = field_of(meta, "n_tokens", int, 0)
+    ids = body_tokens(body[:4 * n])
+    specs, starts = [], []
+    for i, im in enumerate(images):
+        grid = im.get("grid") if isinstance(im, dict) else None
+        if not (isinstance(grid, list) and len(grid) == 4 and all(isinstance(g, int) and g > 0 for g in grid)):
+            raise ProtocolError(f"images[{i}].grid must be four positive integers")
+        if tuple(grid[2:]) != llm_grid(grid[0], grid[1], ratio):
+            raise ProtocolError(f"images[{i}].grid: aligner grid {grid[2:]} does not follow from {grid[:2]}")
+        starts.append(field_of(im, "start", int, 0))
+        specs.append(((grid[0] * grid[1], 3, patch, patch), torch.bfloat16))
+    pixels = body_tensors(body[4 * n:], specs)
+    return ids, [ImageSpan(start, ImageInput(px, *im["grid"]))
+                 for start, px, im in zip(starts, pixels, images, strict=True)]
