@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsflash.engine.generate_cmd import prepare_session
+from dsflash.engine.images import cache_key, span_keys
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import SamplingParams, logprobs
 from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine
@@ -221,7 +222,8 @@ class Worker:
             job.progress = {"total": len(prompt), "cache": stats.cached_tokens, "processed": stats.cached_tokens + done,
                             "time_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
-        if cache is None or not 0 < job.split < len(prompt) or cache.lookup(prompt)[0] == len(prompt):
+        whole = cache is not None and cache.lookup(cache_key(prompt, span_keys(job.images)))[0] == len(prompt)
+        if cache is None or not 0 < job.split < len(prompt) or whole:
             return prepare_session(self.engine, prompt, cache, self.chunk, stats, progress, job.images)
         # Snapshot also at the split, so the next turn of the conversation (whose text differs from this
         # prompt's generation-prompt tail, e.g. `<think>` vs `</think>`) resumes from there.
