@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -16,6 +14,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.conftest import serve_app
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -25,53 +25,14 @@ pytest.importorskip("uvicorn")
 ROOT = Path(__file__).resolve().parents[1]
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 
-SERVER_SCRIPT = textwrap.dedent("""
-    import sys
-    import uvicorn
-    from dsflash.engine.session import Engine
-    from dsflash.server.app import create_app
-    from dsflash.tokenizer import load_tokenizer
-
-    ckpt, port = sys.argv[1], int(sys.argv[2])
-    # a small context so the context-length error is cheap to provoke
-    app = create_app(Engine.load(ckpt, max_context=1024), load_tokenizer(ckpt), model_name="tiny", chunk=16)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
-""")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from dsflash.server.builtin import builtin_checkpoint
 
     tmp = tmp_path_factory.mktemp("serve")
     ckpt = builtin_checkpoint(tmp)  # tiny-a weights (make_checkpoint) + build_tiny_tokenizer's tokenizer.json
-    assert (ckpt / "tokenizer.json").exists()
-    script = tmp / "serve.py"
-    script.write_text(SERVER_SCRIPT)
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, str(script), str(ckpt), str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stdout.read().decode(errors='replace')}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail("server did not come up")
-        time.sleep(0.2)
+    # a small context so the context-length error is cheap to provoke; 16-row chunks for progress
+    proc, base = serve_app(ckpt, tmp, 1024, "tiny", 16)
     yield base
     proc.terminate()
     try:

@@ -6,16 +6,13 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
-import os
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+
+from tests.conftest import serve_app
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -23,19 +20,6 @@ PIL = pytest.importorskip("PIL")
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
-
-SERVER = textwrap.dedent("""
-    import sys
-    import uvicorn
-    from dsflash.engine.session import Engine
-    from dsflash.server.app import create_app
-    from dsflash.tokenizer import load_tokenizer
-
-    ckpt, port = sys.argv[1], int(sys.argv[2])
-    app = create_app(Engine.load(ckpt, max_context=2048), load_tokenizer(ckpt), model_name="tiny-vl", chunk=16)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
-""")
-
 
 def png(seed: int, w: int = 84, h: int = 56) -> str:
     from PIL import Image
@@ -60,21 +44,7 @@ def server(tmp_path_factory):
                                engram_compressed_vocab_size=compressed_token_map(tokenizer)[1])
     ckpt = make_checkpoint(args, 3, tmp / "ckpt")
     tokenizer.save(str(ckpt / "tokenizer.json"))
-    (tmp / "serve.py").write_text(SERVER)
-    port = 18000 + os.getpid() % 1000
-    proc = subprocess.Popen([sys.executable, str(tmp / "serve.py"), str(ckpt), str(port)],
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.time() - t0 < 90, "server did not come up"
-        time.sleep(0.2)
+    proc, base = serve_app(ckpt, tmp, 2048, "tiny-vl", 16)
     yield base
     proc.kill()
     proc.wait()

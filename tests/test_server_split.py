@@ -8,11 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.conftest import free_port, start_server
 
 openai = pytest.importorskip("openai")
 
@@ -20,14 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4,
         "temperature": 0, "chat_template_kwargs": {"thinking": False}}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_box(ckpt: Path, port: int) -> subprocess.Popen:
@@ -44,19 +37,9 @@ def split_server(tmp_path_factory):
     ckpt = builtin_checkpoint(tmp_path_factory.mktemp("builtin"))
     box_port, port = free_port(), free_port()
     box = start_box(ckpt, box_port)
-    server = subprocess.Popen([sys.executable, "-m", "dsflash.cli", "serve", "--model", str(ckpt), "--port", str(port),
-                               "--box", f"127.0.0.1:{box_port}", "--box-deadline", "2", "--log-level", "warning"],
-                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    server = start_server(["-m", "dsflash.cli", "serve", "--model", str(ckpt), "--port", str(port), "--box",
+                           f"127.0.0.1:{box_port}", "--box-deadline", "2", "--log-level", "warning"], port)
     base = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert server.poll() is None and time.time() - t0 < 120, "server did not come up"
-        time.sleep(0.3)
     state = {"box": box}
     yield base, ckpt, box_port, state
     for p in (state["box"], server):

@@ -21,16 +21,10 @@ from dsflash.engine.session import Engine
 from dsflash.engine.spec import decode
 from dsflash.split.link import BoxRefused, BoxUnavailable
 from dsflash.split.protocol import Frame, FrameType, read_frame
-from tests.conftest import GOLDEN_CASES
+from tests.conftest import GOLDEN_CASES, free_port
 
 CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class BoxProcess:

@@ -272,26 +272,23 @@ def _image_lines(head: str, r: dict[str, RuleResult]) -> list[str]:
     for mode, full in (("replay", "full."), ("own_selection", "full_lowtie.")):
         lines += [f"{head}  {_logits_line(f'{mode} {full}logits', r.get(f'{mode}.b_envelope'))}",
                   f"{head}  {_handoff_line(f'{mode} {full}hand-off', r.get(f'{mode}.c_handoff'))}"]
-    rule = r.get("vision.e_vit_aligner")
-    text = "not run" if rule is None else (
-        f"max |Δ|/row RMS {rule.numbers['max_rel_rms']:.3g}  bit-identical rows "
-        f"{rule.numbers['rows_bit_identical']}/{rule.numbers['rows']}")
-    lines.append(f"{head}  {'vision ViT + aligner rows':<40} {text} {_verdict_mark(rule)}")
-    rule = r.get("replay.e_input_embeds")
-    text = "not run" if rule is None else (
-        f"text/delimiter rows differing {rule.numbers['non_image_rows_differing']}  IMAGE rows max |Δ|/RMS "
-        f"{rule.numbers['image_rows_max_rel_rms']:.3g}  bit-identical {rule.numbers['bit_identical']}")
-    lines.append(f"{head}  {'replay merged input rows':<40} {text} {_verdict_mark(rule)}")
-    rule = r.get("own_selection.f_image_routing")
-    text = "not run" if rule is None else (
-        f"image-row picks equal {rule.numbers['share']:.1%} of (layer, row)  text rows "
-        f"{rule.numbers['text_rows_share(info)']:.1%} (info)")
-    lines.append(f"{head}  {'own_selection image-row routing':<40} {text} {_verdict_mark(rule)}")
-    rule = r.get("replay.g_engram_hash")
-    text = "not run" if rule is None else (
-        f"text positions differing {rule.numbers.get('text_positions_differing', 'shape mismatch')}  image "
-        f"positions differing {rule.numbers.get('image_positions_differing(info)', '-')} (info)")
-    lines.append(f"{head}  {'replay Engram hash ids':<40} {text} {_verdict_mark(rule)}")
+    def line(label: str, key: str, describe) -> str:
+        rule = r.get(key)
+        return f"{head}  {label:<40} {'not run' if rule is None else describe(rule.numbers)} {_verdict_mark(rule)}"
+
+    lines += [
+        line("vision ViT + aligner rows", "vision.e_vit_aligner", lambda n: (
+            f"max |Δ|/row RMS {n['max_rel_rms']:.3g}  bit-identical rows {n['rows_bit_identical']}/{n['rows']}")),
+        line("replay merged input rows", "replay.e_input_embeds", lambda n: (
+            f"text/delimiter rows differing {n['non_image_rows_differing']}  IMAGE rows max |Δ|/RMS "
+            f"{n['image_rows_max_rel_rms']:.3g}  bit-identical {n['bit_identical']}")),
+        line("own_selection image-row routing", "own_selection.f_image_routing", lambda n: (
+            f"image-row picks equal {n['share']:.1%} of (layer, row)  text rows "
+            f"{n['text_rows_share(info)']:.1%} (info)")),
+        line("replay Engram hash ids", "replay.g_engram_hash", lambda n: (
+            f"text positions differing {n.get('text_positions_differing', 'shape mismatch')}  image "
+            f"positions differing {n.get('image_positions_differing(info)', '-')} (info)")),
+    ]
     info = r.get("replay.image_rows_envelope(info)")
     if info is not None:
         lines.append(f"{head}  {'replay image rows of full.logits (info)':<40} max |Δ| {info.numbers['max_abs']:.3g}  "
