@@ -88,6 +88,14 @@ class CaseCheck:
     def ok(self) -> bool:
         return self.error is None and self.verdict is not None and self.verdict.ok
 
+    def attempt(self, step: str, run: Callable[[], object]):
+        """run(), or None with the step recorded in not_run when the engine raises NotImplementedError."""
+        try:
+            return run()
+        except NotImplementedError as e:
+            self.not_run.append(f"{step}: {e}" if str(e) else step)
+            return None
+
     def to_dict(self) -> dict:
         out = {"case_dir": self.case_dir, "case": self.name, "ok": self.ok, "error": self.error,
                "not_run": self.not_run, "image_case": self.image_case}
@@ -146,13 +154,6 @@ def image_case_check(case: GoldenCase, engine: GoldenEngine) -> CaseCheck:
     check = CaseCheck(case_dir=str(case.path), name=case.name, image_case=True)
     g = case.golden
 
-    def attempt(step: str, run: Callable[[], object]):
-        try:
-            return run()
-        except NotImplementedError as e:
-            check.not_run.append(f"{step}: {e}" if str(e) else step)
-            return None
-
     def encode_all() -> list[dict[str, np.ndarray]]:
         out = []
         for im in case_images(case):
@@ -161,7 +162,7 @@ def image_case_check(case: GoldenCase, engine: GoldenEngine) -> CaseCheck:
             out.append({k: np.asarray(rows[k], np.float32) for k in ("vit_out", "aligner_out")})
         return out
 
-    vision = attempt("vision", encode_all)
+    vision = check.attempt("vision", encode_all)
 
     def prefill(selections: dict | None) -> dict[str, np.ndarray]:
         if vision is None:
@@ -169,8 +170,8 @@ def image_case_check(case: GoldenCase, engine: GoldenEngine) -> CaseCheck:
         image_rows = np.concatenate([v["aligner_out"] for v in vision])
         return dict(engine.prefill_image(g["full.input_ids"], g["full.token_types"], image_rows, selections))
 
-    replay = attempt("replay", lambda: prefill(replay_selections(case, "full.")))
-    own = attempt("own selection", lambda: prefill(None))
+    replay = check.attempt("replay", lambda: prefill(replay_selections(case, "full.")))
+    own = check.attempt("own selection", lambda: prefill(None))
     check.verdict = judge_image_case(case, replay, own, vision)
     return check
 
@@ -186,19 +187,13 @@ def check_case(case: GoldenCase | str | os.PathLike, engine: GoldenEngine) -> Ca
     check = CaseCheck(case_dir=str(case.path), name=case.name)
     g = case.golden
 
-    def attempt(step: str, run: Callable[[], object]):
-        try:
-            return run()
-        except NotImplementedError as e:
-            check.not_run.append(f"{step}: {e}" if str(e) else step)
-            return None
-
     full_ids = g["full.input_ids"]
-    replay = attempt("replay", lambda: _prefill_arrays(engine.prefill(full_ids, replay_selections(case, "full."))))
-    own = attempt("own selection", lambda: _prefill_arrays(engine.prefill(full_ids, None)))
-    battery = attempt("battery replay", lambda: _battery_prefills(case, engine, replay=True))
-    battery_own = attempt("battery own selection", lambda: _battery_prefills(case, engine, replay=False))
-    draft_logits = attempt("drafter", lambda: np.asarray(engine.draft(
+    forced = replay_selections(case, "full.")
+    replay = check.attempt("replay", lambda: _prefill_arrays(engine.prefill(full_ids, forced)))
+    own = check.attempt("own selection", lambda: _prefill_arrays(engine.prefill(full_ids, None)))
+    battery = check.attempt("battery replay", lambda: _battery_prefills(case, engine, replay=True))
+    battery_own = check.attempt("battery own selection", lambda: _battery_prefills(case, engine, replay=False))
+    draft_logits = check.attempt("drafter", lambda: np.asarray(engine.draft(
         g["prefill_dspark_main_hidden"], g["decode_next_ids"], g["decode_dspark_main_hidden"], g["draft_start_pos"]),
         np.float32))
     check.verdict = judge_case(case, replay, own, battery, battery_own, draft_logits)
