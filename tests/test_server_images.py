@@ -91,3 +91,21 @@ def test_bad_images_are_400_naming_the_field(server):
         body["messages"][0]["content"][1]["image_url"]["url"] = url
         r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 400 and needle in r.text and "messages[0].content[1]" in r.text, r.text
+
+
+def test_generate_cli_with_an_image(tmp_path_factory, server):
+    """`dsflash generate --image` on the same tiny vision checkpoint the server uses (made by the fixture)."""
+    import json
+    import subprocess
+    import sys
+
+    ckpt = next(Path(p) for p in tmp_path_factory.getbasetemp().glob("vl*/ckpt"))
+    image = tmp_path_factory.mktemp("img") / "x.png"
+    image.write_bytes(base64.b64decode(png(5)))
+    cmd = [sys.executable, "-m", "dsflash.cli", "generate", "--model", str(ckpt), "--prompt", "Describe it.",
+           "-n", "3", "--json", "--device", "cpu"]
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with_image = json.loads(subprocess.run(cmd + ["--image", str(image)], env=env, capture_output=True, text=True,
+                                           check=True).stdout)
+    without = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout)
+    assert with_image["prompt_tokens"] == without["prompt_tokens"] + 8  # a 2x2 aligner grid's span

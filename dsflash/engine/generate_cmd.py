@@ -14,6 +14,7 @@ from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import DEFAULT_CHUNK, Engine, Session, default_device
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
+from dsflash.model.vision import preprocess_image
 from dsflash.tokenizer import EOS_ID, load_tokenizer
 
 
@@ -70,10 +71,16 @@ def prepare_session(engine: Engine, prompt: list[int], cache: PrefixCache | None
 def run(args: argparse.Namespace) -> int:
     engine = Engine.load(args.model, box=args.box, box_token=args.box_token, box_deadline=args.box_deadline,
                          device=args.device)
-    tokenizer = None
+    tokenizer, images = None, []
+    if args.image and args.prompt is None:
+        raise SystemExit("dsflash generate: --image goes with --prompt")
     if args.prompt is not None:
         tokenizer = load_tokenizer(args.model)
-        prompt = [0] + tokenizer.encode(args.prompt, add_special_tokens=False).ids
+        prompt = [0]
+        for path in args.image or []:  # each image's span follows BOS, before the text, in the given order
+            images.append(ImageSpan(len(prompt), preprocess_image(path, engine.args)))
+            prompt += [engine.args.image_token_id] * images[-1].length
+        prompt += tokenizer.encode(args.prompt, add_special_tokens=False).ids
     else:
         prompt = json.loads(Path(args.prompt_tokens).read_text())
         if (Path(args.model) / "tokenizer.json").exists():
@@ -83,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     stats = DecodeStats()
     t0 = time.perf_counter()
     progress = Progress(not args.json)
-    session, logits = prepare_session(engine, prompt, cache, args.chunk, stats, progress)
+    session, logits = prepare_session(engine, prompt, cache, args.chunk, stats, progress, images)
     progress.close()
     out, text = [], ""
     for tok in decode(session, logits, args.n, params, stop={EOS_ID} if not args.ignore_eos else set(),
@@ -115,6 +122,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     src.add_argument("--prompt-tokens", help="JSON array of token ids")
+    p.add_argument("--image", action="append", metavar="PATH",
+                   help="an image before the --prompt text (repeatable; needs a checkpoint with the vision tower)")
     p.add_argument("-n", type=int, default=64, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
