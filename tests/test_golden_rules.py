@@ -17,6 +17,7 @@ from dsflash import cli
 from dsflash.golden.case import GoldenCase, GoldenCaseError, load_case, replay_selections
 from dsflash.golden.check import check_case, check_golden
 from dsflash.golden.rules import FAIL, FAITHFUL, PASS, CaseVerdict, judge_case
+from tests.golden_reference import assert_same_as_reference
 
 SHARED_GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 if not (SHARED_GOLDEN / "load_case.py").is_file():
@@ -88,27 +89,6 @@ def judge_both(case: GoldenCase, ref_case: dict, outputs: dict) -> tuple[CaseVer
     theirs = reference.check_engine(ref_case, replay=outputs["replay"], own=outputs["own"], battery=outputs["battery"],
                                     battery_own=outputs["battery_own"], draft_logits=outputs["draft_logits"])
     return ours, theirs
-
-
-def assert_same_as_reference(ours: CaseVerdict, theirs: dict) -> None:
-    """Tier, failed and missing rules, every rule's pass/fail and every number the reference gives, to 1e-9."""
-    assert ours.tier == theirs["tier"]
-    assert ours.failed == theirs["failed"]
-    assert ours.missing == theirs["missing"]
-    assert set(ours.rules) == set(theirs["rules"])
-    for name, ref_rule in theirs["rules"].items():
-        mine = ours.rules[name]
-        assert mine.passed == ref_rule["pass"], name
-        for key, value in ref_rule.items():
-            if key in ("pass", "bounds"):
-                continue
-            got = mine.numbers["faithful"] if key == "pass_faithful" else mine.numbers[key]
-            if isinstance(value, bool) or value is None:
-                assert got == value, (name, key, got, value)
-            else:
-                assert abs(got - value) <= 1e-9, (name, key, got, value)
-        if "bounds" in ref_rule:
-            assert mine.bounds == ref_rule["bounds"], name
 
 
 def test_reference_arrays_are_faithful(cases):
