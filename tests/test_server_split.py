@@ -23,10 +23,14 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}
         "temperature": 0, "chat_template_kwargs": {"thinking": False}}
 
 
-def start_box(ckpt: Path, port: int) -> subprocess.Popen:
+def start_box(ckpt: Path, port: int, health_port: int) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-m", "dsflash.cli", "box", "--model", str(ckpt), "--listen",
-                          f"127.0.0.1:{port}"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert "serving" in p.stdout.readline()
+                          f"127.0.0.1:{port}", "--health-port", str(health_port)], env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    line = p.stdout.readline()
+    if "serving" not in line:
+        p.kill()
+        pytest.fail(f"box did not start: {line}{p.stdout.read()}")
     return p
 
 
@@ -36,11 +40,12 @@ def split_server(tmp_path_factory):
 
     ckpt = builtin_checkpoint(tmp_path_factory.mktemp("builtin"))
     box_port, port = free_port(), free_port()
-    box = start_box(ckpt, box_port)
+    health_port = free_port()
+    box = start_box(ckpt, box_port, health_port)
     server = start_server(["-m", "dsflash.cli", "serve", "--model", str(ckpt), "--port", str(port), "--box",
                            f"127.0.0.1:{box_port}", "--box-deadline", "2", "--log-level", "warning"], port)
     base = f"http://127.0.0.1:{port}"
-    state = {"box": box}
+    state = {"box": box, "health_port": health_port}
     yield base, ckpt, box_port, state
     for p in (state["box"], server):
         p.kill()
@@ -65,12 +70,12 @@ def test_split_server_answers_then_503_while_box_down_then_recovers(split_server
         lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
     assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
 
-    state["box"] = start_box(ckpt, box_port)
+    state["box"] = start_box(ckpt, box_port, state["health_port"])
     again = client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=0,
                                            extra_body=extra)
     assert again.choices[0].message.content == first.choices[0].message.content
     metrics = httpx.get(base + "/metrics").text
     assert "dsflash_box_reconnects_total" in metrics
     # finished requests close their box sessions
-    box_health = httpx.get(f"http://127.0.0.1:{box_port + 1}/health").json()
+    box_health = httpx.get(f"http://127.0.0.1:{state['health_port']}/health").json()
     assert box_health["sessions"] == 0, box_health

@@ -31,11 +31,12 @@ class BoxProcess:
     def __init__(self, port: int, token: str | None = None, cache_dir: Path | None = None, device: str = "cpu",
                  case: Path = CASE):
         self.port, self.token, self.cache_dir, self.device, self.case = port, token, cache_dir, device, case
+        self.health_port = free_port()  # its own free port, not port + 1 (which another socket may hold)
         self.proc = None
 
     def start(self) -> "BoxProcess":
         cmd = [sys.executable, "-m", "dsflash.cli", "box", "--model", str(self.case), "--listen",
-               f"127.0.0.1:{self.port}", "--device", self.device]
+               f"127.0.0.1:{self.port}", "--device", self.device, "--health-port", str(self.health_port)]
         if self.token:
             cmd += ["--token", self.token]
         if self.cache_dir:
@@ -43,7 +44,9 @@ class BoxProcess:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         line = self.proc.stdout.readline()
-        assert "serving" in line, line
+        if "serving" not in line:
+            self.proc.kill()
+            pytest.fail(f"box did not start: {line}{self.proc.stdout.read()}")
         return self
 
     def kill(self) -> None:
@@ -51,7 +54,7 @@ class BoxProcess:
         self.proc.wait()
 
     def health(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port + 1}/health", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/health", timeout=5) as r:
             return json.loads(r.read())
 
 
