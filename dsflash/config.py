@@ -102,15 +102,9 @@ class ModelArgs:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived layer roles (spec §2.2; general rules, valid for any schedule) ----
-    def ratio(self, layer: int) -> int:
-        return self.compress_ratios[layer]
-
     def kv_source_of(self, layer: int) -> int:
         """The latest KV source at or before `layer` (its compressed cache is what the layer reads)."""
         return max(s for s in self.kv_source_layers if s <= layer)
-
-    def index_source_of(self, layer: int) -> int:
-        return max(s for s in self.index_source_layers if s <= layer)
 
     def moe_experts(self, layer: int) -> tuple[int, int]:
         """(routed, activated) for a backbone layer or a DSpark stage (layer >= n_layers)."""
