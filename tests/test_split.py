@@ -222,3 +222,9 @@ def test_box_killed_mid_prefill_and_restarted_gives_the_same_state(local, box):
     assert torch.equal(result["logits"], ref.prefill(ids, chunk=16))
     assert torch.equal(s.step(s.pos, [5, 6]), ref.step(ref.pos, [5, 6]))
     assert split.link.reconnects >= 1
+
+
+def test_a_non_loopback_box_needs_a_token():
+    r = subprocess.run([sys.executable, "-m", "dsflash.cli", "box", "--model", str(CASE), "--listen", "0.0.0.0:7999"],
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--token" in r.stderr
