@@ -75,8 +75,17 @@ class MoE:
         if chunk is not None and chunk.trace is not None:
             chunk.trace.setdefault("moe_ids", {})[self.layer] = ids[: chunk.n]
         y = torch.zeros_like(x, dtype=torch.float32)
-        for e in torch.unique(ids).tolist():
-            rows, slot = torch.where(ids == e)
-            y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
+        # (row, slot) pairs grouped by expert, rows ascending inside each group (a stable sort of the flat
+        # picks), with one host read of the group sizes instead of one per expert
+        flat = ids.flatten()
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        start = 0
+        for e, count in enumerate(counts):  # ascending expert id: the summation order of the reference
+            if count:
+                pairs = order[start:start + count]
+                rows, slot = pairs // self.topk, pairs % self.topk
+                y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
+                start += count
         y += self.shared(x)
         return y.to(x.dtype)
