@@ -60,23 +60,27 @@ class Chunk:
     candidates: torch.Tensor | None = None  # published by the candidate source: bool [rows, entries]
     trace: dict | None = None  # debugging: per-layer intermediate outputs when a dict is given
     row_tile: int = 1  # rows are padded to a multiple of this (see Transformer.forward)
+    _p0: int | None = None
 
     def drop_front(self, k: int) -> Chunk:
         """The same chunk without its first k rows (re-padded), keeping what the layers published."""
         n = self.n - k
         rows = n + (-n % self.row_tile)
-        start = int(self.positions[k])
+        start = self.p0 + k
         positions = torch.arange(start, start + rows, device=self.positions.device)
 
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else fit_rows(t[k:], rows)
 
         return Chunk(self.state, positions, n, self.select, cut(self.image_mask), cut(self.topk),
-                     cut(self.candidates), self.trace, self.row_tile)
+                     cut(self.candidates), self.trace, self.row_tile, start)
 
     @property
     def p0(self) -> int:
-        return int(self.positions[0])
+        # positions are consecutive; the first is read once (a device read per use would stall the GPU)
+        if self._p0 is None:
+            self._p0 = int(self.positions[0])
+        return self._p0
 
     @property
     def rows(self) -> int:

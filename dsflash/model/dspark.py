@@ -84,7 +84,9 @@ class DSpark:
         """Store the context KV of target rows (main_hidden = the taps' stream means, [N, n_taps*D])."""
         n = positions.numel()
         rows = pad_rows(main_hidden, self.k.row_tile)
-        pos = torch.arange(int(positions[0]), int(positions[0]) + rows.size(0), device=rows.device)
+        first = int(positions[0])
+        pos = torch.arange(first, first + rows.size(0), device=rows.device)
+        self.stages[0].attn.rope.reserve(first + rows.size(0), rows.device)
         main_x = rms_norm(self.k.linear(rows, self.main_proj), self.main_norm, self.args.norm_eps, self.k)
         for block in self.stages:
             block.attn.write_context(state, main_x, pos, n)
@@ -100,7 +102,8 @@ class DSpark:
         dev = self.embed.device
         ids = torch.tensor([anchor] + [a.dspark_noise_token_id] * (b - 1), device=dev)
         rows = pad_rows(F.embedding(ids, self.embed), self.k.row_tile)
-        chunk = Chunk(state, torch.arange(p0, p0 + rows.size(0), device=dev), b, row_tile=self.k.row_tile)
+        chunk = Chunk(state, torch.arange(p0, p0 + rows.size(0), device=dev), b, row_tile=self.k.row_tile, _p0=p0)
+        self.stages[0].attn.rope.reserve(p0 + rows.size(0), dev)
         h = rows.unsqueeze(1).repeat(1, a.hc_mult, 1)
         pre = torch.zeros(rows.size(0), a.hc_mult, device=dev)
         pre[:, 0] = 1.0

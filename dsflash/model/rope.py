@@ -41,17 +41,19 @@ class Rope:
         angles = torch.outer(pos, self.freqs)
         return torch.polar(torch.ones_like(angles), angles)
 
-    def factors(self, positions: torch.Tensor) -> torch.Tensor:
-        """complex64 [N, dim/2] for int64 positions [N]. The table is computed on the CPU for every
-        backend (so all rotate by the same factors) and grows by doubling."""
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        table = self._tables.get(positions.device)
-        if table is None or table.size(0) < need:
+    def reserve(self, end: int, device: torch.device) -> None:
+        """Make the table on `device` cover positions < end. The table is computed on the CPU for every
+        backend (so all rotate by the same factors) and grows by doubling. Entry points reserve once per
+        forward, so rotations never read a position back from the device to check it."""
+        table = self._tables.get(device)
+        if table is None or table.size(0) < end:
             have = 0 if table is None else table.size(0) // _POSITION_BLOCK
-            blocks = max(-(-need // _POSITION_BLOCK), 2 * have)
-            table = torch.cat([self._block(b) for b in range(blocks)]).to(positions.device)
-            self._tables[positions.device] = table
-        return table[positions]
+            blocks = max(-(-end // _POSITION_BLOCK), 2 * have)
+            self._tables[device] = torch.cat([self._block(b) for b in range(blocks)]).to(device)
+
+    def factors(self, positions: torch.Tensor) -> torch.Tensor:
+        """complex64 [N, dim/2] for int64 positions [N] (reserved beforehand)."""
+        return self._tables[positions.device][positions]
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last `dim` channels of x ([N, dim_total] or [N, H, dim_total]) in place."""

@@ -107,6 +107,8 @@ class Transformer:
         n = ids.numel() if ids is not None else streams.size(0)
         rows = n + (-n % self.k.row_tile)
         positions = torch.arange(state.pos, state.pos + rows, device=self.device)
+        for rope in self.ropes:  # tail mode re-pads its shrinking row set: at most a tile past the last row
+            rope.reserve(state.pos + n + self.k.row_tile, self.device)
         if token_types is not None:
             if token_types.numel() != n:
                 raise ValueError(f"token_types has {token_types.numel()} entries for {n} rows")
@@ -119,7 +121,7 @@ class Transformer:
         mask = None
         if image_mask is not None:
             mask = torch.cat([image_mask, image_mask.new_zeros(rows - n)])
-        chunk = Chunk(state, positions, n, select, mask, trace=trace, row_tile=self.k.row_tile)
+        chunk = Chunk(state, positions, n, select, mask, trace=trace, row_tile=self.k.row_tile, _p0=state.pos)
         if self.layers.start == 0:
             ids = torch.cat([ids, ids[-1:].expand(rows - n)])
             x = F.embedding(ids, self.embed)
@@ -148,7 +150,7 @@ class Transformer:
         for i in self.layers:
             if tail_only:
                 keep_from = end - win - (self.layers.stop - 1 - i) * (win - 1)
-                drop = keep_from - int(chunk.positions[0])
+                drop = keep_from - chunk.p0
                 if drop > 0:
                     chunk = chunk.drop_front(drop)
                     h, pre = fit_rows(h[drop:], chunk.rows), fit_rows(pre[drop:], chunk.rows)
@@ -175,4 +177,4 @@ class Transformer:
             entries = self.next_source.entries(x, chunk)
         main_hidden = torch.cat(taps, dim=-1)[:n] if taps else None
         return ForwardOutput(logits, *(handoff or (None, None)), main_hidden, h[:n], pre[:n], entries,
-                             int(chunk.positions[0]))
+                             chunk.p0)
