@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsflash.engine.sampling import SamplingParams
+from dsflash.engine.sampling import History, SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
@@ -59,7 +59,12 @@ def test_rollback_beyond_the_rings_is_refused(engine):
         s.rollback(10)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=3)])
+PENALISED = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.5)
+DECODING = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=3),
+            PENALISED, dataclasses.replace(PENALISED, temperature=0.7, seed=5)]
+
+
+@pytest.mark.parametrize("params", DECODING)
 def test_dspark_output_equals_plain_decoding(engine, params):
     for seed in range(4):
         ids = prompt(20 + 9 * seed, seed=seed)
@@ -71,6 +76,66 @@ def test_dspark_output_equals_plain_decoding(engine, params):
             if k:
                 assert stats.drafted > 0
         assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("params", DECODING)
+def test_accepted_drafts_give_plain_decoding(engine, params):
+    """The tiny checkpoint's random drafter is almost never right, so this test drafts from the known plain
+    output with one wrong token in some slot (a drafter stand-in, said so): the verifier must accept the
+    right prefix, reject the rest and still give exactly the plain tokens."""
+    ids = prompt(25, seed=2)
+    s = engine.session()
+    plain = list(decode(s, s.prefill(ids), 24, params, stop=set()))
+    s = engine.session()
+
+    def oracle(anchor, *_):
+        i = s.pos - len(ids)  # the anchor is output token i
+        drafts = plain[i + 1:i + 1 + 4] + [0] * 4
+        wrong = i % 5  # slot of the wrong token; 4 means all right
+        if wrong < 4:
+            drafts[wrong] = (drafts[wrong] + 1) % 512
+        return drafts[:4]
+
+    s.draft = oracle
+    stats = DecodeStats()
+    assert list(decode(s, s.prefill(ids), 24, params, stop=set(), dspark=4, stats=stats)) == plain
+    assert stats.accepted > 0 and stats.accepted < stats.drafted
+
+
+def test_penalties_by_hand():
+    h = History([4, 7])
+    h.add(7)
+    h.add(9)
+    h.add(9)
+    logits = torch.tensor([1.0, -1.0, 2.0, 0.5, 3.0, 0.0, 0.0, -2.0, 0.0, 4.0])
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    want = logits.double().clone()
+    want[4] = 3.0 / 2  # prompt only: repetition penalty
+    want[7] = -2.0 * 2 - 0.25 - 0.5  # prompt and output once
+    want[9] = 4.0 / 2 - 2 * 0.25 - 0.5  # output twice
+    assert torch.equal(h.penalise(logits, p), want)
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=2.5)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0)
+
+
+def test_penalised_decoding_equals_a_token_by_token_loop(engine):
+    """decode() keeps the penalties' history right; the hand loop recomputes it from the tokens."""
+    ids = prompt(30, seed=7)
+    s = engine.session()
+    got = list(decode(s, s.prefill(ids), 20, PENALISED, stop=set(), dspark=2))
+    s = engine.session()
+    logits, out = s.prefill(ids), []
+    for _ in range(20):
+        h = History(ids)
+        for t in out:
+            h.add(t)
+        out.append(int(torch.argmax(h.penalise(logits, PENALISED))))
+        logits = s.step(s.pos, [out[-1]])[0]
+    assert got == out
+    s = engine.session()
+    assert list(decode(s, s.prefill(ids), 20, SamplingParams(), stop=set())) != out  # the penalties do act
 
 
 def test_resume_from_snapshot_equals_fresh(engine):

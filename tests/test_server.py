@@ -121,6 +121,11 @@ def test_completions(oai):
         stop = text[1:3]
         cut = oai.completions.create(model="tiny", prompt="def sum", max_tokens=5, temperature=0, stop=[stop])
         assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    plain = oai.completions.create(model="tiny", prompt="def sum", max_tokens=32, temperature=0).choices[0].text
+    penalised = dict(model="tiny", prompt="def sum", max_tokens=32, temperature=0, presence_penalty=2,
+                     frequency_penalty=2, extra_body={"repetition_penalty": 3.0})
+    first = oai.completions.create(**penalised).choices[0].text
+    assert first != plain and oai.completions.create(**penalised).choices[0].text == first
 
 
 def test_anthropic_messages(claude):
@@ -146,6 +151,8 @@ def test_anthropic_messages(claude):
     ('{"messages": []}', "messages"),
     ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
     ('{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
+    ('{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}', "presence_penalty"),
+    ('{"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}', "repetition_penalty"),
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role"),
     ('{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": []}}',
      "stream_options.include_usage"),

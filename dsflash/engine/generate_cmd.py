@@ -85,7 +85,11 @@ def run(args: argparse.Namespace) -> int:
         prompt = json.loads(Path(args.prompt_tokens).read_text())
         if (Path(args.model) / "tokenizer.json").exists():
             tokenizer = load_tokenizer(args.model)
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+    try:
+        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed,
+                                args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
+    except ValueError as e:
+        raise SystemExit(f"dsflash generate: {e}") from e
     cache = PrefixCache(engine.identity, disk_dir=args.cache_dir) if args.cache_dir else None
     stats = DecodeStats()
     t0 = time.perf_counter()
@@ -129,6 +133,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dspark", type=int, default=0, metavar="K", help="DSpark draft depth limit (0 = off)")
     p.add_argument("--cache-dir", help="prefix-cache directory")

@@ -1,4 +1,4 @@
-"""Sampling as a pure function of (seed, absolute position, logits).
+"""Sampling as a pure function of (seed, absolute position, logits, tokens so far).
 
 The noise for a position comes from a counter-based hash of (seed, position, token id), never from a
 stateful generator, so the same seed gives the same text whether tokens were drafted, resumed from a
@@ -7,6 +7,8 @@ cache or rebuilt after a box restart. Sampling is Gumbel-max over the filtered, 
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +24,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
     seed: int = 0
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0  # HF/vLLM: over prompt and output, logits > 0 divided, others multiplied
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -32,6 +37,15 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:
@@ -73,9 +87,38 @@ def filtered_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
-def sample(logits: torch.Tensor, position: int, p: SamplingParams) -> int:
-    """The token at `position` given its fp32 logits [V]."""
+class History:
+    """The tokens the penalties look at: the prompt (a set) and the output so far (counts). Both follow
+    from the token sequence alone, so penalised sampling stays exact across drafts, resumes and restarts."""
+
+    def __init__(self, prompt: Iterable[int] = ()) -> None:
+        self.prompt = set(prompt)
+        self.output: Counter[int] = Counter()
+
+    def add(self, token: int) -> None:
+        self.output[token] += 1
+
+    def penalise(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """fp64 logits with the repetition penalty, then the frequency and presence penalties, applied."""
+        x = logits.double().clone()
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(sorted(self.prompt | self.output.keys()), dtype=torch.long)
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if self.output and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(list(self.output), dtype=torch.long)
+            counts = torch.tensor([self.output[t] for t in self.output], dtype=torch.float64)
+            x[ids] -= counts * p.frequency_penalty + p.presence_penalty
+        return x
+
+
+def sample(logits: torch.Tensor, position: int, p: SamplingParams, history: History | None = None) -> int:
+    """The token at `position` given its fp32 logits [V] (and, for the penalties, the tokens so far)."""
     logits = logits.cpu()
+    if p.penalised:
+        if history is None:
+            raise ValueError("penalised sampling needs the token history")
+        logits = history.penalise(logits, p)
     if p.greedy:
         return int(torch.argmax(logits))
     x = filtered_logits(logits, p)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from dsflash.engine.sampling import SamplingParams, sample
+from dsflash.engine.sampling import History, SamplingParams, sample
 from dsflash.engine.session import Session
 
 
@@ -100,9 +100,12 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
     if dspark and session.decoder.dspark:
         depth = DraftDepth(min(dspark, session.engine.args.dspark_block_size))
     t0 = time.perf_counter()
-    tok = sample(first_logits, session.pos, params)
+    history = History(session.tokens) if params.penalised else None
+    tok = sample(first_logits, session.pos, params, history)
     emitted = 0
     while True:
+        if history is not None:
+            history.add(tok)
         yield tok
         emitted += 1
         stats.generated += 1
@@ -118,11 +121,13 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
         ts = time.perf_counter() - ts
         accepted = 0
         for j, d in enumerate(drafts):
-            target = sample(logits[j], p + j + 1, params)
+            target = sample(logits[j], p + j + 1, params, history)
             if target != d:
                 break
             accepted += 1
-        new_anchor = sample(logits[accepted], p + accepted + 1, params)
+            if history is not None:
+                history.add(d)
+        new_anchor = sample(logits[accepted], p + accepted + 1, params, history)
         stats.cycles += 1
         stats.drafted += len(drafts)
         stats.accepted += accepted

@@ -343,6 +343,9 @@ class _Sampling(_Body):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
@@ -410,7 +413,10 @@ def _sampling(req, default_temperature: float = 1.0) -> SamplingParams:
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     try:
         return SamplingParams(temperature, req.top_p if req.top_p is not None else 1.0, top_k,
-                              getattr(req, "min_p", None) or 0.0, seed)
+                              getattr(req, "min_p", None) or 0.0, seed,
+                              getattr(req, "presence_penalty", None) or 0.0,
+                              getattr(req, "frequency_penalty", None) or 0.0,
+                              getattr(req, "repetition_penalty", None) or 1.0)
     except ValueError as e:
         raise ApiError(400, str(e), str(e).split(" ")[0]) from e
 
