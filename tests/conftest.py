@@ -29,6 +29,21 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 """
 
 
+def partly_right_drafter(session, prompt_len: int, plain: list[int], k: int = 4):
+    """A stand-in for `Session.draft` (the tiny checkpoint's random drafter is almost never right): the
+    next `k` tokens of the known plain output with one wrong token in a slot that cycles, or none."""
+
+    def draft(anchor: int, *_) -> list[int]:
+        i = session.pos - prompt_len  # the anchor is output token i
+        drafts = (plain[i + 1:i + 1 + k] + [0] * k)[:k]
+        wrong = i % (k + 1)
+        if wrong < k:
+            drafts[wrong] = (drafts[wrong] + 1) % 512
+        return drafts
+
+    return draft
+
+
 def free_port() -> int:
     import socket
 

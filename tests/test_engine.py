@@ -15,7 +15,7 @@ from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.engine.state import RollbackError, SequenceState
 from dsflash.model.load import load_model
-from tests.conftest import GOLDEN_CASES
+from tests.conftest import GOLDEN_CASES, partly_right_drafter
 
 CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
 
@@ -87,16 +87,7 @@ def test_accepted_drafts_give_plain_decoding(engine, params):
     s = engine.session()
     plain = list(decode(s, s.prefill(ids), 24, params, stop=set()))
     s = engine.session()
-
-    def oracle(anchor, *_):
-        i = s.pos - len(ids)  # the anchor is output token i
-        drafts = plain[i + 1:i + 1 + 4] + [0] * 4
-        wrong = i % 5  # slot of the wrong token; 4 means all right
-        if wrong < 4:
-            drafts[wrong] = (drafts[wrong] + 1) % 512
-        return drafts[:4]
-
-    s.draft = oracle
+    s.draft = partly_right_drafter(s, len(ids), plain)
     stats = DecodeStats()
     assert list(decode(s, s.prefill(ids), 24, params, stop=set(), dspark=4, stats=stats)) == plain
     assert stats.accepted > 0 and stats.accepted < stats.drafted

@@ -18,10 +18,10 @@ import torch
 
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
-from dsflash.engine.spec import decode
+from dsflash.engine.spec import DecodeStats, decode
 from dsflash.split.link import BoxRefused, BoxUnavailable
 from dsflash.split.protocol import Frame, FrameType, read_frame
-from tests.conftest import GOLDEN_CASES, free_port
+from tests.conftest import GOLDEN_CASES, free_port, partly_right_drafter
 
 CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +94,14 @@ def test_split_equals_single_process(local, box):
         x, y = local.session(), split.session()
         assert greedy(x, x.prefill(ids, chunk=16), 8, k, params) == greedy(y, y.prefill(ids, chunk=16), 8, k, params)
     assert box.health()["sessions"] >= 1
+    # partly accepted drafts: the box rolls back to the accepted row and the text stays the plain one
+    x = local.session()
+    plain = greedy(x, x.prefill(ids, chunk=16), 12)
+    y = split.session()
+    y.draft = partly_right_drafter(y, len(ids), plain)
+    stats = DecodeStats()
+    assert list(decode(y, y.prefill(ids, chunk=16), 12, GREEDY, stop=set(), dspark=4, stats=stats)) == plain
+    assert 0 < stats.accepted < stats.drafted
 
 
 @pytest.mark.slow
