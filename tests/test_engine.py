@@ -93,22 +93,26 @@ def test_accepted_drafts_give_plain_decoding(engine, params):
     assert stats.accepted > 0 and stats.accepted < stats.drafted
 
 
-def test_penalties_by_hand():
+def test_penalties_and_biases_by_hand():
     h = History([4, 7])
     h.add(7)
     h.add(9)
     h.add(9)
     logits = torch.tensor([1.0, -1.0, 2.0, 0.5, 3.0, 0.0, 0.0, -2.0, 0.0, 4.0])
-    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
+                       logit_bias=((2, -1.5), (9, 0.25)))
     want = logits.double().clone()
+    want[2] = 2.0 - 1.5
     want[4] = 3.0 / 2  # prompt only: repetition penalty
     want[7] = -2.0 * 2 - 0.25 - 0.5  # prompt and output once
-    want[9] = 4.0 / 2 - 2 * 0.25 - 0.5  # output twice
-    assert torch.equal(h.penalise(logits, p), want)
+    want[9] = 4.0 / 2 - 2 * 0.25 - 0.5 + 0.25  # output twice, then the bias
+    assert torch.equal(h.adjust(logits, p), want)
     with pytest.raises(ValueError, match="presence_penalty"):
         SamplingParams(presence_penalty=2.5)
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=0)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((3, 200.0),))
 
 
 def test_penalised_decoding_equals_a_token_by_token_loop(engine):
@@ -122,7 +126,7 @@ def test_penalised_decoding_equals_a_token_by_token_loop(engine):
         h = History(ids)
         for t in out:
             h.add(t)
-        out.append(int(torch.argmax(h.penalise(logits, PENALISED))))
+        out.append(int(torch.argmax(h.adjust(logits, PENALISED))))
         logits = s.step(s.pos, [out[-1]])[0]
     assert got == out
     s = engine.session()

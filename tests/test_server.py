@@ -110,6 +110,13 @@ def test_chat_thinking_logprobs_and_stop(oai):
     assert again.choices[0].message.model_extra["reasoning_content"] == msg.model_extra["reasoning_content"]
 
 
+def test_logit_bias_forces_a_token(oai):
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                    temperature=0, logit_bias={"300": 100}, logprobs=True)
+    tokens = [x.token for x in r.choices[0].logprobs.content]
+    assert len(tokens) == 4 and len(set(tokens)) == 1
+
+
 def test_completions(oai):
     r = oai.completions.create(model="tiny", prompt="def sum", max_tokens=5, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
@@ -153,6 +160,11 @@ def test_anthropic_messages(claude):
     ('{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
     ('{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}', "presence_penalty"),
     ('{"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}', "repetition_penalty"),
+    ('{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}', "logit_bias"),
+    ('{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}', "logit_bias"),
+    ('{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}}', "logit_bias"),
+    ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
+     "response_format"),
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role"),
     ('{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": []}}',
      "stream_options.include_usage"),

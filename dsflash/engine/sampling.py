@@ -27,6 +27,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # OpenAI: subtracted once per occurrence in the output
     repetition_penalty: float = 1.0  # HF/vLLM: over prompt and output, logits > 0 divided, others multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI: (token id, bias in [-100, 100]) added last
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -42,10 +43,15 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
 
     @property
-    def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+    def adjusted(self) -> bool:
+        """Whether the logits are changed before sampling (penalties or biases)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -98,8 +104,9 @@ class History:
     def add(self, token: int) -> None:
         self.output[token] += 1
 
-    def penalise(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-        """fp64 logits with the repetition penalty, then the frequency and presence penalties, applied."""
+    def adjust(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """fp64 logits with the repetition penalty, then the frequency and presence penalties, then the
+        logit biases applied."""
         x = logits.double().clone()
         if p.repetition_penalty != 1:
             seen = torch.tensor(sorted(self.prompt | self.output.keys()), dtype=torch.long)
@@ -109,16 +116,18 @@ class History:
             ids = torch.tensor(list(self.output), dtype=torch.long)
             counts = torch.tensor([self.output[t] for t in self.output], dtype=torch.float64)
             x[ids] -= counts * p.frequency_penalty + p.presence_penalty
+        for token, bias in p.logit_bias:
+            x[token] += bias
         return x
 
 
 def sample(logits: torch.Tensor, position: int, p: SamplingParams, history: History | None = None) -> int:
     """The token at `position` given its fp32 logits [V] (and, for the penalties, the tokens so far)."""
     logits = logits.cpu()
-    if p.penalised:
+    if p.adjusted:
         if history is None:
-            raise ValueError("penalised sampling needs the token history")
-        logits = history.penalise(logits, p)
+            raise ValueError("penalties and biases need the token history")
+        logits = history.adjust(logits, p)
     if p.greedy:
         return int(torch.argmax(logits))
     x = filtered_logits(logits, p)

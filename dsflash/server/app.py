@@ -346,6 +346,7 @@ class _Sampling(_Body):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
@@ -360,6 +361,7 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: str | int | None = None
+    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -407,7 +409,18 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    try:
+        return tuple(sorted((int(k), float(v)) for k, v in (bias or {}).items()))
+    except ValueError as e:
+        raise ApiError(400, "logit_bias: keys must be token ids", "logit_bias") from e
+
+
 def _sampling(req, default_temperature: float = 1.0) -> SamplingParams:
+    response_format = getattr(req, "response_format", None)
+    if response_format and response_format.get("type") != "text":
+        raise ApiError(400, f"response_format: {response_format.get('type')!r} is not supported (no constrained "
+                            "decoding); only {'type': 'text'}", "response_format")
     temperature = default_temperature if req.temperature is None else req.temperature
     seed = req.seed if getattr(req, "seed", None) is not None else secrets.randbits(63)
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
@@ -416,7 +429,8 @@ def _sampling(req, default_temperature: float = 1.0) -> SamplingParams:
                               getattr(req, "min_p", None) or 0.0, seed,
                               getattr(req, "presence_penalty", None) or 0.0,
                               getattr(req, "frequency_penalty", None) or 0.0,
-                              getattr(req, "repetition_penalty", None) or 1.0)
+                              getattr(req, "repetition_penalty", None) or 1.0,
+                              _logit_bias(getattr(req, "logit_bias", None)))
     except ValueError as e:
         raise ApiError(400, str(e), str(e).split(" ")[0]) from e
 
@@ -537,6 +551,9 @@ class Server:
                                 f"{len(prompt)} tokens, which leaves no room to generate.",
                            "messages", "context_length_exceeded",
                            extra={"prompt_tokens": len(prompt), "max_context": limit})
+        vocab = self.engine.args.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ApiError(400, f"logit_bias: token ids must be below the vocabulary size {vocab}", "logit_bias")
         room = limit - len(prompt)
         if max_tokens is not None and max_tokens > room:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens; the request asks for "
