@@ -336,6 +336,29 @@ def test_tool_call_round_trip_through_the_real_model(oai, claude):
     assert m.stop_reason in ("end_turn", "max_tokens", "tool_use") and m.usage.input_tokens >= 0
 
 
+def test_tool_choice(oai, claude, server):
+    """none keeps the tools out of the prompt; a forced call is refused (no constrained decoding), never
+    quietly treated as auto."""
+    tools = [{"type": "function", "function": {"name": "f", "description": "a tool",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0,
+              extra_body=NO_THINK)
+    bare = oai.chat.completions.create(**kw).usage.prompt_tokens
+    assert oai.chat.completions.create(**kw, tools=tools, tool_choice="none").usage.prompt_tokens == bare
+    assert oai.chat.completions.create(**kw, tools=tools, tool_choice="auto").usage.prompt_tokens > bare + 20
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "tools": tools}
+    forced = [("/v1/chat/completions", {**chat, "tool_choice": "required"}),
+              ("/v1/chat/completions", {**chat, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+              ("/v1/responses", {"model": "tiny", "input": "Hi", "tools": [{"type": "function", "name": "f"}],
+                                 "tool_choice": "required"}),
+              ("/v1/messages", {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}],
+                                "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                                "tool_choice": {"type": "any"}})]
+    for path, body in forced:
+        r = httpx.post(server + path, json=body, timeout=60)
+        assert r.status_code == 400 and "tool_choice" in r.text, (path, r.text)
+
+
 def test_streamed_prefill_progress(server):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me a story " * 8}], "max_tokens": 2,
             "stream": True, "return_progress": True, **NO_THINK}

@@ -451,6 +451,19 @@ def _reasoning_effort(value: str | int | None) -> tuple[bool | None, int | None]
     return (False, None) if effort is None else (None, effort)
 
 
+def offered_tools(tools: list[dict] | None, tool_choice: Any) -> list[dict] | None:
+    """The tools put in the prompt under `tool_choice` (OpenAI, Responses or Anthropic spelling): all of
+    them for auto, none for none. A forced call (required/any or a named tool) would need constrained
+    decoding, which dsflash does not do, so it is refused rather than silently treated as auto."""
+    kind = tool_choice.get("type") if isinstance(tool_choice, dict) else tool_choice
+    if kind in (None, "auto"):
+        return tools
+    if kind == "none":
+        return None
+    raise ApiError(400, f"tool_choice: {kind!r} (a forced tool call) is not supported; use 'auto' or 'none'",
+                   "tool_choice")
+
+
 def _anthropic_to_openai(req: MessagesRequest, images: Images) -> tuple[list[dict], list[dict] | None]:
     messages: list[dict] = []
     if req.system is not None:
@@ -741,7 +754,8 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         thinking = True if thinking is None else thinking
         images = Images()
         try:
-            text = encode_messages(images.openai_messages(req.messages), req.tools, thinking, effort)
+            text = encode_messages(images.openai_messages(req.messages), offered_tools(req.tools, req.tool_choice),
+                                   thinking, effort)
         except EncodingError as e:
             raise ApiError(400, str(e), str(e).split(":")[0]) from e
         except ImageError as e:
@@ -898,6 +912,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         m.inc(m.requests, "messages")
         images = Images()
         msgs, tools = _anthropic_to_openai(req, images)
+        tools = offered_tools(tools, req.tool_choice)
         thinking = req.thinking is not None and req.thinking.type != "disabled"
         try:
             text = encode_messages(msgs, tools, thinking)

@@ -27,6 +27,7 @@ from dsflash.server.app import (
     _Sampling,
     _sampling,
     _stop_list,
+    offered_tools,
     with_keepalive,
 )
 from dsflash.server.dsml import Collected, ContentDelta, DsmlParser, ToolCallArgumentsDelta, ToolCallStart
@@ -142,6 +143,7 @@ def add_routes(app: FastAPI, srv: Server, model_name: str) -> None:
         thinking = bool(req.reasoning) if thinking is None else thinking
         images = Images()
         messages, tools = to_messages(req, images)
+        tools = offered_tools(tools, req.tool_choice)
         try:
             text = encode_messages(messages, tools, thinking, effort)
         except EncodingError as e:
