@@ -107,6 +107,9 @@ def test_penalties_and_biases_by_hand():
     want[7] = -2.0 * 2 - 0.25 - 0.5  # prompt and output once
     want[9] = 4.0 / 2 - 2 * 0.25 - 0.5 + 0.25  # output twice, then the bias
     assert torch.equal(h.adjust(logits, p), want)
+    ends = dict(min_tokens=4, end_ids=(1, 5))
+    assert torch.equal(h.adjust(logits, SamplingParams(**ends))[[1, 5]], torch.full((2,), -torch.inf).double())
+    assert torch.equal(h.adjust(logits, SamplingParams(**{**ends, "min_tokens": 3})), logits.double())
     with pytest.raises(ValueError, match="presence_penalty"):
         SamplingParams(presence_penalty=2.5)
     with pytest.raises(ValueError, match="repetition_penalty"):

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dsflash.tokenizer import EOS_ID
 from tests.conftest import serve_app
 
 anthropic = pytest.importorskip("anthropic")
@@ -117,6 +118,19 @@ def test_logit_bias_forces_a_token(oai):
     assert len(tokens) == 4 and len(set(tokens)) == 1
 
 
+def test_end_tokens_min_tokens_and_ignore_eos(oai):
+    eos = {str(EOS_ID): 100}
+    kw = dict(model="tiny", prompt="def sum", max_tokens=6, temperature=0)
+    r = oai.completions.create(**kw, logit_bias=eos)
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 1)
+    r = oai.completions.create(**kw, logit_bias=eos, extra_body={"min_tokens": 3})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 4)
+    r = oai.completions.create(**kw, logit_bias=eos, extra_body={"ignore_eos": True})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 6)
+    r = oai.completions.create(**kw, logit_bias={"300": 100}, extra_body={"stop_token_ids": [300]})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens, r.choices[0].text) == ("stop", 1, "")
+
+
 def test_completions(oai):
     r = oai.completions.create(model="tiny", prompt="def sum", max_tokens=5, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
@@ -163,6 +177,8 @@ def test_anthropic_messages(claude):
     ('{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}', "logit_bias"),
     ('{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}', "logit_bias"),
     ('{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}}', "logit_bias"),
+    ('{"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [99999]}', "stop_token_ids"),
+    ('{"messages": [{"role": "user", "content": "x"}], "min_tokens": -1}', "min_tokens"),
     ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
      "response_format"),
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role"),

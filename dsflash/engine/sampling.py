@@ -28,6 +28,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: subtracted once per occurrence in the output
     repetition_penalty: float = 1.0  # HF/vLLM: over prompt and output, logits > 0 divided, others multiplied
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI: (token id, bias in [-100, 100]) added last
+    min_tokens: int = 0  # vLLM: the end tokens below are banned until this many tokens were generated
+    end_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -43,6 +45,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         for token, bias in self.logit_bias:
             if token < 0 or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
@@ -51,7 +55,7 @@ class SamplingParams:
     def adjusted(self) -> bool:
         """Whether the logits are changed before sampling (penalties or biases)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias)
+                    or self.logit_bias or (self.min_tokens and self.end_ids))
 
     @property
     def greedy(self) -> bool:
@@ -106,7 +110,7 @@ class History:
 
     def adjust(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         """fp64 logits with the repetition penalty, then the frequency and presence penalties, then the
-        logit biases applied."""
+        logit biases applied, and the end tokens banned while the output is shorter than min_tokens."""
         x = logits.double().clone()
         if p.repetition_penalty != 1:
             seen = torch.tensor(sorted(self.prompt | self.output.keys()), dtype=torch.long)
@@ -118,6 +122,8 @@ class History:
             x[ids] -= counts * p.frequency_penalty + p.presence_penalty
         for token, bias in p.logit_bias:
             x[token] += bias
+        if self.output.total() < p.min_tokens:
+            x[list(p.end_ids)] = -torch.inf
         return x
 
 

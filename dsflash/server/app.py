@@ -259,7 +259,8 @@ class Worker:
         pending_lp: list[dict] = []
         last = None
         t_dec = time.perf_counter()
-        for i, tok in enumerate(decode(session, first_logits, job.max_new, job.params, {EOS_ID}, dspark=dspark,
+        end = set(job.params.end_ids)
+        for i, tok in enumerate(decode(session, first_logits, job.max_new, job.params, end, dspark=dspark,
                                        stats=stats, stopped=job.cancel.is_set)):
             now = time.perf_counter()
             with m.lock:
@@ -275,7 +276,7 @@ class Worker:
                 row = first_logits if i == 0 else session.last_logits
                 lp, best = logprobs(row, tok, job.top_logprobs)
                 pending_lp.append(self._lp_entry(tok, lp, best))
-            if tok == EOS_ID:
+            if tok in end:
                 finish = "stop"
                 break
             out.append(tok)
@@ -347,6 +348,11 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
     logit_bias: dict[str, float] | None = None
+    # vLLM's extensions: generation ends at EOS (unless ignore_eos) or at any of stop_token_ids, neither of
+    # which may come before min_tokens tokens
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
@@ -416,6 +422,15 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         raise ApiError(400, "logit_bias: keys must be token ids", "logit_bias") from e
 
 
+def _end_ids(req) -> tuple[int, ...]:
+    ids = set(getattr(req, "stop_token_ids", None) or ())
+    if not getattr(req, "ignore_eos", False):
+        ids.add(EOS_ID)
+    if any(i < 0 for i in ids):
+        raise ApiError(400, "stop_token_ids: must be token ids", "stop_token_ids")
+    return tuple(sorted(ids))
+
+
 def _sampling(req, default_temperature: float = 1.0) -> SamplingParams:
     response_format = getattr(req, "response_format", None)
     if response_format and response_format.get("type") != "text":
@@ -430,7 +445,8 @@ def _sampling(req, default_temperature: float = 1.0) -> SamplingParams:
                               getattr(req, "presence_penalty", None) or 0.0,
                               getattr(req, "frequency_penalty", None) or 0.0,
                               getattr(req, "repetition_penalty", None) or 1.0,
-                              _logit_bias(getattr(req, "logit_bias", None)))
+                              _logit_bias(getattr(req, "logit_bias", None)), getattr(req, "min_tokens", 0),
+                              _end_ids(req))
     except ValueError as e:
         raise ApiError(400, str(e), str(e).split(" ")[0]) from e
 
@@ -567,6 +583,9 @@ class Server:
         vocab = self.engine.args.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ApiError(400, f"logit_bias: token ids must be below the vocabulary size {vocab}", "logit_bias")
+        if any(t >= vocab for t in params.end_ids):
+            raise ApiError(400, f"stop_token_ids: token ids must be below the vocabulary size {vocab}",
+                           "stop_token_ids")
         room = limit - len(prompt)
         if max_tokens is not None and max_tokens > room:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens; the request asks for "
