@@ -61,7 +61,8 @@ def test_rollback_beyond_the_rings_is_refused(engine):
 
 PENALISED = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.5)
 DECODING = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=3),
-            PENALISED, dataclasses.replace(PENALISED, temperature=0.7, seed=5)]
+            PENALISED, dataclasses.replace(PENALISED, temperature=0.7, seed=5),
+            SamplingParams(min_tokens=10, end_ids=tuple(range(0, 512, 2)))]  # odd tokens only, at first
 
 
 @pytest.mark.parametrize("params", DECODING)
