@@ -9,10 +9,10 @@ import torch
 from dsflash.cli import main
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
-from dsflash.engine.spec import decode
+from dsflash.engine.spec import DecodeStats, decode
 from dsflash.engine.state import SequenceState
 from dsflash.model.load import load_model
-from tests.conftest import GOLDEN_CASES
+from tests.conftest import GOLDEN_CASES, partly_right_drafter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; run on the GPU machine")
 CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
@@ -55,6 +55,12 @@ def test_chunking_steps_and_dspark_are_bit_identical_on_cuda():
         x = engine.session()
         outs.append(list(decode(x, x.prefill(ids[:50].tolist()), 10, SamplingParams(), stop=set(), dspark=k)))
     assert outs[0] == outs[1]
+    x = engine.session()  # partly accepted drafts: rollback inside a verify on the GPU
+    x.draft = partly_right_drafter(x, 50, outs[0])
+    stats = DecodeStats()
+    assert list(decode(x, x.prefill(ids[:50].tolist()), 10, SamplingParams(), stop=set(), dspark=4,
+                       stats=stats)) == outs[0]
+    assert 0 < stats.accepted < stats.drafted
 
 
 def test_resume_split_and_restart_are_bit_identical_on_cuda(tmp_path):
