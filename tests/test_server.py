@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsflash.tokenizer import EOS_ID
-from tests.conftest import serve_app
+from tests.conftest import free_port, serve_app, start_server
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -420,3 +420,29 @@ def test_images_to_a_model_without_vision_are_400(server):
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}], **NO_THINK}
     r = httpx.post(server + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and "no vision tower" in r.text
+
+
+def test_api_key_through_dsflash_serve(tmp_path):
+    """`dsflash serve --api-key`: both client libraries with the key work, without it get 401; probes
+    stay open."""
+    from dsflash.server.builtin import builtin_checkpoint
+
+    port = free_port()
+    proc = start_server(["-m", "dsflash.cli", "serve", "--model", str(builtin_checkpoint(tmp_path)), "--port",
+                         str(port), "--api-key", "k3y", "--log-level", "warning"], port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        ask = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="k3y")
+        assert client.chat.completions.create(**ask).choices
+        assert [c for c in client.chat.completions.create(**ask, stream=True)]  # streams pass the guard
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).chat.completions.create(**ask)
+        assert anthropic.Anthropic(base_url=base, api_key="k3y").messages.create(**ask).content is not None
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(**ask)
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert httpx.get(base + "/health").status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -9,6 +9,7 @@ that goes away (stream or not) sets the job's cancel flag, which `decode(stopped
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import secrets
 import threading
@@ -675,7 +676,8 @@ def _openai_error(e: ApiError) -> JSONResponse:
 
 
 def _anthropic_error(e: ApiError) -> JSONResponse:
-    kind = "invalid_request_error" if e.status < 500 else "overloaded_error" if e.status == 503 else "api_error"
+    kind = ("authentication_error" if e.status == 401 else "invalid_request_error" if e.status < 500
+            else "overloaded_error" if e.status == 503 else "api_error")
     return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, status_code=e.status,
                         headers=e.headers)
 
@@ -694,10 +696,31 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class ApiKeyGuard:
+    """ASGI middleware: /v1 requests without the key get `refuse(path)`. Plain ASGI rather than
+    BaseHTTPMiddleware, so streamed responses and disconnect detection pass through untouched."""
+
+    def __init__(self, app, key: str, refuse: Callable[[str], JSONResponse]):
+        self.app, self.key, self.refuse = app, key.encode(), refuse
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope["headers"])
+            bearer = headers.get(b"authorization", b"")
+            given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+            if not hmac.compare_digest(given, self.key):
+                await self.refuse(scope["path"])(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, model_name: str = "deepseek-v4.1-flash",
-               dspark: int = 0, prefix_cache: bool = True, chunk: int = DEFAULT_CHUNK) -> FastAPI:
+               dspark: int = 0, prefix_cache: bool = True, chunk: int = DEFAULT_CHUNK,
+               api_key: str | None = None) -> FastAPI:
     """The HTTP app. Without `cache`, a RAM-only prefix cache is made (unless `prefix_cache` is False).
-    `chunk`: prefill chunk size (the prefix-cache snapshot grid and the progress granularity)."""
+    `chunk`: prefill chunk size (the prefix-cache snapshot grid and the progress granularity).
+    `api_key`: when set, every /v1 request needs it as `Authorization: Bearer KEY` (OpenAI clients) or
+    `x-api-key: KEY` (Anthropic clients); /health and /metrics stay open for probes."""
     if cache is None and prefix_cache:
         cache = PrefixCache(engine.identity)
     srv = Server(engine, tokenizer, cache, model_name, dspark, chunk)
@@ -707,6 +730,14 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
 
     def anthropic_path(request: Request) -> bool:
         return request.url.path.startswith("/v1/messages")
+
+    if api_key:
+        def refuse(path: str) -> JSONResponse:
+            m.inc(m.errors, "invalid_api_key")
+            err = ApiError(401, "missing or incorrect API key", code="invalid_api_key", kind="authentication_error")
+            return _anthropic_error(err) if path.startswith("/v1/messages") else _openai_error(err)
+
+        app.add_middleware(ApiKeyGuard, key=api_key, refuse=refuse)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

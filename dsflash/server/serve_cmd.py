@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -25,7 +26,11 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(model)
     cache = PrefixCache(engine.identity, disk_dir=args.cache_dir) if args.cache_dir else None
     name = args.served_model_name or "deepseek-v4.1-flash"
-    app = create_app(engine, tokenizer, cache=cache, model_name=name, dspark=args.dspark)
+    api_key = args.api_key or os.environ.get("DSFLASH_API_KEY")
+    if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"dsflash serve: listening on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    app = create_app(engine, tokenizer, cache=cache, model_name=name, dspark=args.dspark, api_key=api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -34,6 +39,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over HTTP (OpenAI and Anthropic APIs)")
     p.add_argument("--model", help="checkpoint directory (default: the built-in tiny checkpoint)")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--api-key", help="require this key on /v1 requests (default: $DSFLASH_API_KEY, else none)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--cache-dir", help="prefix-cache directory (default: RAM only)")
     p.add_argument("--dspark", type=int, default=0, metavar="K", help="DSpark draft depth limit (0 = off)")
