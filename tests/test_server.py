@@ -131,6 +131,23 @@ def test_end_tokens_min_tokens_and_ignore_eos(oai):
     assert (r.choices[0].finish_reason, r.usage.completion_tokens, r.choices[0].text) == ("stop", 1, "")
 
 
+def test_n_choices(oai, server):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.9, seed=1,
+              extra_body=NO_THINK)
+    one = oai.chat.completions.create(**kw)
+    three = oai.chat.completions.create(**kw, n=3)
+    texts = [c.message.content for c in three.choices]
+    assert [c.index for c in three.choices] == [0, 1, 2] and texts[0] == one.choices[0].message.content
+    assert len(set(texts)) > 1  # seeds 1, 2, 3
+    assert three.usage.completion_tokens == sum(
+        oai.chat.completions.create(**{**kw, "seed": 1 + i}).usage.completion_tokens for i in range(3))
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    greedy = oai.completions.create(model="tiny", prompt="def", max_tokens=4, temperature=0, n=2)
+    assert len(greedy.choices) == 2 and greedy.choices[0].text == greedy.choices[1].text
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": kw["messages"], "n": 2, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
 def test_completions(oai):
     r = oai.completions.create(model="tiny", prompt="def sum", max_tokens=5, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -356,7 +356,7 @@ class _Sampling(_Body):
     min_tokens: int = Field(0, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=16)  # n > 1: without streaming; choice i samples with seed + i
     return_progress: bool = False  # llama.cpp's prompt_progress chunks while prefilling (streaming only)
 
 
@@ -692,6 +692,19 @@ def _progress_chunk(cid: str, created: int, kind: str) -> Callable[[dict], str]:
     return lambda p: _sse({"id": cid, "object": kind, "created": created, "choices": [], "prompt_progress": p})
 
 
+def _choices(job: Job, n: int, stream: bool) -> list[Job]:
+    """`job` and its n - 1 siblings (seed + i; greedy ones give the same text, as in vLLM)."""
+    if n > 1 and stream:
+        raise ApiError(400, "n: n > 1 is supported without streaming only", "n")
+    return [job] + [replace(job, params=replace(job.params, seed=job.params.seed + i), cancel=threading.Event(),
+                            progress=None) for i in range(1, n)]
+
+
+def _total(dones: list[Done]) -> Done:
+    """One Done for the usage of n choices: the prompt once, the completions summed."""
+    return replace(dones[0], completion_tokens=sum(d.completion_tokens for d in dones))
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -820,25 +833,30 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = _now()
         if req.stream:
+            _choices(job, req.n, True)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             progress = _progress_chunk(cid, created, "chat.completion.chunk") if req.return_progress else None
             return StreamingResponse(with_keepalive(_chat_stream(job, request, cid, created, thinking, include_usage),
                                                     job, progress), media_type="text/event-stream")
-        got, lps, done = await srv.collect(job, request, thinking)
-        calls = {i: {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                     "function": {"name": c.name, "arguments": c.arguments}} for i, c in got.calls.items()}
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": "".join(got.content) if got.content or not calls else None}
-        if thinking:
-            message["reasoning_content"] = "".join(got.reasoning)
-        finish = done.finish if done.finish != "cancelled" else "stop"
-        if calls:
-            message["tool_calls"] = [calls[i] for i in sorted(calls)]
-            finish = "tool_calls" if done.finish == "stop" else finish
+        results = await asyncio.gather(*(srv.collect(j, request, thinking) for j in _choices(job, req.n, False)))
+
+        def choice(index: int, got: Collected, lps: list[dict], done: Done) -> dict:
+            calls = {i: {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                         "function": {"name": c.name, "arguments": c.arguments}} for i, c in got.calls.items()}
+            message: dict[str, Any] = {"role": "assistant",
+                                       "content": "".join(got.content) if got.content or not calls else None}
+            if thinking:
+                message["reasoning_content"] = "".join(got.reasoning)
+            finish = done.finish if done.finish != "cancelled" else "stop"
+            if calls:
+                message["tool_calls"] = [calls[i] for i in sorted(calls)]
+                finish = "tool_calls" if done.finish == "stop" else finish
+            return {"index": index, "message": message, "logprobs": {"content": lps} if top is not None else None,
+                    "finish_reason": finish}
+
         return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": {"content": lps} if top is not None else None, "finish_reason": finish}],
-                "usage": _usage(done), "dsflash": done.stats}
+                "choices": [choice(i, *r) for i, r in enumerate(results)],
+                "usage": _usage(_total([r[2] for r in results])), "dsflash": results[0][2].stats}
 
     async def _chat_stream(job: Job, request: Request, cid: str, created: int, thinking: bool,
                            include_usage: bool) -> AsyncIterator[str]:
@@ -918,6 +936,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
             return {"tokens": [x["token"] for x in lps], "token_logprobs": [x["logprob"] for x in lps],
                     "top_logprobs": [{t["token"]: t["logprob"] for t in x["top_logprobs"]} for x in lps]}
 
+        jobs = _choices(job, req.n, req.stream)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -942,17 +961,22 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
 
             progress = _progress_chunk(cid, created, "text_completion") if req.return_progress else None
             return StreamingResponse(with_keepalive(stream(), job, progress), media_type="text/event-stream")
-        texts, lps, done = [], [], None
-        async for ev in srv.events(job, request):
-            if isinstance(ev, Done):
-                done = ev
-            else:
-                texts.append(ev.text)
-                lps.extend(ev.logprobs)
+        async def run(j: Job) -> tuple[str, list[dict], Done]:
+            texts, lps, done = [], [], None
+            async for ev in srv.events(j, request):
+                if isinstance(ev, Done):
+                    done = ev
+                else:
+                    texts.append(ev.text)
+                    lps.extend(ev.logprobs)
+            return "".join(texts), lps, done
+
+        results = await asyncio.gather(*(run(j) for j in jobs))
         return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "text": "".join(texts), "logprobs": lp_obj(lps),
-                             "finish_reason": done.finish if done.finish != "cancelled" else "stop"}],
-                "usage": _usage(done), "dsflash": done.stats}
+                "choices": [{"index": i, "text": text, "logprobs": lp_obj(lps),
+                             "finish_reason": done.finish if done.finish != "cancelled" else "stop"}
+                            for i, (text, lps, done) in enumerate(results)],
+                "usage": _usage(_total([r[2] for r in results])), "dsflash": results[0][2].stats}
 
     # ------------------------------------------------------------------ anthropic messages
 
