@@ -206,22 +206,22 @@ def _verdict_mark(rule: RuleResult | None) -> str:
     return "[pass]" if rule.passed else "[FAIL]"
 
 
+def _line(label: str, rule: RuleResult | None, describe: Callable[[dict], str]) -> str:
+    """One quantity: its label, `describe(numbers)` (or not run, when the rule is missing), its mark."""
+    return f"{label:<40} {'not run' if rule is None else describe(rule.numbers)} {_verdict_mark(rule)}"
+
+
 def _logits_line(label: str, rule: RuleResult | None) -> str:
-    if rule is None:
-        return f"{label:<40} not run {_verdict_mark(rule)}"
-    n = rule.numbers
-    return (f"{label:<40} max |Δ| {n['max_abs']:.3g}  mean |Δ| {n['mean_abs']:.3g}  clean {n['clean_share']:.1%}  "
-            f"top-1 {n['top1_share']:.1%}  bit-identical rows {n['bit_identical_rows']}/{n['rows']} "
-            f"{_verdict_mark(rule)}")
+    return _line(label, rule, lambda n: (
+        f"max |Δ| {n['max_abs']:.3g}  mean |Δ| {n['mean_abs']:.3g}  clean {n['clean_share']:.1%}  "
+        f"top-1 {n['top1_share']:.1%}  bit-identical rows {n['bit_identical_rows']}/{n['rows']}"))
 
 
 def _handoff_line(label: str, rule: RuleResult | None) -> str:
-    if rule is None:
-        return f"{label:<40} not run {_verdict_mark(rule)}"
-    n = rule.numbers
-    return (f"{label:<40} max |Δ|/RMS {n['streams_max_rel_rms']:.3g}  max |Δ| {n['streams_max_abs']:.3g}  "
-            f"pre-mix max |Δ| {n['pre_mix_max_abs']:.3g}  bit-identical positions "
-            f"{n['positions_bit_identical']}/{n['positions']} {_verdict_mark(rule)}")
+    return _line(label, rule, lambda n: (
+        f"max |Δ|/RMS {n['streams_max_rel_rms']:.3g}  max |Δ| {n['streams_max_abs']:.3g}  "
+        f"pre-mix max |Δ| {n['pre_mix_max_abs']:.3g}  bit-identical positions "
+        f"{n['positions_bit_identical']}/{n['positions']}"))
 
 
 def report_lines(check: CaseCheck) -> list[str]:
@@ -267,9 +267,8 @@ def _image_lines(head: str, r: dict[str, RuleResult]) -> list[str]:
     for mode, full in (("replay", "full."), ("own_selection", "full_lowtie.")):
         lines += [f"{head}  {_logits_line(f'{mode} {full}logits', r.get(f'{mode}.b_envelope'))}",
                   f"{head}  {_handoff_line(f'{mode} {full}hand-off', r.get(f'{mode}.c_handoff'))}"]
-    def line(label: str, key: str, describe) -> str:
-        rule = r.get(key)
-        return f"{head}  {label:<40} {'not run' if rule is None else describe(rule.numbers)} {_verdict_mark(rule)}"
+    def line(label: str, key: str, describe: Callable[[dict], str]) -> str:
+        return f"{head}  {_line(label, r.get(key), describe)}"
 
     lines += [
         line("vision ViT + aligner rows", "vision.e_vit_aligner", lambda n: (

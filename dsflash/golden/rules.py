@@ -34,7 +34,7 @@ one to one (its nested per-image and per-layer lists appear here flattened: `ima
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -274,11 +274,18 @@ def judge_case(case: GoldenCase, replay: PrefillArrays | None, own: PrefillArray
         rules["drafter.d_envelope"] = drafter_rule(draft_logits, g["draft_logits"])
     if replay is not None:
         rules["faithful(info)"] = faithful_rule(replay, g)
-    missing = [r for r in REQUIRED if r not in rules]
-    failed = [r for r in REQUIRED if r in rules and not rules[r].passed]
+    return _verdict(rules, REQUIRED, [("faithful(info)", "faithful")])
+
+
+def _verdict(rules: dict[str, RuleResult], required: Sequence[str],
+             faithful_marks: Sequence[tuple[str, str]]) -> CaseVerdict:
+    """FAIL when a required rule is missing or failed, else FAITHFUL when every (rule, number) mark is
+    true, else PASS."""
+    missing = [r for r in required if r not in rules]
+    failed = [r for r in required if r in rules and not rules[r].passed]
     if missing or failed:
         tier = FAIL
-    elif rules["faithful(info)"].numbers["faithful"]:
+    elif all(rules[r].numbers[k] for r, k in faithful_marks):
         tier = FAITHFUL
     else:
         tier = PASS
@@ -414,13 +421,5 @@ def judge_image_case(case: GoldenCase, replay: PrefillArrays | None, own: Prefil
             rules["own_selection.f_image_routing"] = image_routing_rule(own["moe_expert_ids"], case)
     if vision is not None:
         rules["vision.e_vit_aligner"] = vision_rule(vision, case)
-    missing = [r for r in REQUIRED_IMAGE if r not in rules]
-    failed = [r for r in REQUIRED_IMAGE if r in rules and not rules[r].passed]
-    if missing or failed:
-        tier = FAIL
-    elif (rules["faithful(info)"].numbers["faithful"] and rules["vision.e_vit_aligner"].numbers["bit_identical"]
-          and rules["replay.e_input_embeds"].numbers["bit_identical"]):
-        tier = FAITHFUL
-    else:
-        tier = PASS
-    return CaseVerdict(tier=tier, failed=failed, missing=missing, rules=rules)
+    return _verdict(rules, REQUIRED_IMAGE, [("faithful(info)", "faithful"), ("vision.e_vit_aligner", "bit_identical"),
+                                            ("replay.e_input_embeds", "bit_identical")])
