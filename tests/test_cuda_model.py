@@ -66,7 +66,7 @@ def test_chunking_steps_and_dspark_are_bit_identical_on_cuda():
 def test_resume_split_and_restart_are_bit_identical_on_cuda(tmp_path):
     """resume == fresh, split == single and restart == uninterrupted, with both halves on the GPU."""
     from dsflash.engine.session import Session
-    from tests.test_split import BoxProcess, free_port
+    from tests.test_split import BoxProcess, decode_across_box_restart, free_port
 
     local = Engine.load(CASE, device="cuda", max_context=4096)
     ids = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -84,12 +84,7 @@ def test_resume_split_and_restart_are_bit_identical_on_cuda(tmp_path):
         split = Engine.load(CASE, device="cuda", max_context=4096, box=f"127.0.0.1:{box.port}")
         s = split.session()
         assert torch.equal(s.prefill(ids, chunk=16), fresh_logits)
-        out = []
-        for i, tok in enumerate(decode(s, s.last_logits, 10, SamplingParams(), stop=set(), dspark=2)):
-            out.append(tok)
-            if i == 3:
-                box.kill()
-                box.start()
+        out = decode_across_box_restart(box, s, s.last_logits, 10, restart_after=3, dspark=2)
         assert out == expected and split.link.reconnects >= 1
     finally:
         box.kill()

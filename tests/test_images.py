@@ -83,7 +83,7 @@ def test_split_with_an_image_equals_one_process(case, tmp_path):
     box restarted mid-answer is rebuilt with the image (the back side keeps its pixels)."""
     from dsflash.engine.sampling import SamplingParams
     from dsflash.engine.spec import decode
-    from tests.test_split import BoxProcess, free_port
+    from tests.test_split import BoxProcess, decode_across_box_restart, free_port
 
     engine, g = case
     ids = g["full.input_ids"].tolist()
@@ -96,12 +96,7 @@ def test_split_with_an_image_equals_one_process(case, tmp_path):
         s = split.session()
         logits = s.prefill(ids, chunk=16, images=[span_of(g)])
         assert torch.equal(logits, expected_logits)
-        out = []
-        for i, tok in enumerate(decode(s, logits, 6, SamplingParams(), stop=set())):
-            out.append(tok)
-            if i == 2:
-                box.kill()
-                box.start()
-        assert out == expected and split.link.reconnects >= 1
+        assert decode_across_box_restart(box, s, logits, 6, restart_after=2) == expected
+        assert split.link.reconnects >= 1
     finally:
         box.kill()

@@ -53,6 +53,11 @@ class BoxProcess:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
+    def restart(self) -> None:
+        """SIGKILL, then a fresh box process on the same port: every session is rebuilt from tokens."""
+        self.kill()
+        self.start()
+
     def health(self) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/health", timeout=5) as r:
             return json.loads(r.read())
@@ -81,6 +86,17 @@ GREEDY = SamplingParams()
 
 def greedy(session, logits, n, dspark=0, params=GREEDY):
     return list(decode(session, logits, n, params, stop=set(), dspark=dspark))
+
+
+def decode_across_box_restart(box: BoxProcess, session, logits, n: int, restart_after: int,
+                              dspark: int = 0) -> list[int]:
+    """Greedy decoding of `n` tokens with the box restarted (SIGKILL) after token `restart_after`."""
+    out = []
+    for i, tok in enumerate(decode(session, logits, n, GREEDY, stop=set(), dspark=dspark)):
+        out.append(tok)
+        if i == restart_after:
+            box.restart()
+    return out
 
 
 def test_split_equals_single_process(local, box):
@@ -124,13 +140,7 @@ def test_box_killed_mid_answer_and_restarted_gives_the_same_text(local, box):
     expected = greedy(ref, ref.prefill(ids), 12, dspark=2)
     split = Engine.load(CASE, box=f"127.0.0.1:{box.port}", box_deadline=60)
     s = split.session()
-    out = []
-    for i, tok in enumerate(decode(s, s.prefill(ids), 12, SamplingParams(), stop=set(), dspark=2)):
-        out.append(tok)
-        if i == 4:
-            box.kill()
-            box.start()  # a fresh box process on the same port: every session is rebuilt from tokens
-    assert out == expected
+    assert decode_across_box_restart(box, s, s.prefill(ids), 12, restart_after=4, dspark=2) == expected
     assert split.link.reconnects >= 1
 
 
@@ -223,8 +233,7 @@ def test_box_killed_mid_prefill_and_restarted_gives_the_same_state(local, box):
     worker = threading.Thread(target=lambda: result.update(logits=s.prefill(ids, chunk=16)))
     worker.start()
     time.sleep(1.5)  # well inside the ~94 chunks of the prefill
-    box.kill()
-    box.start()
+    box.restart()
     worker.join(120)
     ref = Engine(local.decoder, local.encoder, 4096, local.identity, local.open_encoder).session()
     assert torch.equal(result["logits"], ref.prefill(ids, chunk=16))
