@@ -95,7 +95,7 @@ def test_accepted_drafts_give_plain_decoding(engine, params):
 
 
 def test_penalties_and_biases_by_hand():
-    h = History([4, 7])
+    h = History([4, 7], 10)
     h.add(7)
     h.add(9)
     h.add(9)
@@ -127,7 +127,7 @@ def test_penalised_decoding_equals_a_token_by_token_loop(engine):
     s = engine.session()
     logits, out = s.prefill(ids), []
     for _ in range(20):
-        h = History(ids)
+        h = History(ids, logits.numel())
         for t in out:
             h.add(t)
         out.append(int(torch.argmax(h.adjust(logits, PENALISED))))

@@ -98,24 +98,27 @@ def filtered_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 class History:
-    """The tokens the penalties look at: the prompt (a set) and the output so far (counts). Both follow
-    from the token sequence alone, so penalised sampling stays exact across drafts, resumes and restarts."""
+    """The tokens the penalties look at: which ids were seen in the prompt or output (a mask over the
+    vocabulary, kept up to date so a long prompt is not re-scanned per token) and the output's counts.
+    Both follow from the token sequence alone, so penalised sampling stays exact across drafts, resumes
+    and restarts."""
 
-    def __init__(self, prompt: Iterable[int] = ()) -> None:
-        self.prompt = set(prompt)
+    def __init__(self, prompt: Iterable[int], vocab_size: int) -> None:
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+        self.seen[torch.tensor(list(prompt), dtype=torch.long)] = True
         self.output: Counter[int] = Counter()
 
     def add(self, token: int) -> None:
         self.output[token] += 1
+        self.seen[token] = True
 
     def adjust(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         """fp64 logits with the repetition penalty, then the frequency and presence penalties, then the
         logit biases applied, and the end tokens banned while the output is shorter than min_tokens."""
         x = logits.double().clone()
         if p.repetition_penalty != 1:
-            seen = torch.tensor(sorted(self.prompt | self.output.keys()), dtype=torch.long)
-            v = x[seen]
-            x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+            v = x[self.seen]
+            x[self.seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
         if self.output and (p.presence_penalty or p.frequency_penalty):
             ids = torch.tensor(list(self.output), dtype=torch.long)
             counts = torch.tensor([self.output[t] for t in self.output], dtype=torch.float64)

@@ -100,7 +100,7 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
     if dspark and session.decoder.dspark:
         depth = DraftDepth(min(dspark, session.engine.args.dspark_block_size))
     t0 = time.perf_counter()
-    history = History(session.tokens) if params.adjusted else None
+    history = History(session.tokens, first_logits.numel()) if params.adjusted else None
     tok = sample(first_logits, session.pos, params, history)
     emitted = 0
     while True:

@@ -830,15 +830,15 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         max_tokens = req.max_completion_tokens or req.max_tokens
         job = srv.job(prompt, max_tokens, _sampling(req), _stop_list(req.stop), top, split, arrived)
         job.images = spans
+        jobs = _choices(job, req.n, req.stream)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = _now()
         if req.stream:
-            _choices(job, req.n, True)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             progress = _progress_chunk(cid, created, "chat.completion.chunk") if req.return_progress else None
             return StreamingResponse(with_keepalive(_chat_stream(job, request, cid, created, thinking, include_usage),
                                                     job, progress), media_type="text/event-stream")
-        results = await asyncio.gather(*(srv.collect(j, request, thinking) for j in _choices(job, req.n, False)))
+        results = await asyncio.gather(*(srv.collect(j, request, thinking) for j in jobs))
 
         def choice(index: int, got: Collected, lps: list[dict], done: Done) -> dict:
             calls = {i: {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
