@@ -329,3 +329,20 @@ def test_grouped_linear_equals_per_group_calls_and_cpu(m):
     assert rel < 1e-3
     # a row's bits do not depend on the other rows
     assert torch.equal(kc.grouped_linear(x[:1].to(DEV), w.to(DEV)), got[:1])
+
+
+@pytest.mark.parametrize("kind,n,k", [("fp4", 2304, 5120), ("fp4", 5120, 2304), ("fp8", 96, 160)])
+def test_expert_linear_equals_one_row_calls(kind, n, k):
+    """One launch over every (row, slot) pair of a step gives each slot the bits of a one-row call."""
+    g = gen(n + k)
+    weights = [rand_weight(kind, n, k, g) for _ in range(6)]
+    bank = kc.expert_bank([kc.to_cuda_weight(w, DEV) for w in weights])
+    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(5)]).to(DEV)
+    for per_row, x in ((3, rand_act(5, k, g)), (1, rand_act(15, k, g))):
+        x = x.to(DEV)
+        got = kc.expert_linear(x, bank, ids, per_row)
+        for slot, e in enumerate(ids.flatten().tolist()):
+            row = x[slot // per_row: slot // per_row + 1]
+            assert torch.equal(got[slot:slot + 1], kc.linear(row, bank[e])), (per_row, slot)
+        check(f"expert_linear {kind} {n}x{k}", kind, got.cpu(),
+              cpu.expert_linear(x.cpu(), cpu.expert_bank(weights), ids.cpu(), per_row))

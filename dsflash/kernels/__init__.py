@@ -1,5 +1,5 @@
-"""Kernel backends behind one interface: `linear`, `sparse_attn`, `hc_split_sinkhorn`, and `weight` (a
-checkpoint weight in the form the backend's GEMM takes). The backend is chosen once, when a model is
+"""Kernel backends behind one interface: `linear`, `expert_linear`, `sparse_attn`, `hc_split_sinkhorn`, and
+`weight` (a checkpoint weight in the form the backend's GEMM takes). The backend is chosen once, when a model is
 built for a device: CPU tensors take the reference backend (kernels/cpu.py, the oracle); CUDA tensors
 take the Triton backend (kernels/cuda.py), or the reference ops run on the GPU with `reference=True`
 (what `dsflash bench` compares against)."""
@@ -26,6 +26,11 @@ class Kernels:
     sparse_attn: Any
     hc_split_sinkhorn: Any
     grouped_linear: Any
+    expert_bank: Any  # list of one projection's routed-expert Weights -> the bank expert_linear takes
+    expert_linear: Any  # (x, bank, expert per slot, slots per row) -> bf16 [slots, out]
+    # MoE layers of at most this many rows run every (row, slot) pair in one expert_linear call per
+    # projection (no host read of the routing); larger chunks loop over the experts they use
+    slot_moe_rows: int
     index_scores: Any
     mean_square: Any  # mean(x^2) over the last dim, keepdim
     row_sum: Any  # sum over the last dim
@@ -52,8 +57,8 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     device = torch.device(device)
     if device.type == "cpu" or reference:
         return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
-                       cpu.grouped_linear, cpu.index_scores, cpu.mean_square, cpu.row_sum, cpu.small_sum,
-                       cpu.stream_mean, _reference_weight(device))
+                       cpu.grouped_linear, cpu.expert_bank, cpu.expert_linear, cpu.ROW_TILE, cpu.index_scores,
+                       cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, _reference_weight(device))
     from dsflash.kernels import cuda
 
     def cuda_weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
@@ -73,4 +78,5 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
         return (cuda.row_sum(x, square=True) / x.size(-1)).unsqueeze(-1)
 
     return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, cuda.grouped_linear,
-                   index_scores, mean_square, cuda.row_sum, cuda.small_sum, stream_mean, cuda_weight)
+                   cuda.expert_bank, cuda.expert_linear, cuda.SLOT_MOE_ROWS, index_scores, mean_square, cuda.row_sum,
+                   cuda.small_sum, stream_mean, cuda_weight)

@@ -83,6 +83,23 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     return y[:n]
 
 
+def expert_bank(weights: list[Weight]) -> list[Weight]:
+    """The routed experts' weights of one projection, indexable by expert id."""
+    return list(weights)
+
+
+def expert_linear(x: torch.Tensor, bank: list[Weight], experts: torch.Tensor, slots_per_row: int) -> torch.Tensor:
+    """Routed-expert GEMM over slots: row s is x[s // slots_per_row] @ W_{experts[s]}^T (bf16), computed
+    per expert over that expert's slots (row-invariant like `linear`)."""
+    experts = experts.reshape(-1)
+    rows = torch.arange(experts.numel(), device=x.device) // slots_per_row
+    y = torch.empty(experts.numel(), bank[0].out_features, dtype=torch.bfloat16, device=x.device)
+    for e in torch.unique(experts).tolist():
+        slots = torch.nonzero(experts == e).flatten()
+        y[slots] = linear(x[rows[slots]], bank[e])
+    return y
+
+
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
     """Single-KV-head attention over gathered rows with a per-head sink.
 

@@ -1,7 +1,8 @@
 """CUDA backend (Triton): the CPU reference's kernels with the same signatures and numerics.
 
-Exported: `linear(x, w)`, `sparse_attn(q, kv, sink, idx, scale)`, `hc_split_sinkhorn(mixes, scale,
-base, hc, iters, eps)`, plus `Weight`, `CudaWeight`, `to_cuda_weight` and `quant_act`.
+Exported: `linear(x, w)`, `expert_linear(x, bank, experts, slots_per_row)`, `sparse_attn(q, kv, sink, idx,
+scale)`, `hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)`, plus `Weight`, `CudaWeight`,
+`to_cuda_weight`, `expert_bank` and `quant_act`.
 
 Numerics (spec §3, as dsflash/kernels/cpu.py):
 - FP8/FP4 linear: the activation is quantised to E4M3 per 32 values with a power-of-two scale (the
@@ -42,7 +43,8 @@ from dsflash.numerics.codecs import encode_e2m1, pack_fp4
 from dsflash.numerics.quant import ACT_BLOCK, FP8_MAX
 
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
-           "sparse_attn", "hc_split_sinkhorn", "LinearConfig", "linear_config"]
+           "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "hc_split_sinkhorn", "LinearConfig",
+           "linear_config"]
 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
 # M-dependent choices that never change bits (see the module docstring and the invariance tests):
@@ -50,6 +52,7 @@ FUSE_QUANT_MAX_M = 0  # up to this many rows the GEMM quantises its own activati
 SPLIT_MAX_M = 16  # up to this many rows the K loop is spread over programs (partials summed in K order)
 SPLIT_FP8_MAX_TILES = 32  # ... for FP8 weights only when the output has fewer tiles than this
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
+SLOT_MOE_ROWS = 16  # MoE chunks up to this many rows use expert_linear (one launch per projection)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,17 +242,29 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["M"])
-def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chunks_per_split,
-                    stride_xm, stride_wn, stride_wsk, stride_ym,
+@triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk"])
+def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, N, KB, chunks_per_split,
+                    stride_xm, stride_wn, stride_wsk, stride_ym, stride_xs, stride_pk, stride_we, stride_wse,
+                    slots_per_row,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                    SCALE_E8M0: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    GROUP_M: tl.constexpr):
+                    SCALE_E8M0: tl.constexpr, SPLIT: tl.constexpr, SLOTS: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, GROUP_M: tl.constexpr):
     """y[M, N] = sum over K blocks kb (in order) of dot32(A_kb, B_kb) * a_s * b_s, fp32, then bf16.
     The K loop runs over chunks of 4 blocks; the chunk's scale words are loaded one chunk ahead.
     SPLIT: program_id(1) takes `chunks_per_split` chunks and stores each block's scaled partial
     (exactly the term the unsplit loop adds) to part[kb, m, n]; _ordered_sum_kernel then adds them
-    in K order, so the bits equal the unsplit kernel's."""
+    in K order, so the bits equal the unsplit kernel's.
+    SLOTS (routed experts): program_id(2) is slot s, one output row computed as a one-row call would
+    compute it, with activation row s // slots_per_row and expert slot[s] of a stacked weight bank."""
+    if SLOTS:
+        s = tl.program_id(2)
+        e = tl.load(slot_ptr + s).to(tl.int64)
+        w_ptr += e * stride_we
+        ws_ptr += e * stride_wse
+        x_ptr += (s // slots_per_row).to(tl.int64) * stride_xm
+        xs_ptr += s // slots_per_row
+        y_ptr += s.to(tl.int64) * stride_ym
+        part_ptr += s.to(tl.int64) * N
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -271,7 +286,7 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
         c_hi = tl.minimum(c_lo + chunks_per_split, KC)
         part_rows = part_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
     if not FUSE_QUANT:
-        aw_next = tl.load(xs_rows + c_lo * M, mask=mmask, other=_ONE_WORD)
+        aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
     if SCALE_E8M0:
         bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -279,7 +294,7 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
         more = c + 1 < c_hi
         if not FUSE_QUANT:
             aw = aw_next
-            aw_next = tl.load(xs_rows + (c + 1) * M, mask=mmask & more, other=_ONE_WORD)
+            aw_next = tl.load(xs_rows + (c + 1) * stride_xs, mask=mmask & more, other=_ONE_WORD)
         if SCALE_E8M0:
             bw = bw_next
             bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
@@ -313,7 +328,7 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
             # gives the same bits, the product being exact). A block past K adds +0.
             term = partial * (a_s[:, None] * b_s[None, :])
             if SPLIT:
-                tl.store(part_rows + kb * M * N, term, mask=mmask[:, None] & nmask[None, :] & kin)
+                tl.store(part_rows + kb * stride_pk, term, mask=mmask[:, None] & nmask[None, :] & kin)
             else:
                 acc += term
     if not SPLIT:
@@ -375,6 +390,59 @@ def fp4_to_fp8(values: torch.Tensor) -> torch.Tensor:
     block = 2048
     _fp4_to_fp8_kernel[(triton.cdiv(total, block),)](values, out, total, BLOCK=block, num_warps=4)
     return out.view(torch.float8_e4m3fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# routed experts: one launch for every (row, slot) pair of a step
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ExpertBank:
+    """One projection (w1, w2 or w3) of all routed experts, stacked: `values` [E, out, ...] and `scale`
+    [E, ...] in CudaWeight's layout. `bank[e]` is expert e's CudaWeight, a view (no copy)."""
+
+    kind: str
+    values: torch.Tensor
+    scale: torch.Tensor
+    scale_rows: int
+
+    def __getitem__(self, e: int) -> CudaWeight:
+        return CudaWeight(self.kind, self.values[e], self.scale[e], self.scale_rows)
+
+    @property
+    def scale_e8m0(self) -> bool:
+        return self.scale.dtype == torch.int32
+
+
+def expert_bank(weights: list[Weight]) -> ExpertBank:
+    """Stack the experts' weights of one projection (fp8/fp4 of one shape and scale layout)."""
+    ws = [w if isinstance(w, CudaWeight) else to_cuda_weight(w) for w in weights]
+    first = ws[0]
+    for w in ws:
+        if (w.kind, w.values.shape, w.scale.shape, w.scale.dtype, w.scale_rows) != (
+                first.kind, first.values.shape, first.scale.shape, first.scale.dtype, first.scale_rows):
+            raise ValueError("routed experts of one layer differ in kind, shape or scale layout")
+    return ExpertBank(first.kind, torch.stack([w.values for w in ws]), torch.stack([w.scale for w in ws]),
+                      first.scale_rows)
+
+
+def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slots_per_row: int) -> torch.Tensor:
+    """Routed-expert GEMM over slots: row s of the result is x[s // slots_per_row] @ W_{experts[s]}^T,
+    bf16 [len(experts), out], each row's bits those of `linear(x[row:row+1], bank[experts[s]])`. One launch
+    whatever the routing, with no host read of it (a step stays capturable in a CUDA graph)."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{bank.kind} expert linear takes a bf16 activation, got {x.dtype}")
+    slots = experts.reshape(-1).to(torch.int32).contiguous()
+    n = bank.values.size(1)
+    y = torch.empty((slots.numel(), n), dtype=torch.bfloat16, device=x.device)
+    if slots.numel() == 0:
+        return y
+    x = x.contiguous()
+    fuse = x.size(0) <= FUSE_QUANT_MAX_M
+    a, a_s = (x, x) if fuse else quant_act(x)
+    cfg = linear_config(bank.kind, n, x.size(1))
+    _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, splits=None,
+                       slots=slots, slots_per_row=slots_per_row)
+    return y
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,10 +508,44 @@ _SM_COUNT: dict[int, int] = {}
 
 
 def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1) runs on CPU tensors: an H200's count
+        return 132
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
+                       fp4: bool, fuse: bool, cfg: LinearConfig, splits: int | None,
+                       slots: torch.Tensor | None = None, slots_per_row: int = 1) -> None:
+    """Launch the block-scaled GEMM into y (and the K-order sum when the K loop is split over programs).
+    With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]."""
+    n, k = y.size(1), a.size(1)
+    kb = k // ACT_BLOCK
+    kc = triton.cdiv(kb, SCALE_GROUP)
+    rows = y.size(0)
+    m = 1 if slots is not None else rows  # rows per program column: a slot is a one-row call
+    programs = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN) * (rows if slots is not None else 1)
+    if splits is None:  # measured: FP4 always gains; FP8 only while the tiles leave most SMs idle
+        use = m <= SPLIT_MAX_M and (w.kind == "fp4" or programs < SPLIT_FP8_MAX_TILES)
+        splits = min(kc, triton.cdiv(2 * _sm_count(a.device), programs)) if use else 1
+    cps = triton.cdiv(kc, max(1, splits))
+    splits = triton.cdiv(kc, cps)
+    part = torch.empty((kb, rows, n), dtype=torch.float32, device=a.device) if splits > 1 else y
+    stacked = slots is not None
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), splits, rows if stacked else 1)
+    _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if stacked else y, m, n, kb, cps,
+                          a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0),
+                          a_s.stride(0) if not fuse else m, rows * n,
+                          wv.stride(0) if stacked else 0, w.scale.stride(0) if stacked else 0, slots_per_row,
+                          FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows, SCALE_E8M0=w.scale_e8m0,
+                          SPLIT=splits > 1, SLOTS=stacked, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        block = 256
+        _ordered_sum_kernel[(triton.cdiv(rows * n, block),)](part, y, rows, n, kb, y.stride(0), BLOCK=block,
+                                                             num_warps=4)
 
 
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
@@ -472,31 +574,11 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
             return y
         x = x.contiguous()
         fuse = m <= FUSE_QUANT_MAX_M if fuse_quant is None else fuse_quant
-        if fuse:
-            a, a_s = x, x  # a_s unused
-        else:
-            a, a_s = quant_act(x)
+        a, a_s = (x, x) if fuse else quant_act(x)  # fused: a_s unused
         wv, fp4 = w.values, w.kind == "fp4"
         if fp4 and (m >= FP4_PRECONVERT_M if preconvert is None else preconvert):
             wv, fp4 = fp4_to_fp8(wv), False
-        kb = k // ACT_BLOCK
-        kc = triton.cdiv(kb, SCALE_GROUP)
-        tiles = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN)
-        if splits is None:  # measured: FP4 always gains; FP8 only while the tiles leave most SMs idle
-            use = m <= SPLIT_MAX_M and (w.kind == "fp4" or tiles < SPLIT_FP8_MAX_TILES)
-            splits = min(kc, triton.cdiv(2 * _sm_count(x.device), tiles)) if use else 1
-        cps = triton.cdiv(kc, max(1, splits))
-        splits = triton.cdiv(kc, cps)
-        part = torch.empty((kb, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
-        _bs_gemm_kernel[(tiles, splits)](a, a_s, wv, w.scale, y, part, m, n, kb, cps,
-                                         a.stride(0), wv.stride(0), w.scale.stride(0), y.stride(0),
-                                         FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
-                                         SCALE_E8M0=w.scale_e8m0, SPLIT=splits > 1, BM=cfg.BM, BN=cfg.BN,
-                                         GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if splits > 1:
-            block = 256
-            _ordered_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, kb, y.stride(0), BLOCK=block,
-                                                              num_warps=4)
+        _block_scaled_gemm(a, a_s, wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, splits=splits)
         return y
     dtype = w.values.dtype
     x = x.to(dtype).contiguous()

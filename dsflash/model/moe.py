@@ -8,30 +8,36 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
+from dsflash.kernels import Kernels
 from dsflash.kernels.cpu import Weight
 from dsflash.model.attention import topk_lowest_index
 from dsflash.model.common import Chunk
 from dsflash.model.weights import WeightLoader
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up in fp32 with the V4.1 clamps, times the routing weight when given."""
+    if limit > 0:
+        up = torch.clamp(up, min=-limit, max=limit)
+        gate = torch.clamp(gate, max=limit)
+    h = F.silu(gate) * up
+    return h if weights is None else weights * h
+
+
 class Expert:
-    def __init__(self, w: WeightLoader, prefix: str, swiglu_limit: float):
-        self.k = w.k
-        self.w1: Weight = w.linear(prefix + "w1")
-        self.w2: Weight = w.linear(prefix + "w2")
-        self.w3: Weight = w.linear(prefix + "w3")
+    def __init__(self, k: Kernels, w1: Weight, w2: Weight, w3: Weight, swiglu_limit: float):
+        self.k = k
+        self.w1, self.w2, self.w3 = w1, w2, w3
         self.limit = swiglu_limit
+
+    @classmethod
+    def load(cls, w: WeightLoader, prefix: str, swiglu_limit: float) -> Expert:
+        return cls(w.k, w.linear(prefix + "w1"), w.linear(prefix + "w2"), w.linear(prefix + "w3"), swiglu_limit)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         gate = self.k.linear(x, self.w1).float()
         up = self.k.linear(x, self.w3).float()
-        if self.limit > 0:
-            up = torch.clamp(up, min=-self.limit, max=self.limit)
-            gate = torch.clamp(gate, max=self.limit)
-        h = F.silu(gate) * up
-        if weights is not None:
-            h = weights * h
-        return self.k.linear(h.to(x.dtype), self.w2)
+        return self.k.linear(swiglu(gate, up, self.limit, weights).to(x.dtype), self.w2)
 
 
 class MoE:
@@ -43,8 +49,13 @@ class MoE:
         self.gate = w.linear(prefix + "gate", widen=True)  # the router runs in fp32
         self.gate_bias = w.tensor(prefix + "gate.bias").float()
         self.gate_bias_vl = w.tensor(prefix + "gate.bias_vl").float() if w.has(prefix + "gate.bias_vl") else None
-        self.experts = [Expert(w, f"{prefix}experts.{e}.", args.swiglu_limit) for e in range(self.n_experts)]
-        self.shared = Expert(w, prefix + "shared_experts.", args.swiglu_limit)
+        # each projection of the routed experts as one bank; an expert's weights are views into them
+        self.w1, self.w2, self.w3 = (
+            self.k.expert_bank([w.linear(f"{prefix}experts.{e}.{name}") for e in range(self.n_experts)])
+            for name in ("w1", "w2", "w3"))
+        self.experts = [Expert(self.k, self.w1[e], self.w2[e], self.w3[e], args.swiglu_limit)
+                        for e in range(self.n_experts)]
+        self.shared = Expert.load(w, prefix + "shared_experts.", args.swiglu_limit)
 
     def route(self, x: torch.Tensor, chunk: Chunk | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] fp32, expert ids [N, k]); ids forced when the chunk carries selections."""
@@ -74,6 +85,29 @@ class MoE:
         weights, ids = self.route(x, chunk)
         if chunk is not None and chunk.trace is not None:
             chunk.trace.setdefault("moe_ids", {})[self.layer] = ids[: chunk.n]
+        if x.size(0) <= self.k.slot_moe_rows:
+            y = self._routed_by_slot(x, weights, ids)
+        else:
+            y = self._routed_by_expert(x, weights, ids)
+        y += self.shared(x)
+        return y.to(x.dtype)
+
+    def _routed_by_slot(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every (row, slot) pair in one expert_linear call per projection, no host read of the routing.
+        Each row's slots are put in ascending expert id, the reference's summation order."""
+        ids, order = ids.sort(dim=-1)
+        weights = weights.gather(1, order).reshape(-1, 1)
+        gate = self.k.expert_linear(x, self.w1, ids, self.topk).float()
+        up = self.k.expert_linear(x, self.w3, ids, self.topk).float()
+        h = swiglu(gate, up, self.args.swiglu_limit, weights).to(x.dtype)
+        out = self.k.expert_linear(h, self.w2, ids, 1).view(*ids.shape, -1)
+        y = torch.zeros_like(x, dtype=torch.float32)
+        for slot in range(self.topk):
+            y += out[:, slot]
+        return y
+
+    def _routed_by_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each used expert over its rows, experts in ascending id (the reference's summation order)."""
         y = torch.zeros_like(x, dtype=torch.float32)
         # (row, slot) pairs grouped by expert, rows ascending inside each group (a stable sort of the flat
         # picks), with one host read of the group sizes instead of one per expert
@@ -81,11 +115,10 @@ class MoE:
         order = torch.sort(flat, stable=True).indices
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
         start = 0
-        for e, count in enumerate(counts):  # ascending expert id: the summation order of the reference
+        for e, count in enumerate(counts):
             if count:
                 pairs = order[start:start + count]
                 rows, slot = pairs // self.topk, pairs % self.topk
                 y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
                 start += count
-        y += self.shared(x)
-        return y.to(x.dtype)
+        return y

@@ -1,0 +1,59 @@
+"""Fixes to Triton's interpreter (TRITON_INTERPRET=1) so the GEMM kernels' logic can be checked on a CPU.
+
+The interpreter (Triton 3.6-3.9) converts fp32 -> bf16/fp8 with its own bit arithmetic, which rounds
+half-up without carrying into the exponent, and its `tl.dot` runs numpy's matmul on the raw 16-bit
+patterns of bf16 operands (integer garbage). Here conversions go through torch's casts (RNE, as the
+GPU) and dots widen their operands to fp32 first. Both are exact stand-ins for what the GPU computes
+on the values these kernels feed them (E4M3/E2M1 codes and bf16 values, whose products are exact in
+fp32); only the order of a block's 32-term sum may differ from the tensor cores'. Imported by the
+interpreter scripts of tests/test_kernels_interpret.py before any kernel runs.
+"""
+
+import numpy as np
+import torch
+import triton.language as tl
+import triton.runtime.interpreter as interpreter
+
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4nv": torch.float8_e4m3fn,
+          "fp8e5": torch.float8_e5m2}
+_BITS = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
+
+
+def _convert_float(data, input_dtype, output_dtype, rounding_mode):
+    width_in, width_out = input_dtype.primitive_bitwidth, output_dtype.primitive_bitwidth
+    bits = torch.from_numpy(np.ascontiguousarray(data).view(f"uint{width_in}").astype(np.int64))
+    values = bits.to(_BITS[width_in]).view(_TORCH[input_dtype.name])
+    return values.to(_TORCH[output_dtype.name]).view(_BITS[width_out]).numpy().view(f"uint{width_out}")
+
+
+def _as_bool_mask(mask):
+    if mask.data.dtype != np.bool_:
+        return interpreter.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+    return mask
+
+
+_load = interpreter.InterpreterBuilder.create_masked_load
+_store = interpreter.InterpreterBuilder.create_masked_store
+
+
+def _masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+    return _load(self, ptrs, _as_bool_mask(mask), other, cache_policy, is_volatile)
+
+
+def _masked_store(self, ptrs, value, mask, cache_policy):
+    return _store(self, ptrs, value, _as_bool_mask(mask), cache_policy)
+
+
+def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    def widen(h):
+        if h.dtype.scalar.name in ("bf16", "fp16", "fp8e4nv", "fp8e5"):
+            return _convert_float(h.data, h.dtype.scalar, tl.float32, None).view(np.float32)
+        return h.data
+
+    return interpreter.TensorHandle(np.matmul(widen(a), widen(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
+
+
+interpreter._convert_float = _convert_float
+interpreter.InterpreterBuilder.create_masked_load = _masked_load
+interpreter.InterpreterBuilder.create_masked_store = _masked_store
+interpreter.InterpreterBuilder.create_dot = _dot
