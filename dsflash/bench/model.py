@@ -51,14 +51,15 @@ def timed(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
     return statistics.median(out)
 
 
-def build_engine(args: ModelArgs, device: str, reference: bool = False) -> Engine:
+def build_engine(args: ModelArgs, device: str, reference: bool = False, cuda_graphs: bool = True) -> Engine:
     from dsflash.bench.synthetic import SyntheticCheckpoint
 
     ckpt = SyntheticCheckpoint(args, device)
     token_map = [i % args.engram_compressed_vocab_size for i in range(args.vocab_size)]
     d = args.first_decoder_layer
-    enc = Transformer(args, ckpt, token_map, range(0, d), device=device, reference=reference)
-    dec = Transformer(args, ckpt, None, range(d, args.n_layers), device=device, reference=reference)
+    enc = Transformer(args, ckpt, token_map, range(0, d), device=device, reference=reference, cuda_graphs=cuda_graphs)
+    dec = Transformer(args, ckpt, None, range(d, args.n_layers), device=device, reference=reference,
+                      cuda_graphs=cuda_graphs)
     engine = Engine(dec, enc, 1 << 21, engine_identity(dec))
     engine.open_encoder = lambda: LocalEncoder(enc)
     return engine
@@ -255,7 +256,7 @@ def commit() -> str:
 
 def to_markdown(r: dict) -> str:
     lines = [f"# Engine benchmark {r['date']}", "", f"GPU/machine: {r['gpu']}; commit {r['commit']}; torch "
-             f"{r['torch']}", f"Command: `{r['command']}`",
+             f"{r['torch']}; CUDA graphs {'on' if r.get('cuda_graphs', True) else 'off'}", f"Command: `{r['command']}`",
              f"Checkpoint: {r['checkpoint']} (per-token cost is set by top-{r['top_k']} routing, not by the expert "
              "count)", ""]
     if r.get("box_step_ms"):
@@ -290,7 +291,7 @@ def run(ns: argparse.Namespace) -> int:
     r = {"date": time.strftime("%Y-%m-%d"), "gpu": machine(ns.device), "commit": commit(), "torch": torch.__version__,
          "command": "dsflash bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ns.what,
          "checkpoint": {"preset": ns.preset, "experts": args.n_routed_experts}, "top_k": args.n_activated_experts,
-         "device": ns.device}
+         "device": ns.device, "cuda_graphs": not ns.eager}
     if ns.what == "link":
         if not ns.model:
             raise SystemExit("bench link needs --model (a checkpoint directory both processes load)")
@@ -301,7 +302,7 @@ def run(ns: argparse.Namespace) -> int:
         (out / f"engine-link-{r['date']}.json").write_text(json.dumps(r, indent=1))
         print(json.dumps(r["link"], indent=1))
         return 0
-    engine = build_engine(args, ns.device)
+    engine = build_engine(args, ns.device, cuda_graphs=not ns.eager)
     if ns.what == "profile":
         table = profile_step(engine, ns.context[0], ns.rows[0])
         out = Path(ns.out)
@@ -322,7 +323,7 @@ def run(ns: argparse.Namespace) -> int:
         r["reference_speedup"] = reference_speedup(args, ns.device, ns.reference_layers, ns.reps)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"engine-{ns.what}-{ns.preset}-{r['date']}"
+    stem = out / f"engine-{ns.what}-{ns.preset}{'-eager' if ns.eager else ''}-{r['date']}"
     stem.with_suffix(".json").write_text(json.dumps(r, indent=1, default=str))
     stem.with_suffix(".md").write_text(to_markdown(r))
     print(to_markdown(r))
@@ -342,6 +343,7 @@ def add_parser(sub: argparse._SubParsersAction, what: str) -> None:
                    help="also time a full prefill (decoder on every row) and report snapshot bytes per token")
     p.add_argument("--reference-layers", type=int, default=0,
                    help="also time the reference code path on an encoder slice of this many layers")
+    p.add_argument("--eager", action="store_true", help="run every forward eagerly (no CUDA graphs for short steps)")
     p.add_argument("--model", help="checkpoint directory (bench link)")
     p.add_argument("--out", default="bench/results")
     p.set_defaults(func=run, what=what)

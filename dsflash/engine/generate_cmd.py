@@ -70,7 +70,7 @@ def prepare_session(engine: Engine, prompt: list[int], cache: PrefixCache | None
 
 def run(args: argparse.Namespace) -> int:
     engine = Engine.load(args.model, box=args.box, box_token=args.box_token, box_deadline=args.box_deadline,
-                         device=args.device)
+                         device=args.device, cuda_graphs=not args.eager)
     tokenizer, images = None, []
     if args.image and args.prompt is None:
         raise SystemExit("dsflash generate: --image goes with --prompt")
@@ -142,6 +142,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prefill chunk size")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--device", default=default_device(), help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--eager", action="store_true", help="run every forward eagerly (no CUDA graphs for short steps)")
     p.add_argument("--box", metavar="HOST:PORT", help="run the encoder half on this dsflash box")
     p.add_argument("--box-token", help="the box's shared secret")
     p.add_argument("--box-deadline", type=float, default=60.0, help="seconds to wait for a box that went away")

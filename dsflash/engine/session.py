@@ -135,11 +135,13 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, max_context: int | None = None, box: str | None = None,
              box_token: str | None = None, box_deadline: float = 60.0, device: str = "cpu",
-             reference: bool = False) -> Engine:
+             reference: bool = False, cuda_graphs: bool = True) -> Engine:
         """Both halves from one checkpoint, or with `box` (HOST:PORT) the decoder half here and the
-        encoder half on that box. `device`/`reference` pick the kernel backend (dsflash.kernels)."""
-        decoder = load_model(path, half="decoder", device=device, reference=reference)
-        encoder = None if box else load_model(path, half="encoder", device=device, reference=reference)
+        encoder half on that box. `device`/`reference` pick the kernel backend (dsflash.kernels);
+        `cuda_graphs` lets short forwards replay captured segments (model/graphs.py)."""
+        decoder = load_model(path, half="decoder", device=device, reference=reference, cuda_graphs=cuda_graphs)
+        encoder = None if box else load_model(path, half="encoder", device=device, reference=reference,
+                                              cuda_graphs=cuda_graphs)
         engine = cls(decoder, encoder, max_context or decoder.args.max_seq_len, engine_identity(decoder))
         if encoder is not None:
             engine.open_encoder = lambda: LocalEncoder(encoder)

@@ -204,10 +204,11 @@ class Attention:
         o = self.k.grouped_linear(o, self.wo_a)
         return self.k.linear(o.flatten(1), self.wo_b)
 
-    def __call__(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """The state-dependent middle (between `projections` and `output`): write this layer's window KV and
+        compressed entries, pick the compressed rows, attend. Returns the heads' outputs [rows, H, D]."""
         a, state = self.args, chunk.state
         win = a.window_size
-        qr, q, kv = self.projections(x, chunk.positions)
         ring = state.ring(state.window, self.layer, win, (a.head_dim,), torch.bfloat16)
         # the window source: positions p0-win .. p0-1 (rows before 0 are never indexed), then the chunk
         source = torch.cat([ring.read_range(chunk.p0 - win, chunk.p0), kv])
@@ -221,7 +222,7 @@ class Attention:
             idx = torch.gather(idx, 1, torch.sort((idx < 0).to(torch.int8), dim=1, stable=True).indices)
         o = self.k.sparse_attn(q, source, self.attn_sink, idx, a.head_dim ** -0.5)
         ring.write(chunk.positions[: chunk.n], kv[: chunk.n])
-        return self.output(o, chunk.positions)
+        return o
 
     def _compressed(self, x: torch.Tensor, qr: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         """Write this source's new compressed entries, then return the chunk's compressed picks."""

@@ -14,6 +14,7 @@ from dsflash.engine.state import PositionRing
 from dsflash.kernels.cpu import pad_rows
 from dsflash.model.attention import Attention
 from dsflash.model.common import Chunk, rms_norm
+from dsflash.model.graphs import SegmentGraphs, serialised
 from dsflash.model.mhc import Block, collapse
 from dsflash.model.rope import Rope
 from dsflash.model.weights import WeightLoader
@@ -44,17 +45,15 @@ class DSparkAttention(Attention):
         self.rope.rotate(kv, positions)
         self.history(state).write(positions[:n], fp8_fake_quant(kv)[:n])
 
-    def __call__(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         win = self.args.window_size
-        _, q, kv = self.projections(x, chunk.positions)
         p = chunk.p0 - 1  # the target position whose context was written last
         filled = min(win, p + 1)
         dev = x.device
         idx = torch.cat([torch.arange(filled, device=dev), win + torch.arange(chunk.n, device=dev)])
         idx = idx.expand(chunk.rows, -1)
         source = torch.cat([self.ring(chunk.state, p), kv[: chunk.n]])
-        o = self.k.sparse_attn(q, source, self.attn_sink, idx.contiguous(), self.args.head_dim ** -0.5)
-        return self.output(o, chunk.positions)
+        return self.k.sparse_attn(q, source, self.attn_sink, idx.contiguous(), self.args.head_dim ** -0.5)
 
 
 def argmax_sampler(logits: torch.Tensor) -> int:
@@ -63,9 +62,10 @@ def argmax_sampler(logits: torch.Tensor) -> int:
 
 class DSpark:
     def __init__(self, args: ModelArgs, w: WeightLoader, ropes: tuple[Rope, Rope], embed: torch.Tensor,
-                 head: torch.Tensor):
+                 head: torch.Tensor, graphs: SegmentGraphs | None = None):
         self.k = w.k
         self.args = args
+        self.ropes, self.graphs = ropes, graphs
         self.embed, self.head = embed, head
         self.stages = []
         for s in range(args.n_mtp_layers):
@@ -80,6 +80,7 @@ class DSpark:
         self.markov_head = w.linear(last + "markov_head.head", widen=True)
         self.confidence = w.linear(last + "confidence_head.proj", widen=True)
 
+    @serialised
     def write_context(self, state, main_hidden: torch.Tensor, positions: torch.Tensor) -> None:
         """Store the context KV of target rows (main_hidden = the taps' stream means, [N, n_taps*D])."""
         n = positions.numel()
@@ -92,6 +93,7 @@ class DSpark:
             block.attn.write_context(state, main_x, pos, n)
         state.dspark_pos = int(positions[-1]) + 1
 
+    @serialised
     def draft(self, state, anchor: int, sampler: Callable[[torch.Tensor], int] = argmax_sampler
               ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """One draft round after the target row at position state.dspark_pos - 1 produced `anchor`.
@@ -107,8 +109,11 @@ class DSpark:
         h = rows.unsqueeze(1).repeat(1, a.hc_mult, 1)
         pre = torch.zeros(rows.size(0), a.hc_mult, device=dev)
         pre[:, 0] = 1.0
+        graphs = self.graphs
+        if graphs is not None and not graphs.begin(rows.size(0), tuple(r.rebuilds for r in self.ropes)):
+            graphs = None
         for block in self.stages:
-            h, pre = block(h, pre, chunk)
+            h, pre = block(h, pre, chunk, graphs)
         x = rms_norm(collapse(h, pre, self.k), self.norm, a.norm_eps, self.k)
         logits = self.k.linear(x.float(), self.head)[:b]
         out, embeds = [anchor], []

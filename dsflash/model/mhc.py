@@ -7,12 +7,15 @@ coefficients pre/post/comb; V4.1's single-pass mHC uses a site's `pre` to collap
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from dsflash.config import ModelArgs
 from dsflash.kernels import Kernels
 from dsflash.model.attention import Attention
 from dsflash.model.common import Chunk, rms_norm
+from dsflash.model.graphs import SegmentGraphs
 from dsflash.model.moe import MoE
 from dsflash.model.weights import WeightLoader
 
@@ -57,10 +60,30 @@ class Block:
         self.attn_site = MixSite(args, w, prefix + "hc_attn")
         self.ffn_site = MixSite(args, w, prefix + "hc_ffn")
 
-    def __call__(self, h: torch.Tensor, pre: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, h: torch.Tensor, pre: torch.Tensor, chunk: Chunk, graphs: SegmentGraphs | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(streams, FFN pre) after this block. With `graphs`, the two static segments around the attention
+        core replay CUDA graphs (same kernels, same bits)."""
+        rows = h.size(0)
+        run = graphs.run if graphs is not None else _call
+        x, qr, q, kv, attn_pre, attn_post, attn_comb = run((self.layer, "attn_in", rows), self._attn_in, h, pre,
+                                                           chunk.positions)
+        o = self.attn.core(x, qr, q, kv, chunk)
+        return run((self.layer, "attn_out_ffn", rows), partial(self._attn_out_ffn, chunk=chunk), o, h, attn_pre,
+                   attn_post, attn_comb, chunk.positions)
+
+    def _attn_in(self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         attn_pre, attn_post, attn_comb = self.attn_site(h)
-        y = self.attn(rms_norm(collapse(h, pre, self.k), self.attn_norm, self.eps, self.k), chunk)
-        h = expand(y, h, attn_post, attn_comb, self.k)
+        x = rms_norm(collapse(h, pre, self.k), self.attn_norm, self.eps, self.k)
+        return (x, *self.attn.projections(x, positions), attn_pre, attn_post, attn_comb)
+
+    def _attn_out_ffn(self, o: torch.Tensor, h: torch.Tensor, attn_pre: torch.Tensor, attn_post: torch.Tensor,
+                      attn_comb: torch.Tensor, positions: torch.Tensor, *, chunk: Chunk) -> tuple[torch.Tensor, ...]:
+        h = expand(self.attn.output(o, positions), h, attn_post, attn_comb, self.k)
         ffn_pre, ffn_post, ffn_comb = self.ffn_site(h)
         z = self.ffn(rms_norm(collapse(h, attn_pre, self.k), self.ffn_norm, self.eps, self.k), chunk)
         return expand(z, h, ffn_post, ffn_comb, self.k), ffn_pre
+
+
+def _call(key, fn, *inputs):
+    return fn(*inputs)

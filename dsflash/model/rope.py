@@ -35,6 +35,7 @@ class Rope:
         self.freqs = freqs
         self.dim = dim
         self._tables: dict[torch.device, torch.Tensor] = {}
+        self.rebuilds = 0  # CUDA graphs read the table by address: a rebuild retires them
 
     def _block(self, b: int) -> torch.Tensor:
         pos = torch.arange(b * _POSITION_BLOCK, (b + 1) * _POSITION_BLOCK)
@@ -50,6 +51,7 @@ class Rope:
             have = 0 if table is None else table.size(0) // _POSITION_BLOCK
             blocks = max(-(-end // _POSITION_BLOCK), 2 * have)
             self._tables[device] = torch.cat([self._block(b) for b in range(blocks)]).to(device)
+            self.rebuilds += 1
 
     def factors(self, positions: torch.Tensor) -> torch.Tensor:
         """complex64 [N, dim/2] for int64 positions [N] (reserved beforehand)."""

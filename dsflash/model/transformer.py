@@ -22,6 +22,7 @@ from dsflash.model.attention import Attention, SourceWriter
 from dsflash.model.common import Chunk, Selections, fit_rows, rms_norm
 from dsflash.model.dspark import DSpark
 from dsflash.model.engram import Engram, EngramLayout
+from dsflash.model.graphs import SegmentGraphs, serialised
 from dsflash.model.mhc import Block, collapse
 from dsflash.model.rope import Rope
 from dsflash.model.vision import Vision
@@ -42,11 +43,13 @@ class ForwardOutput:
 
 class Transformer:
     def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None,
-                 device: str | torch.device = "cpu", reference: bool = False):
+                 device: str | torch.device = "cpu", reference: bool = False, cuda_graphs: bool = True):
         self.args, self.ckpt = args, ckpt
         self.layers = layers if layers is not None else range(args.n_layers)
         self.k = load_kernels(device, reference)
         self.device = self.k.device
+        # short forwards replay CUDA graphs of each block's static segments (the Triton backend only)
+        self.graphs = SegmentGraphs() if cuda_graphs and self.k.name == "cuda" else None
         w = WeightLoader(ckpt, self.k)
         self.ropes = (Rope(args, compressed=False), Rope(args, compressed=True))
         self.embed = w.tensor("embed.weight")
@@ -75,8 +78,9 @@ class Transformer:
         self.head = w.linear("head", widen=True) if self.has_head else None  # fp32 logits
         self.dspark = None
         if self.has_head and args.n_mtp_layers and args.dspark_block_size:
-            self.dspark = DSpark(args, w, self.ropes, self.embed, self.head)
+            self.dspark = DSpark(args, w, self.ropes, self.embed, self.head, self.graphs)
 
+    @serialised
     def forward(self, state: SequenceState, ids: torch.Tensor | None = None, *,
                 streams: torch.Tensor | None = None, pre_mix: torch.Tensor | None = None,
                 select: Selections | None = None, image_mask: torch.Tensor | None = None,
@@ -144,6 +148,10 @@ class Transformer:
                 raise ValueError("image rows go to the first layer range (the one that embeds tokens)")
             h = torch.cat([streams, streams[-1:].expand(rows - n, -1, -1)])
             pre = torch.cat([pre_mix, pre_mix[-1:].expand(rows - n, -1)])
+        graphs = self.graphs
+        eligible = trace is None and select is None and mask is None and not tail_only
+        if graphs is not None and not graphs.begin(rows, tuple(r.rebuilds for r in self.ropes), eligible):
+            graphs = None
         taps, handoff = [], None
         last_encoder = a.first_decoder_layer - 1
         end, win = state.pos + n, a.window_size
@@ -161,11 +169,15 @@ class Transformer:
                 h = self.engram[i](h, hashes[:, slot], mask)
             if i in a.dspark_target_layer_ids:
                 taps.append(self.k.stream_mean(h))
-            h, pre = self.blocks[i](h, pre, chunk)
+            h, pre = self.blocks[i](h, pre, chunk, graphs)
             if trace is not None:
                 trace.setdefault("layer_out", {})[i] = (h[:n], pre[:n])
             if i == last_encoder:
                 handoff = (h[:n], pre[:n])
+                if graphs is not None:  # a graph's outputs are overwritten by its next replay
+                    handoff = (handoff[0].clone(), handoff[1].clone())
+        if graphs is not None:
+            h, pre = h.clone(), pre.clone()
         state.pos = end
         logits = None
         if self.has_head:

@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
         model = builtin_checkpoint()
         print(f"dsflash serve: no --model given, using the built-in tiny checkpoint at {model}", file=sys.stderr)
     engine = Engine.load(model, max_context=args.max_context, box=args.box, box_token=args.box_token,
-                         box_deadline=args.box_deadline, device=args.device or default_device())
+                         box_deadline=args.box_deadline, device=args.device or default_device(),
+                         cuda_graphs=not args.eager)
     tokenizer = load_tokenizer(model)
     cache = PrefixCache(engine.identity, disk_dir=args.cache_dir) if args.cache_dir else None
     name = args.served_model_name or "deepseek-v4.1-flash"
@@ -47,6 +48,7 @@ def register(subparsers) -> None:
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
     p.add_argument("--log-level", default="info")
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--eager", action="store_true", help="run every forward eagerly (no CUDA graphs for short steps)")
     p.add_argument("--box", metavar="HOST:PORT", help="run the encoder half on this dsflash box")
     p.add_argument("--box-token", help="the box's shared secret")
     p.add_argument("--box-deadline", type=float, default=60.0,

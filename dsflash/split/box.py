@@ -83,8 +83,8 @@ class Connection:
 
 class Box:
     def __init__(self, model_path: str | Path, token: str | None = None, cache_dir: str | None = None,
-                 max_frame: int = MAX_FRAME, device: str = "cpu"):
-        self.model = load_model(model_path, half="encoder", device=device)
+                 max_frame: int = MAX_FRAME, device: str = "cpu", cuda_graphs: bool = True):
+        self.model = load_model(model_path, half="encoder", device=device, cuda_graphs=cuda_graphs)
         self.args = self.model.args
         self.identity = engine_identity(self.model)
         self.token = token
@@ -333,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(host) and not args.token:
         print(f"dsflash box: listening on non-loopback {host} needs --token", file=sys.stderr)
         return 2
-    box = Box(args.model, token=args.token, cache_dir=args.cache_dir, device=args.device)
+    box = Box(args.model, token=args.token, cache_dir=args.cache_dir, device=args.device,
+              cuda_graphs=not args.eager)
     serve_health(box, host, args.health_port if args.health_port is not None else port + 1)
     box.serve(host, port)
     return 0
@@ -347,4 +348,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--health-port", type=int, help="HTTP port for GET /health (default: listen port + 1)")
     p.add_argument("--cache-dir", help="directory for the box's prefix cache of encoder states")
     p.add_argument("--device", default=default_device(), help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--eager", action="store_true", help="run every forward eagerly (no CUDA graphs for short steps)")
     p.set_defaults(func=run)

@@ -1,0 +1,91 @@
+"""CUDA graphs for the static parts of a short forward (decode steps, drafts, verification).
+
+A block's work splits into segments whose shapes depend on the row count only: the attention input
+(mHC site, collapse, norm, q/kv projections, RoPE) and the attention output plus FFN (inverse RoPE,
+`wo_a`/`wo_b`, mHC mixing, router, routed experts by slot, shared expert). Between them the attention
+core reads the state (window ring, compressed rows, indexer), whose sizes grow with the context, and
+stays eager. Each segment is captured once per (block, segment, rows) and replayed: a replay runs the
+same kernels on the same shapes as the eager call, so the bits are those of the eager forward.
+
+Lifetime rules: a replay overwrites its outputs, so a forward copies out what it returns; graphs read
+the RoPE tables by address, so they are dropped when a table grows (`begin`). One forward at a time per
+model: the server runs generations on two threads, so forwards (and anything that may grow a RoPE
+table) hold `lock`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Hashable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+GRAPH_MAX_ROWS = 8  # forwards of up to this many rows (padding included) replay captured segments
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+
+
+class SegmentGraphs:
+    def __init__(self, max_rows: int = GRAPH_MAX_ROWS):
+        self.max_rows = max_rows
+        self._graphs: dict[Hashable, _Captured] = {}
+        self._warm: dict[Hashable, tuple[torch.Tensor, ...]] = {}
+        self._pools: dict[int, tuple] = {}
+        self._epoch: Hashable = None
+        self.lock = threading.RLock()
+
+    def begin(self, rows: int, epoch: Hashable, eligible: bool = True) -> bool:
+        """Start a forward of `rows` rows; `epoch` names everything the graphs read by address besides
+        weights (the RoPE tables' versions); `eligible` is False for forwards whose segments read more
+        than their tensor inputs (traces, forced selections, image routing). Returns whether this
+        forward replays graphs."""
+        if epoch != self._epoch:
+            self._graphs.clear()
+            self._warm.clear()
+            self._epoch = epoch
+        return eligible and rows <= self.max_rows
+
+    def run(self, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor
+            ) -> tuple[torch.Tensor, ...]:
+        """fn(*inputs) (a tuple of tensors), from a graph. The first call of a key runs eagerly on the
+        inputs' future static copies (compiling kernels for exactly the alignments the capture will
+        see); the second captures; later calls replay."""
+        entry = self._graphs.get(key)
+        if entry is None:
+            static = self._warm.pop(key, None)
+            if static is None:
+                static = tuple(t.clone() for t in inputs)
+                self._warm[key] = static
+                return fn(*static)
+            entry = self._capture(key, fn, static, inputs[0].size(0))
+        for dst, src in zip(entry.inputs, inputs, strict=True):
+            dst.copy_(src)
+        entry.graph.replay()
+        return entry.outputs
+
+    def _capture(self, key: Hashable, fn: Callable, static: tuple[torch.Tensor, ...], rows: int) -> _Captured:
+        # one memory pool per row count: graphs of one forward run in capture order and keep their outputs
+        pool = self._pools.setdefault(rows, torch.cuda.graph_pool_handle())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = fn(*static)
+        entry = self._graphs[key] = _Captured(graph, static, tuple(outputs))
+        return entry
+
+
+def serialised(method: Callable) -> Callable:
+    """Run a method of an object with a `graphs` attribute under its forward lock, when it has graphs."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.graphs.lock if self.graphs is not None else nullcontext():
+            return method(self, *args, **kwargs)
+
+    return locked
