@@ -55,6 +55,8 @@ def _reference_weight(device: torch.device):
 
 def load_kernels(device: str | torch.device = "cpu", reference: bool = False) -> Kernels:
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # as tensors name it, so device keys match
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cpu" or reference:
         return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
                        cpu.grouped_linear, cpu.expert_bank, cpu.expert_linear, cpu.ROW_TILE, cpu.index_scores,
