@@ -184,8 +184,11 @@ def profile_step(engine: Engine, context: int, rows: int) -> str:
     with profile(activities=activities) as prof:
         s.step(keep, new)
         sync(engine.decoder.device)
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=25)
+    tables = prof.key_averages()
+    host = tables.table(sort_by="self_cpu_time_total", row_limit=25)
+    if not torch.cuda.is_available():
+        return host
+    return tables.table(sort_by="self_cuda_time_total", row_limit=30) + "\n\nBy host time:\n" + host
 
 
 def bench_link(model: str, device: str, prompt_len: int, steps: int) -> dict:
