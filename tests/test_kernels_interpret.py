@@ -42,7 +42,7 @@ GEMM_SCRIPT = """
 import interpreter_fixes  # noqa: F401  (before any kernel runs)
 import torch
 from dsflash.kernels import cpu, cuda
-from test_kernels_cuda import rand_act, rand_weight
+from test_kernels_cuda import act_for, rand_act, rand_weight
 
 g = torch.Generator().manual_seed(0)
 def rel(a, b):
@@ -72,11 +72,21 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256)):
             assert torch.equal(got[slot:slot + 1], cuda.linear(row, bank[e])), (kind, per_row, slot)
             assert rel(got[slot:slot + 1], cpu.linear(row, weights[e])) < 1e-5
         assert rel(got, cpu.expert_linear(xs, cpu.expert_bank(weights), ids, per_row)) < 1e-5
+for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMMs: K split by the shape
+    w = rand_weight(kind, n, k, g)
+    wc = cuda.to_cuda_weight(w, "cpu")
+    assert cuda.plain_k_per_split(cuda.linear_config(kind, n, k), n, k) < k
+    x = act_for(kind, 5, k, g)
+    full = cuda.linear(x, wc)
+    assert rel(full, cpu.linear(x, w)) < (1e-5 if kind == "fp32" else 5e-3), (kind, rel(full, cpu.linear(x, w)))
+    for m in (1, 3):
+        assert torch.equal(cuda.linear(x[:m], wc), full[:m]), (kind, m)
+    assert torch.equal(cuda.linear(x[2:3], wc), full[2:3])
 print("ok")
 """
 
 
-def test_block_scaled_gemms_under_the_fixed_interpreter():
+def test_gemms_under_the_fixed_interpreter():
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
     r = subprocess.run([sys.executable, "-c", GEMM_SCRIPT], env=env, capture_output=True, text=True, timeout=600)

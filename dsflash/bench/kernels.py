@@ -41,6 +41,7 @@ LINEARS = [
     ("expert w2", "fp4", 5120, 2304),
     ("indexer.wk", "bf16", 128, 5120),
     ("gate", "fp32", 384, 5120),
+    ("mHC fn", "fp32", 24, 20480),
     ("head", "fp32", 129280, 5120),
 ]
 HEAD_MAX_M = 8  # the fp32 head only ever sees the last positions
@@ -203,6 +204,32 @@ def bench_linears(ceil, ms_values, sweep: bool) -> list[dict]:
     return rows
 
 
+def bench_experts(ceil, rows_values=(1, 5, 8), experts=48, top_k=6) -> list[dict]:
+    """expert_linear over a step's (row, slot) pairs: top-6 of 48 experts per row, banks rotated so the
+    weights come from HBM; the default K split and the alternatives (same bits, different speed)."""
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for name, n, k in (("expert w1/w3", 2304, 5120), ("expert w2", 5120, 2304)):
+        banks = [kc.expert_bank([random_cuda_weight("fp4", n, k) for _ in range(experts)]) for _ in range(3)]
+        per_expert = weight_bytes(banks[0][0])
+        for m in rows_values:
+            ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)]).cuda()
+            per_row = top_k if name == "expert w1/w3" else 1
+            x = torch.randn(m * top_k // per_row, k, device="cuda").bfloat16()
+            used = len(set(ids.flatten().tolist()))
+            nbytes = used * per_expert + x.numel() * 2 + m * top_k * n * 2
+            flops = 2 * m * top_k * n * k
+            for splits in (None, 1, 2, 4, 8, 16):
+                fn = _rotating([lambda b=b, s=splits, x=x, ids=ids, r=per_row: kc.expert_linear(x, b, ids, r, splits=s)
+                                for b in banks])
+                ms = bench_both(fn)
+                rows.append(row("expert_linear", f"{name} {k}->{n} x{m * top_k}", m, ms, nbytes, flops, ceil,
+                                {"fp8": True, "note": "default split" if splits is None else f"splits={splits}"}))
+        del banks
+        torch.cuda.empty_cache()
+    return rows
+
+
 SWEEP_CONFIGS = [
     kc.LinearConfig(64, 64, 32, 4, 4),
     kc.LinearConfig(128, 64, 32, 8, 3),
@@ -279,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--sweep", action="store_true", help="also time candidate FP8/FP4 tile configs")
-    ap.add_argument("--only", default="linear,quant,attn,hc")
+    ap.add_argument("--only", default="linear,experts,quant,attn,hc")
     ap.add_argument("--m", default=",".join(map(str, M_VALUES)))
     args = ap.parse_args(argv)
     ms_values = [int(v) for v in args.m.split(",")]
@@ -290,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     if "linear" in only:
         rows += bench_linears(ceil, ms_values, args.sweep)
+    if "experts" in only:
+        rows += bench_experts(ceil)
     if "quant" in only:
         rows += bench_quant(ceil, ms_values)
     if "attn" in only:

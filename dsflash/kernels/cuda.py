@@ -51,6 +51,8 @@ _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product,
 FUSE_QUANT_MAX_M = 0  # up to this many rows the GEMM quantises its own activation tile (measured slower)
 SPLIT_MAX_M = 16  # up to this many rows the K loop is spread over programs (partials summed in K order)
 SPLIT_FP8_MAX_TILES = 32  # ... for FP8 weights only when the output has fewer tiles than this
+SPLIT_MAX_CHUNKS = 5  # ... and then no program runs more than this many 4-block K chunks (the K loop is a
+# serial chain of dot, wait, scale per block: short chains on many SMs beat long ones)
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
 SLOT_MOE_ROWS = 16  # MoE chunks up to this many rows use expert_linear (one launch per projection)
 
@@ -338,7 +340,7 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
 
 @triton.jit(do_not_specialize=["M"])
 def _ordered_sum_kernel(part_ptr, y_ptr, M, N, KB, stride_ym, BLOCK: tl.constexpr):
-    """y[m, n] = bf16(((0 + part[0, m, n]) + part[1, m, n]) + ...), fp32 adds in K order; eight
+    """y[m, n] = ((0 + part[0, m, n]) + part[1, m, n]) + ..., fp32 adds in K order, stored in y's dtype; eight
     loads are issued before their adds so the chain waits on one latency per eight blocks. A block
     past KB adds +0 to an accumulator that is never -0."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -366,7 +368,7 @@ def _ordered_sum_kernel(part_ptr, y_ptr, M, N, KB, stride_ym, BLOCK: tl.constexp
         p += 8 * mn
     m = offs // N
     n = offs % N
-    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(tl.bfloat16), mask=mask)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -425,10 +427,12 @@ def expert_bank(weights: list[Weight]) -> ExpertBank:
                       first.scale_rows)
 
 
-def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slots_per_row: int) -> torch.Tensor:
+def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slots_per_row: int, *,
+                  splits: int | None = None) -> torch.Tensor:
     """Routed-expert GEMM over slots: row s of the result is x[s // slots_per_row] @ W_{experts[s]}^T,
     bf16 [len(experts), out], each row's bits those of `linear(x[row:row+1], bank[experts[s]])`. One launch
-    whatever the routing, with no host read of it (a step stays capturable in a CUDA graph)."""
+    whatever the routing, with no host read of it (a step stays capturable in a CUDA graph). `splits`
+    (benchmarks) overrides the K split, which never changes bits."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"{bank.kind} expert linear takes a bf16 activation, got {x.dtype}")
     slots = experts.reshape(-1).to(torch.int32).contiguous()
@@ -440,7 +444,7 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
     fuse = x.size(0) <= FUSE_QUANT_MAX_M
     a, a_s = (x, x) if fuse else quant_act(x)
     cfg = linear_config(bank.kind, n, x.size(1))
-    _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, splits=None,
+    _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, splits=splits,
                        slots=slots, slots_per_row=slots_per_row)
     return y
 
@@ -449,12 +453,14 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
 # plain bf16 / fp32 GEMM
 # ---------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["M"])
-def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                        group_x, group_w, group_y,
                        PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GROUP_M: tl.constexpr):
+                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
     # program_id(1) picks one of several independent GEMMs laid side by side (grouped `wo_a`); each is
-    # computed exactly as a single call with the same config would
+    # computed exactly as a single call with the same config would. SPLIT: program_id(2) takes the K range
+    # [s * k_per_split, (s + 1) * k_per_split) and stores its fp32 sum to part[s, m, n], which
+    # _ordered_sum_kernel adds in s order (the split is fixed by the weight's shape, never by M)
     g = tl.program_id(1).to(tl.int64)
     x_ptr += g * group_x
     w_ptr += g * group_w
@@ -467,14 +473,20 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
     nmask = rn < N
     xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
     wp = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    k_lo = tl.program_id(2) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kmask = (k0 + rk) < K
+    for k0 in range(k_lo, k_hi, BK):
+        kmask = (k0 + rk) < k_hi
         a = tl.load(xp + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(wp + k0, mask=nmask[None, :] & kmask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
-    y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    if SPLIT:
+        part = part_ptr + tl.program_id(2).to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part, acc, mask=mmask[:, None] & nmask[None, :])
+    else:
+        y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,6 +516,20 @@ def linear_config(kind: str, n: int, k: int) -> LinearConfig:
     return LinearConfig(BM=16, BN=16 if n < 4096 else 64, BK=32, num_warps=4, num_stages=3)
 
 
+PLAIN_SPLIT_PROGRAMS = 256  # a narrow bf16/fp32 weight's K is split until its tiles x splits reach this
+PLAIN_SPLIT_MIN_STEPS = 4  # ... keeping at least this many BK steps per split
+
+
+def plain_k_per_split(cfg: LinearConfig, n: int, k: int) -> int:
+    """The K range of one program of a bf16/fp32 GEMM: all of K for wide weights; for narrow ones (the mHC
+    projections' 24 outputs over 20480 inputs, the router) a split fixed by the shape, so every row of
+    every call sums the same partials in the same order."""
+    steps = triton.cdiv(k, cfg.BK)
+    tiles = triton.cdiv(n, cfg.BN)
+    splits = max(1, min(triton.cdiv(PLAIN_SPLIT_PROGRAMS, tiles), steps // PLAIN_SPLIT_MIN_STEPS))
+    return triton.cdiv(steps, splits) * cfg.BK
+
+
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -529,7 +555,8 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
     programs = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN) * (rows if slots is not None else 1)
     if splits is None:  # measured: FP4 always gains; FP8 only while the tiles leave most SMs idle
         use = m <= SPLIT_MAX_M and (w.kind == "fp4" or programs < SPLIT_FP8_MAX_TILES)
-        splits = min(kc, triton.cdiv(2 * _sm_count(a.device), programs)) if use else 1
+        wanted = max(triton.cdiv(2 * _sm_count(a.device), programs), triton.cdiv(kc, SPLIT_MAX_CHUNKS))
+        splits = min(kc, wanted) if use else 1
     cps = triton.cdiv(kc, max(1, splits))
     splits = triton.cdiv(kc, cps)
     part = torch.empty((kb, rows, n), dtype=torch.float32, device=a.device) if splits > 1 else y
@@ -585,10 +612,18 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
     y = out if out is not None else torch.empty((m, n), dtype=dtype, device=x.device)
     if m == 0:
         return y
-    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN),)
-    _plain_gemm_kernel[grid](x, w.values, y, m, n, k, x.stride(0), w.values.stride(0), y.stride(0), 0, 0, 0,
-                             PREC=fp32_precision if dtype == torch.float32 else "tf32", BM=cfg.BM, BN=cfg.BN,
-                             BK=cfg.BK, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    k_per_split = plain_k_per_split(cfg, n, k)
+    splits = triton.cdiv(k, k_per_split)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), 1, splits)
+    _plain_gemm_kernel[grid](x, w.values, y, part, m, n, k, k_per_split, x.stride(0), w.values.stride(0),
+                             y.stride(0), 0, 0, 0, PREC=fp32_precision if dtype == torch.float32 else "tf32",
+                             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, SPLIT=splits > 1,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        block = 256
+        _ordered_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, splits, y.stride(0), BLOCK=block,
+                                                          num_warps=4)
     return y
 
 
@@ -770,8 +805,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if m == 0:
         return y
     cfg = linear_config("bf16", r, d)
-    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(r, cfg.BN), groups)
-    _plain_gemm_kernel[grid](x, w, y, m, r, d, x.stride(0), w.stride(1), y.stride(0), d, r * d, r,
-                             PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(r, cfg.BN), groups, 1)
+    _plain_gemm_kernel[grid](x, w, y, y, m, r, d, d, x.stride(0), w.stride(1), y.stride(0), d, r * d, r,
+                             PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, SPLIT=False,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
