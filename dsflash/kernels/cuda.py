@@ -51,8 +51,6 @@ _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product,
 FUSE_QUANT_MAX_M = 0  # up to this many rows the GEMM quantises its own activation tile (measured slower)
 SPLIT_MAX_M = 16  # up to this many rows the K loop is spread over programs (partials summed in K order)
 SPLIT_FP8_MAX_TILES = 32  # ... for FP8 weights only when the output has fewer tiles than this
-SPLIT_MAX_CHUNKS = 5  # ... and then no program runs more than this many 4-block K chunks (the K loop is a
-# serial chain of dot, wait, scale per block: short chains on many SMs beat long ones)
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
 SLOT_MOE_ROWS = 16  # MoE chunks up to this many rows use expert_linear (one launch per projection)
 
@@ -428,11 +426,11 @@ def expert_bank(weights: list[Weight]) -> ExpertBank:
 
 
 def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slots_per_row: int, *,
-                  splits: int | None = None) -> torch.Tensor:
+                  splits: int | None = None, config: LinearConfig | None = None) -> torch.Tensor:
     """Routed-expert GEMM over slots: row s of the result is x[s // slots_per_row] @ W_{experts[s]}^T,
     bf16 [len(experts), out], each row's bits those of `linear(x[row:row+1], bank[experts[s]])`. One launch
-    whatever the routing, with no host read of it (a step stays capturable in a CUDA graph). `splits`
-    (benchmarks) overrides the K split, which never changes bits."""
+    whatever the routing, with no host read of it (a step stays capturable in a CUDA graph). `splits` and
+    `config` (benchmarks) override the K split, which never changes bits, and the tile config."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"{bank.kind} expert linear takes a bf16 activation, got {x.dtype}")
     slots = experts.reshape(-1).to(torch.int32).contiguous()
@@ -443,7 +441,7 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
     x = x.contiguous()
     fuse = x.size(0) <= FUSE_QUANT_MAX_M
     a, a_s = (x, x) if fuse else quant_act(x)
-    cfg = linear_config(bank.kind, n, x.size(1))
+    cfg = config or linear_config(bank.kind, n, x.size(1))
     _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, splits=splits,
                        slots=slots, slots_per_row=slots_per_row)
     return y
@@ -554,9 +552,8 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
     m = 1 if slots is not None else rows  # rows per program column: a slot is a one-row call
     programs = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN) * (rows if slots is not None else 1)
     if splits is None:  # measured: FP4 always gains; FP8 only while the tiles leave most SMs idle
-        use = m <= SPLIT_MAX_M and (w.kind == "fp4" or programs < SPLIT_FP8_MAX_TILES)
-        wanted = max(triton.cdiv(2 * _sm_count(a.device), programs), triton.cdiv(kc, SPLIT_MAX_CHUNKS))
-        splits = min(kc, wanted) if use else 1
+        use = m <= SPLIT_MAX_M and slots is None and (w.kind == "fp4" or programs < SPLIT_FP8_MAX_TILES)
+        splits = min(kc, triton.cdiv(2 * _sm_count(a.device), programs)) if use else 1
     cps = triton.cdiv(kc, max(1, splits))
     splits = triton.cdiv(kc, cps)
     part = torch.empty((kb, rows, n), dtype=torch.float32, device=a.device) if splits > 1 else y
