@@ -346,3 +346,15 @@ def test_expert_linear_equals_one_row_calls(kind, n, k):
             assert torch.equal(got[slot:slot + 1], kc.linear(row, bank[e])), (per_row, slot)
         check(f"expert_linear {kind} {n}x{k}", kind, got.cpu(),
               cpu.expert_linear(x.cpu(), cpu.expert_bank(weights), ids.cpu(), per_row))
+
+
+@pytest.mark.parametrize("kind,n,k", [s for s in LINEAR_SHAPES if s[0] in ("fp8", "fp4")])
+def test_narrow_tiles_give_the_wide_tiles_bits(kind, n, k):
+    """Calls of <= 16 rows use 16-row tiles (mma.sync); their bits must equal the 64-row wgmma tiles'."""
+    g = gen(n * 31 + k)
+    wc = kc.to_cuda_weight(rand_weight(kind, n, k, g))
+    x = rand_act(16, k, g).to(DEV)
+    wide = kc.linear_config(kind, n, k)
+    assert kc.linear_config(kind, n, k, 16) != wide
+    for splits in (1, None):
+        assert torch.equal(kc.linear(x, wc, splits=splits), kc.linear(x, wc, config=wide, splits=1))

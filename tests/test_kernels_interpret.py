@@ -61,6 +61,8 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256)):
         if kind == "fp4":
             assert torch.equal(cuda.linear(x[:m], wc, preconvert=True), full[:m]), (kind, m)
     assert torch.equal(cuda.linear(x[3:4], wc), full[3:4])
+    wide = cuda.linear_config(kind, n, k)  # the 64-row tiles of large M, on a decode-sized call
+    assert wide != cuda.linear_config(kind, n, k, 5) and torch.equal(cuda.linear(x, wc, config=wide), full)
     # routed experts: one launch over (row, slot) pairs equals one-row calls of each slot's expert
     weights = [rand_weight(kind, n, k, g) for _ in range(5)]
     bank = cuda.expert_bank([cuda.to_cuda_weight(e, "cpu") for e in weights])

@@ -159,7 +159,7 @@ def bench_linears(ceil, ms_values, sweep: bool) -> list[dict]:
             out_b = 4 if kind == "fp32" else 2
             nbytes = wb + x.numel() * x.element_size() + m * n * out_b
             flops = 2 * m * n * k
-            cfg = kc.linear_config(kind, n, k)
+            cfg = kc.linear_config(kind, n, k, m)
             fn = _rotating([lambda w=w, x=x: kc.linear(x, w) for w in copies])
             ms = bench_both(fn)
             extra = {"fp8": kind in ("fp8", "fp4"), "layer": name, "kind": kind,

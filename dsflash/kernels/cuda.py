@@ -49,8 +49,10 @@ __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
 # M-dependent choices that never change bits (see the module docstring and the invariance tests):
 FUSE_QUANT_MAX_M = 0  # up to this many rows the GEMM quantises its own activation tile (measured slower)
+NARROW_TILE_MAX_M = 16  # up to this many rows FP8/FP4 GEMMs use 16-row tiles (same bits as 64-row ones)
 SPLIT_MAX_M = 16  # up to this many rows the K loop is spread over programs (partials summed in K order)
-SPLIT_FP8_MAX_TILES = 32  # ... for FP8 weights only when the output has fewer tiles than this
+SPLIT_MAX_TILES = 256  # ... when the output has fewer tiles than this
+SPLIT_MAX = 16  # ... over at most this many programs per tile, aiming at 4 programs per SM
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
 SLOT_MOE_ROWS = 16  # MoE chunks up to this many rows use expert_linear (one launch per projection)
 
@@ -441,7 +443,7 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
     x = x.contiguous()
     fuse = x.size(0) <= FUSE_QUANT_MAX_M
     a, a_s = (x, x) if fuse else quant_act(x)
-    cfg = config or linear_config(bank.kind, n, x.size(1))
+    cfg = config or linear_config(bank.kind, n, x.size(1), m=1)  # each slot is a one-row product
     _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, splits=splits,
                        slots=slots, slots_per_row=slots_per_row)
     return y
@@ -500,10 +502,15 @@ class LinearConfig:
     GROUP_M: int = 8
 
 
-def linear_config(kind: str, n: int, k: int) -> LinearConfig:
-    """The one tile config for a weight of this kind and shape (M plays no part)."""
+def linear_config(kind: str, n: int, k: int, m: int | None = None) -> LinearConfig:
+    """The tile config for a weight of this kind and shape. M picks between two FP8/FP4 configs whose
+    bits are equal (measured on every V4.1 layer shape: bench/results/mma-tiles-2026-11-30.txt; tested
+    by tests/test_kernels_cuda.py), so a row's result never depends on M."""
     if kind in ("fp8", "fp4"):
-        # one warpgroup, m64n64k32 wgmmas: the best measured compromise between M=1 and M=8192
+        if m is not None and m <= NARROW_TILE_MAX_M:
+            # 16-row tiles (mma.sync): 1.3-2x faster than the 64-row wgmma tiles at M <= 16
+            return LinearConfig(BM=16, BN=64, BK=32, num_warps=2, num_stages=4)
+        # one warpgroup, m64n64k32 wgmmas: the best measured compromise between M=512 and M=8192
         # (BM128/BN128 is ~20% faster on the largest fp8 layers at M=8192, 1.3-3x slower at M<=512)
         return LinearConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=4)
     if kind == "bf16":
@@ -551,9 +558,10 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
     rows = y.size(0)
     m = 1 if slots is not None else rows  # rows per program column: a slot is a one-row call
     programs = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN) * (rows if slots is not None else 1)
-    if splits is None:  # measured: FP4 always gains; FP8 only while the tiles leave most SMs idle
-        use = m <= SPLIT_MAX_M and slots is None and (w.kind == "fp4" or programs < SPLIT_FP8_MAX_TILES)
-        splits = min(kc, triton.cdiv(2 * _sm_count(a.device), programs)) if use else 1
+    if splits is None:  # measured (bench/results/mma-tiles-2026-11-30.txt): the K chain of a decode tile is
+        # latency-bound, so spread it while the tiles alone leave SMs idle; slots have enough programs
+        use = m <= SPLIT_MAX_M and slots is None and programs < SPLIT_MAX_TILES
+        splits = min(SPLIT_MAX, kc, triton.cdiv(4 * _sm_count(a.device), programs)) if use else 1
     cps = triton.cdiv(kc, max(1, splits))
     splits = triton.cdiv(kc, cps)
     part = torch.empty((kb, rows, n), dtype=torch.float32, device=a.device) if splits > 1 else y
@@ -589,7 +597,7 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
     assert x.dim() == 2 and x.size(1) == w.in_features, (tuple(x.shape), w.in_features)
     m, k = x.shape
     n = w.out_features
-    cfg = config or linear_config(w.kind, n, k)
+    cfg = config or linear_config(w.kind, n, k, m)
     if w.kind in ("fp8", "fp4"):
         if x.dtype != torch.bfloat16:
             raise TypeError(f"{w.kind} linear takes a bf16 activation, got {x.dtype}")
