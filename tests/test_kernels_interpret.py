@@ -84,6 +84,14 @@ for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMM
     for m in (1, 3):
         assert torch.equal(cuda.linear(x[:m], wc), full[:m]), (kind, m)
     assert torch.equal(cuda.linear(x[2:3], wc), full[2:3])
+# grouped `wo_a`: each group's bits are a single linear's, also when that linear splits K
+xg = torch.randn(3, 4, 1024, generator=g).bfloat16()
+wg = (torch.randn(4, 40, 1024, generator=g) / 32).bfloat16()
+assert cuda.plain_k_per_split(cuda.linear_config("bf16", 40, 1024), 40, 1024) < 1024
+got = cuda.grouped_linear(xg, wg)
+for gi in range(4):
+    one = cuda.linear(xg[:, gi].contiguous(), cuda.to_cuda_weight(cpu.Weight("bf16", wg[gi]), "cpu"))
+    assert torch.equal(got[:, gi], one), gi
 print("ok")
 """
 

@@ -453,14 +453,15 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
 # plain bf16 / fp32 GEMM
 # ---------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["M"])
-def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
-                       group_x, group_w, group_y,
+def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part_cols, stride_xm, stride_wn,
+                       stride_ym, group_x, group_w, group_y,
                        PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
     # program_id(1) picks one of several independent GEMMs laid side by side (grouped `wo_a`); each is
     # computed exactly as a single call with the same config would. SPLIT: program_id(2) takes the K range
-    # [s * k_per_split, (s + 1) * k_per_split) and stores its fp32 sum to part[s, m, n], which
-    # _ordered_sum_kernel adds in s order (the split is fixed by the weight's shape, never by M)
+    # [s * k_per_split, (s + 1) * k_per_split) and stores its fp32 sum to part[s, m, g * N + n] (part_cols =
+    # groups * N columns), which _ordered_sum_kernel adds in s order (the split is fixed by the weight's
+    # shape, never by M)
     g = tl.program_id(1).to(tl.int64)
     x_ptr += g * group_x
     w_ptr += g * group_w
@@ -482,7 +483,8 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, stri
         b = tl.load(wp + k0, mask=nmask[None, :] & kmask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
     if SPLIT:
-        part = part_ptr + tl.program_id(2).to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+        part = (part_ptr + tl.program_id(2).to(tl.int64) * M * part_cols + rm[:, None].to(tl.int64) * part_cols
+                + g * N + rn[None, :])
         tl.store(part, acc, mask=mmask[:, None] & nmask[None, :])
     else:
         y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
@@ -621,7 +623,7 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), 1, splits)
-    _plain_gemm_kernel[grid](x, w.values, y, part, m, n, k, k_per_split, x.stride(0), w.values.stride(0),
+    _plain_gemm_kernel[grid](x, w.values, y, part, m, n, k, k_per_split, n, x.stride(0), w.values.stride(0),
                              y.stride(0), 0, 0, 0, PREC=fp32_precision if dtype == torch.float32 else "tf32",
                              BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, SPLIT=splits > 1,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -810,8 +812,15 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if m == 0:
         return y
     cfg = linear_config("bf16", r, d)
-    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(r, cfg.BN), groups, 1)
-    _plain_gemm_kernel[grid](x, w, y, y, m, r, d, d, x.stride(0), w.stride(1), y.stride(0), d, r * d, r,
-                             PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, SPLIT=False,
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    k_per_split = plain_k_per_split(cfg, r, d)  # as a single group's linear, so the bits are its bits
+    splits = triton.cdiv(d, k_per_split)
+    part = torch.empty((splits, m, groups * r), dtype=torch.float32, device=x.device) if splits > 1 else y
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(r, cfg.BN), groups, splits)
+    _plain_gemm_kernel[grid](x, w, y, part, m, r, d, k_per_split, groups * r, x.stride(0), w.stride(1), y.stride(0),
+                             d, r * d, r, PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+                             SPLIT=splits > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        block = 256
+        _ordered_sum_kernel[(triton.cdiv(m * groups * r, block),)](part, y, m, groups * r, splits, y.stride(0),
+                                                                   BLOCK=block, num_warps=4)
     return y

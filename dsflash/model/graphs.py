@@ -75,7 +75,8 @@ class SegmentGraphs:
         # one memory pool per row count: graphs of one forward run in capture order and keep their outputs
         pool = self._pools.setdefault(rows, torch.cuda.graph_pool_handle())
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: the server's other engine thread may run CUDA work meanwhile (another model half)
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = fn(*static)
         entry = self._graphs[key] = _Captured(graph, static, tuple(outputs))
         return entry
