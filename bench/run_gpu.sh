@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One batched GPU session: CUDA kernel and model invariants, then the engine benchmarks. Run on the GPU
 # machine from the repository root with the golden cases in $DSFLASH_GOLDEN_DIR; results land in
-# ${OUT:-bench/results}. `bench/run_gpu.sh tests`, `... bench` or `... ab` run one part:
-# ab = the step benchmark with and without CUDA graphs, plus a profile of one graphed step.
+# ${OUT:-bench/results}. `bench/run_gpu.sh tests`, `... bench` or `... ab` run one part; all = tests,
+# bench, then the step benchmark without CUDA graphs and a profile of one graphed step (ab = the step
+# benchmark with and without CUDA graphs, and the profile).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -15,11 +16,11 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
     | grep -E "tier|passed|failed|Error|assert" | tail -15
 fi
 if [ "$part" = all ] || [ "$part" = bench ]; then
-  timeout 240 python -m dsflash.cli bench all --preset bench --experts 48 --device cuda --context 8192 \
+  timeout 240 python -m dsflash.cli bench all --preset bench --experts 48 --device cuda --context 8192,32768 \
     --rows 1,2,4,5,8 --lengths 8192 --reps 5 --reference-layers 3 --out "$out" 2>&1 | tail -14
 fi
-if [ "$part" = ab ]; then
-  timeout 200 $step 2>&1 | tail -12
+if [ "$part" = all ] || [ "$part" = ab ]; then
+  [ "$part" = ab ] && timeout 200 $step 2>&1 | tail -12
   timeout 200 $step --eager 2>&1 | tail -12
   timeout 120 python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 \
     --rows 1 --out "$out" 2>&1 | head -40

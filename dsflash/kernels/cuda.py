@@ -338,34 +338,41 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
         tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _load_eight(p, mn, mask, kb, KB):
+    """part[kb .. kb+7] at p (rows mn apart), 0 past KB."""
+    v0 = tl.load(p, mask=mask & (kb < KB), other=0.0)
+    v1 = tl.load(p + mn, mask=mask & (kb + 1 < KB), other=0.0)
+    v2 = tl.load(p + 2 * mn, mask=mask & (kb + 2 < KB), other=0.0)
+    v3 = tl.load(p + 3 * mn, mask=mask & (kb + 3 < KB), other=0.0)
+    v4 = tl.load(p + 4 * mn, mask=mask & (kb + 4 < KB), other=0.0)
+    v5 = tl.load(p + 5 * mn, mask=mask & (kb + 5 < KB), other=0.0)
+    v6 = tl.load(p + 6 * mn, mask=mask & (kb + 6 < KB), other=0.0)
+    v7 = tl.load(p + 7 * mn, mask=mask & (kb + 7 < KB), other=0.0)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _add_eight(acc, v0, v1, v2, v3, v4, v5, v6, v7):
+    return ((((((((acc + v0) + v1) + v2) + v3) + v4) + v5) + v6) + v7)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _ordered_sum_kernel(part_ptr, y_ptr, M, N, KB, stride_ym, BLOCK: tl.constexpr):
-    """y[m, n] = ((0 + part[0, m, n]) + part[1, m, n]) + ..., fp32 adds in K order, stored in y's dtype; eight
-    loads are issued before their adds so the chain waits on one latency per eight blocks. A block
-    past KB adds +0 to an accumulator that is never -0."""
+    """y[m, n] = ((0 + part[0, m, n]) + part[1, m, n]) + ..., fp32 adds in K order, stored in y's dtype;
+    sixteen loads are issued before their adds so the chain waits on one latency per sixteen blocks. A
+    block past KB adds +0 to an accumulator that is never -0."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mn = M * N
     mask = offs < mn
     p = part_ptr + offs.to(tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for kb0 in range(0, KB, 8):
-        v0 = tl.load(p, mask=mask, other=0.0)
-        v1 = tl.load(p + mn, mask=mask & (kb0 + 1 < KB), other=0.0)
-        v2 = tl.load(p + 2 * mn, mask=mask & (kb0 + 2 < KB), other=0.0)
-        v3 = tl.load(p + 3 * mn, mask=mask & (kb0 + 3 < KB), other=0.0)
-        v4 = tl.load(p + 4 * mn, mask=mask & (kb0 + 4 < KB), other=0.0)
-        v5 = tl.load(p + 5 * mn, mask=mask & (kb0 + 5 < KB), other=0.0)
-        v6 = tl.load(p + 6 * mn, mask=mask & (kb0 + 6 < KB), other=0.0)
-        v7 = tl.load(p + 7 * mn, mask=mask & (kb0 + 7 < KB), other=0.0)
-        acc += v0
-        acc += v1
-        acc += v2
-        acc += v3
-        acc += v4
-        acc += v5
-        acc += v6
-        acc += v7
-        p += 8 * mn
+    for kb0 in range(0, KB, 16):
+        a0, a1, a2, a3, a4, a5, a6, a7 = _load_eight(p, mn, mask, kb0, KB)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _load_eight(p + 8 * mn, mn, mask, kb0 + 8, KB)
+        acc = _add_eight(acc, a0, a1, a2, a3, a4, a5, a6, a7)
+        acc = _add_eight(acc, b0, b1, b2, b3, b4, b5, b6, b7)
+        p += 16 * mn
     m = offs // N
     n = offs % N
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -28,6 +28,13 @@ def window_indices(positions: torch.Tensor, window: int, first_row_pos: int) -> 
     return torch.where(pos > positions.unsqueeze(1), -1, pos - first_row_pos)
 
 
+def _with_compressed(window_idx: torch.Tensor, comp_idx: torch.Tensor, comp_offset: int) -> torch.Tensor:
+    """The window indices, then the compressed picks (offset past the window source), valid entries first:
+    which 64-block of the online softmax an entry falls in changes the bits."""
+    idx = torch.cat([window_idx, torch.where(comp_idx >= 0, comp_idx + comp_offset, -1)], dim=1)
+    return torch.gather(idx, 1, torch.sort((idx < 0).to(torch.int8), dim=1, stable=True).indices)
+
+
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest values per row; among exactly equal values the lowest index wins."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
@@ -210,18 +217,23 @@ class Attention:
         a, state = self.args, chunk.state
         win = a.window_size
         ring = state.ring(state.window, self.layer, win, (a.head_dim,), torch.bfloat16)
-        # the window source: positions p0-win .. p0-1 (rows before 0 are never indexed), then the chunk
-        source = torch.cat([ring.read_range(chunk.p0 - win, chunk.p0), kv])
-        idx = window_indices(chunk.positions, win, chunk.p0 - win)
+        cap, p0, n = ring.capacity, chunk.p0, chunk.n
+        # the window source: positions p0-win .. p0-1 (rows before 0 are never indexed), then the chunk.
+        # Index tensors are alike for every layer of the chunk (all rings have one capacity; layers that
+        # read one KV source share its picks): made once per chunk
+        read = chunk.shared(("window read", cap), lambda: torch.arange(p0 - win, p0, device=kv.device) % cap)
+        source = torch.cat([ring.data[read], kv])
+        idx = chunk.shared("window idx", lambda: window_indices(chunk.positions, win, p0 - win))
         if self.ratio:
             comp_idx = self._compressed(x, qr, chunk)
             comp = state.compressed[self.kv_source].rows
-            idx = torch.cat([idx, torch.where(comp_idx >= 0, comp_idx + source.size(0), -1)], dim=1)
+            key = ("attention idx", id(comp_idx), comp.size(0))
+            idx = chunk.shared(key, lambda: (comp_idx, _with_compressed(idx, comp_idx, source.size(0))))[1]
             source = torch.cat([source, comp])
-            # valid entries first: which 64-block of the online softmax an entry falls in changes the bits
-            idx = torch.gather(idx, 1, torch.sort((idx < 0).to(torch.int8), dim=1, stable=True).indices)
         o = self.k.sparse_attn(q, source, self.attn_sink, idx, a.head_dim ** -0.5)
-        ring.write(chunk.positions[: chunk.n], kv[: chunk.n])
+        keep = min(n, cap)
+        write = chunk.shared(("window write", cap), lambda: chunk.positions[n - keep:n] % cap)
+        ring.data[write] = kv[n - keep:n]
         return o
 
     def _compressed(self, x: torch.Tensor, qr: torch.Tensor, chunk: Chunk) -> torch.Tensor:

@@ -61,6 +61,13 @@ class Chunk:
     trace: dict | None = None  # debugging: per-layer intermediate outputs when a dict is given
     row_tile: int = 1  # rows are padded to a multiple of this (see Transformer.forward)
     _p0: int | None = None
+    _shared: dict = field(default_factory=dict)
+
+    def shared(self, key, make):
+        """A value every layer of this chunk would compute alike (ring slots, index layouts), made once."""
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
 
     def drop_front(self, k: int) -> Chunk:
         """The same chunk without its first k rows (re-padded), keeping what the layers published."""

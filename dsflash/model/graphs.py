@@ -39,6 +39,9 @@ class SegmentGraphs:
         self._graphs: dict[Hashable, _Captured] = {}
         self._warm: dict[Hashable, tuple[torch.Tensor, ...]] = {}
         self._pools: dict[int, tuple] = {}
+        # the captured graphs' inputs and outputs by id: a later capture reads such a tensor in place (its
+        # value is rewritten by its owner's replay earlier in the same forward) instead of copying it
+        self._stable: dict[int, torch.Tensor] = {}
         self._epoch: Hashable = None
         self.lock = threading.RLock()
 
@@ -50,6 +53,7 @@ class SegmentGraphs:
         if epoch != self._epoch:
             self._graphs.clear()
             self._warm.clear()
+            self._stable.clear()
             self._epoch = epoch
         return eligible and rows <= self.max_rows
 
@@ -57,7 +61,8 @@ class SegmentGraphs:
             ) -> tuple[torch.Tensor, ...]:
         """fn(*inputs) (a tuple of tensors), from a graph. The first call of a key runs eagerly on the
         inputs' future static copies (compiling kernels for exactly the alignments the capture will
-        see); the second captures; later calls replay."""
+        see); the second captures; later calls replay. An input that is another graph's input or output
+        (the previous block's streams, this block's mixes) is read in place, others are copied in."""
         entry = self._graphs.get(key)
         if entry is None:
             static = self._warm.pop(key, None)
@@ -65,9 +70,12 @@ class SegmentGraphs:
                 static = tuple(t.clone() for t in inputs)
                 self._warm[key] = static
                 return fn(*static)
+            static = tuple(t if self._stable.get(id(t)) is t and t.stride() == s.stride() else s
+                           for t, s in zip(inputs, static, strict=True))
             entry = self._capture(key, fn, static, inputs[0].size(0))
         for dst, src in zip(entry.inputs, inputs, strict=True):
-            dst.copy_(src)
+            if dst is not src:
+                dst.copy_(src)
         entry.graph.replay()
         return entry.outputs
 
@@ -79,6 +87,7 @@ class SegmentGraphs:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = fn(*static)
         entry = self._graphs[key] = _Captured(graph, static, tuple(outputs))
+        self._stable.update((id(t), t) for t in (*entry.inputs, *entry.outputs))
         return entry
 
 
