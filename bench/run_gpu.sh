@@ -11,17 +11,17 @@ part=${1:-all}
 step="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,2,4,5,8 --reps 5 --out $out"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 if [ "$part" = all ] || [ "$part" = tests ]; then
-  timeout 180 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py 2>&1 | tail -6
-  timeout 300 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py -s 2>&1 \
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py 2>&1 | tail -6
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py -s 2>&1 \
     | grep -E "tier|passed|failed|Error|assert" | tail -15
 fi
 if [ "$part" = all ] || [ "$part" = bench ]; then
-  timeout 240 python -m dsflash.cli bench all --preset bench --experts 48 --device cuda --context 8192,32768 \
+  timeout 200 python -m dsflash.cli bench all --preset bench --experts 48 --device cuda --context 8192,32768 \
     --rows 1,2,4,5,8 --lengths 8192 --reps 5 --reference-layers 3 --out "$out" 2>&1 | tail -14
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   [ "$part" = ab ] && timeout 200 $step 2>&1 | tail -12
-  timeout 200 $step --eager 2>&1 | tail -12
-  timeout 120 python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 \
+  timeout 120 $step --eager 2>&1 | tail -12
+  timeout 60 python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 \
     --rows 1 --out "$out" 2>&1 | head -40
 fi
