@@ -360,22 +360,35 @@ def _add_eight(acc, v0, v1, v2, v3, v4, v5, v6, v7):
 @triton.jit(do_not_specialize=["M"])
 def _ordered_sum_kernel(part_ptr, y_ptr, M, N, KB, stride_ym, BLOCK: tl.constexpr):
     """y[m, n] = ((0 + part[0, m, n]) + part[1, m, n]) + ..., fp32 adds in K order, stored in y's dtype;
-    sixteen loads are issued before their adds so the chain waits on one latency per sixteen blocks. A
-    block past KB adds +0 to an accumulator that is never -0."""
+    32 loads are issued before their adds so the chain waits on one latency per 32 blocks. A block past
+    KB adds +0 to an accumulator that is never -0."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mn = M * N
     mask = offs < mn
     p = part_ptr + offs.to(tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for kb0 in range(0, KB, 16):
+    for kb0 in range(0, KB, 32):
         a0, a1, a2, a3, a4, a5, a6, a7 = _load_eight(p, mn, mask, kb0, KB)
         b0, b1, b2, b3, b4, b5, b6, b7 = _load_eight(p + 8 * mn, mn, mask, kb0 + 8, KB)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _load_eight(p + 16 * mn, mn, mask, kb0 + 16, KB)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _load_eight(p + 24 * mn, mn, mask, kb0 + 24, KB)
         acc = _add_eight(acc, a0, a1, a2, a3, a4, a5, a6, a7)
         acc = _add_eight(acc, b0, b1, b2, b3, b4, b5, b6, b7)
-        p += 16 * mn
+        acc = _add_eight(acc, c0, c1, c2, c3, c4, c5, c6, c7)
+        acc = _add_eight(acc, d0, d1, d2, d3, d4, d5, d6, d7)
+        p += 32 * mn
     m = offs // N
     n = offs % N
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _ordered_sum(part: torch.Tensor, y: torch.Tensor, terms: int) -> None:
+    """y[m, n] = the in-order fp32 sum of part[0..terms-1, m, n] (part contiguous [terms, M, N]). The sum is
+    a chain of dependent loads, so small outputs get many small programs (the bits never depend on it)."""
+    m, n = y.shape
+    block, warps = (64, 2) if m * n <= 1 << 17 else (256, 4)
+    _ordered_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, terms, y.stride(0), BLOCK=block,
+                                                      num_warps=warps)
 
 
 @triton.jit
@@ -584,9 +597,7 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
                           SPLIT=splits > 1, SLOTS=stacked, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        block = 256
-        _ordered_sum_kernel[(triton.cdiv(rows * n, block),)](part, y, rows, n, kb, y.stride(0), BLOCK=block,
-                                                             num_warps=4)
+        _ordered_sum(part, y, kb)
 
 
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
@@ -635,9 +646,7 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
                              BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, SPLIT=splits > 1,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        block = 256
-        _ordered_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, splits, y.stride(0), BLOCK=block,
-                                                          num_warps=4)
+        _ordered_sum(part, y, splits)
     return y
 
 
@@ -827,7 +836,5 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                              d, r * d, r, PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
                              SPLIT=splits > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        block = 256
-        _ordered_sum_kernel[(triton.cdiv(m * groups * r, block),)](part, y, m, groups * r, splits, y.stride(0),
-                                                                   BLOCK=block, num_warps=4)
+        _ordered_sum(part, y.view(m, groups * r), splits)
     return y

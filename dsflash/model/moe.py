@@ -49,12 +49,13 @@ class MoE:
         self.gate = w.linear(prefix + "gate", widen=True)  # the router runs in fp32
         self.gate_bias = w.tensor(prefix + "gate.bias").float()
         self.gate_bias_vl = w.tensor(prefix + "gate.bias_vl").float() if w.has(prefix + "gate.bias_vl") else None
-        # each projection of the routed experts as one bank; an expert's weights are views into them
-        self.w1, self.w2, self.w3 = (
-            self.k.expert_bank([w.linear(f"{prefix}experts.{e}.{name}") for e in range(self.n_experts)])
-            for name in ("w1", "w2", "w3"))
-        self.experts = [Expert(self.k, self.w1[e], self.w2[e], self.w3[e], args.swiglu_limit)
-                        for e in range(self.n_experts)]
+        # the routed experts' weights as two banks (w1 then w3 of every expert, and w2), so a step's gate
+        # and up products are one launch; an expert's weights are views into them
+        n = self.n_experts
+        self.w13 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.{name}") for name in ("w1", "w3")
+                                       for e in range(n)])
+        self.w2 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.w2") for e in range(n)])
+        self.experts = [Expert(self.k, self.w13[e], self.w2[e], self.w13[n + e], args.swiglu_limit) for e in range(n)]
         self.shared = Expert.load(w, prefix + "shared_experts.", args.swiglu_limit)
 
     def route(self, x: torch.Tensor, chunk: Chunk | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,8 +98,10 @@ class MoE:
         Each row's slots are put in ascending expert id, the reference's summation order."""
         ids, order = ids.sort(dim=-1)
         weights = weights.gather(1, order).reshape(-1, 1)
-        gate = self.k.expert_linear(x, self.w1, ids, self.topk).float()
-        up = self.k.expert_linear(x, self.w3, ids, self.topk).float()
+        # per row: its k gate slots (w1 of each expert), then its k up slots (w3: bank entries n + id)
+        gate_up = self.k.expert_linear(x, self.w13, torch.cat([ids, ids + self.n_experts], 1), 2 * self.topk)
+        gate_up = gate_up.float().view(ids.size(0), 2, self.topk, -1)
+        gate, up = (gate_up[:, i].reshape(ids.numel(), -1) for i in (0, 1))
         h = swiglu(gate, up, self.args.swiglu_limit, weights).to(x.dtype)
         out = self.k.expert_linear(h, self.w2, ids, 1).view(*ids.shape, -1)
         y = torch.zeros_like(x, dtype=torch.float32)
