@@ -1,7 +1,8 @@
 """CUDA-backend kernel logic without a GPU: Triton's interpreter (TRITON_INTERPRET=1) runs the kernels
-on the CPU. The fp32 row reductions run on the interpreter as it is; the block-scaled GEMMs need the
-fixes of tests/interpreter_fixes.py (its fp32 -> bf16/fp8 conversions and bf16 dots are wrong as
-shipped). The GPU's own rounding is checked on the GPU machine by tests/test_kernels_cuda.py (results
+on the CPU. The fp32 row reductions run on the interpreter as it is; the GEMMs, the activation
+quantisation and sparse attention need the fixes of tests/interpreter_fixes.py (its fp32 -> bf16/fp8
+conversions and bf16 dots are wrong as shipped). The mHC kernel is not covered: the interpreter has no
+libdevice `exp`. The GPU's own rounding is checked on the GPU machine by tests/test_kernels_cuda.py (results
 in kernels/FIDELITY.md); here the indexing, masking, split/sum and slot logic are."""
 
 import os
@@ -38,11 +39,12 @@ def test_row_reductions_under_the_triton_interpreter():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
-GEMM_SCRIPT = """
+KERNEL_SCRIPT = """
 import interpreter_fixes  # noqa: F401  (before any kernel runs)
 import torch
 from dsflash.kernels import cpu, cuda
-from test_kernels_cuda import act_for, rand_act, rand_weight
+from dsflash.numerics.quant import fp8_act_codes
+from test_kernels_cuda import act_for, attn_inputs, rand_act, rand_weight
 
 g = torch.Generator().manual_seed(0)
 def rel(a, b):
@@ -92,12 +94,24 @@ got = cuda.grouped_linear(xg, wg)
 for gi in range(4):
     one = cuda.linear(xg[:, gi].contiguous(), cuda.to_cuda_weight(cpu.Weight("bf16", wg[gi]), "cpu"))
     assert torch.equal(got[:, gi], one), gi
+# activation quantisation: bit-exact with numerics/quant.py
+xq = rand_act(5, 192, g)
+xq[0, :32] = 0
+codes, words = cuda.quant_act(xq)
+ref_codes, ref_scales = fp8_act_codes(xq)
+assert torch.equal(codes.float(), ref_codes) and torch.equal(cuda.act_scales(words, 192), ref_scales)
+# sparse attention: the online softmax over 64-index blocks as the CPU's, and a query's bits alone
+q, kv, sink, idx = attn_inputs(6, 16, 64, 300, 160, g)
+got = cuda.sparse_attn(q, kv, sink, idx, 64 ** -0.5)
+ref = cpu.sparse_attn(q, kv, sink, idx, 64 ** -0.5)
+assert (got == ref).float().mean() > 0.99 and rel(got, ref) < 1e-3, rel(got, ref)
+assert torch.equal(cuda.sparse_attn(q[2:3], kv, sink, idx[2:3], 64 ** -0.5), got[2:3])
 print("ok")
 """
 
 
-def test_gemms_under_the_fixed_interpreter():
+def test_kernels_under_the_fixed_interpreter():
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
-    r = subprocess.run([sys.executable, "-c", GEMM_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
