@@ -64,3 +64,10 @@ def test_bench_commands_write_results(tmp_path):
                 "prefill_lengths_tok_s", "full_tok_s", "snapshot_bytes_per_token"):
         assert key in data, key
     assert data["decoder_rows"]["100"] < 100  # the encoder-only prefill ran the decoder on the tail only
+    assert data["cuda_graphs"] is True
+    for args, name in ((["--prefill"], "engine-profile-prefill-tiny-a-*.md"), ([], "engine-profile-tiny-a-*.md")):
+        r = dsflash("bench", "profile", "--preset", "tiny-a", "--device", "cpu", "--context", "70", "--rows", "2",
+                    *args, "--out", str(tmp_path))
+        assert r.returncode == 0, r.stderr
+        (report,) = tmp_path.glob(name)
+        assert "aten::" in report.read_text()

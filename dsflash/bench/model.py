@@ -169,20 +169,29 @@ def reference_speedup(args: ModelArgs, device: str, layers: int, reps: int) -> d
             "chunk_speedup": times["reference"]["chunk512_ms"] / times["cuda"]["chunk512_ms"]}
 
 
-def profile_step(engine: Engine, context: int, rows: int) -> str:
-    """torch.profiler table of one box step and one back step: where the time goes, per op and kernel."""
+def profile_step(engine: Engine, context: int, rows: int, prefill: bool = False) -> str:
+    """torch.profiler table of one step (box and back) after a `context`-token prompt, or with `prefill`
+    of the prompt itself (encoder-only prefill): where the time goes, per op and kernel."""
     from torch.profiler import ProfilerActivity, profile
 
+    ids = prompt(context, engine.args.vocab_size)
     s = engine.session()
-    s.prefill(prompt(context, engine.args.vocab_size))
-    keep = s.pos
-    new = prompt(rows, engine.args.vocab_size, seed=1)
-    for _ in range(2):  # warm-up: compilation and caches stay out of the profile
-        s.step(keep, new)
-        s.rollback(keep)
+    if prefill:  # warm-up on a short prompt compiles the kernels of every shape class
+        s.prefill(ids[: min(context, 4096)])
+        s = engine.session()
+    else:
+        s.prefill(ids)
+        keep = s.pos
+        new = prompt(rows, engine.args.vocab_size, seed=1)
+        for _ in range(2):  # warm-up: compilation and caches stay out of the profile
+            s.step(keep, new)
+            s.rollback(keep)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        s.step(keep, new)
+        if prefill:
+            s.prefill(ids)
+        else:
+            s.step(keep, new)
         sync(engine.decoder.device)
     tables = prof.key_averages()
     host = tables.table(sort_by="self_cpu_time_total", row_limit=25)
@@ -307,12 +316,13 @@ def run(ns: argparse.Namespace) -> int:
         return 0
     engine = build_engine(args, ns.device, cuda_graphs=not ns.eager)
     if ns.what == "profile":
-        table = profile_step(engine, ns.context[0], ns.rows[0])
+        table = profile_step(engine, ns.context[0], ns.rows[0], ns.prefill)
         out = Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"engine-profile-{ns.preset}-{r['date']}.md").write_text(
-            f"# Profile of one step (context {ns.context[0]}, {ns.rows[0]} rows)\n\n"
-            f"{r['gpu']}, commit {r['commit']}\n\n```\n{table}\n```\n")
+        what = f"the prefill of {ns.context[0]} tokens" if ns.prefill else \
+            f"one step (context {ns.context[0]}, {ns.rows[0]} rows)"
+        (out / f"engine-profile{'-prefill' if ns.prefill else ''}-{ns.preset}-{r['date']}.md").write_text(
+            f"# Profile of {what}\n\n{r['gpu']}, commit {r['commit']}\n\n```\n{table}\n```\n")
         print(table)
         return 0
     if ns.what in ("step", "all"):
@@ -346,6 +356,7 @@ def add_parser(sub: argparse._SubParsersAction, what: str) -> None:
                    help="also time a full prefill (decoder on every row) and report snapshot bytes per token")
     p.add_argument("--reference-layers", type=int, default=0,
                    help="also time the reference code path on an encoder slice of this many layers")
+    p.add_argument("--prefill", action="store_true", help="bench profile: the prefill of --context tokens, not a step")
     p.add_argument("--eager", action="store_true", help="run every forward eagerly (no CUDA graphs for short steps)")
     p.add_argument("--model", help="checkpoint directory (bench link)")
     p.add_argument("--out", default="bench/results")
