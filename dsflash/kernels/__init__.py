@@ -28,8 +28,8 @@ class Kernels:
     grouped_linear: Any
     expert_bank: Any  # list of one projection's routed-expert Weights -> the bank expert_linear takes
     expert_linear: Any  # (x, bank, expert per slot, slots per row) -> bf16 [slots, out]
-    # MoE layers of at most this many rows run every (row, slot) pair in one expert_linear call per
-    # projection (no host read of the routing); larger chunks loop over the experts they use
+    # MoE layers of at most this many rows run every (row, slot) pair through expert_linear (no host read
+    # of the routing); larger chunks loop over the experts they use
     slot_moe_rows: int
     index_scores: Any
     mean_square: Any  # mean(x^2) over the last dim, keepdim

@@ -34,6 +34,8 @@ class _Captured:
 
 
 class SegmentGraphs:
+    """One model's captured segments, keyed by (block, segment, rows); see the module docstring."""
+
     def __init__(self, max_rows: int = GRAPH_MAX_ROWS):
         self.max_rows = max_rows
         self._graphs: dict[Hashable, _Captured] = {}

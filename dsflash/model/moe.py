@@ -94,8 +94,9 @@ class MoE:
         return y.to(x.dtype)
 
     def _routed_by_slot(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every (row, slot) pair in one expert_linear call per projection, no host read of the routing.
-        Each row's slots are put in ascending expert id, the reference's summation order."""
+        """Every (row, slot) pair in two expert_linear calls (gate and up together, then down), with no host
+        read of the routing. Each row's slots are put in ascending expert id, the reference's summation
+        order."""
         ids, order = ids.sort(dim=-1)
         weights = weights.gather(1, order).reshape(-1, 1)
         # per row: its k gate slots (w1 of each expert), then its k up slots (w3: bank entries n + id)
