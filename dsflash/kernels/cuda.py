@@ -693,9 +693,10 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, H, D, KI, scale
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
-                *, out: torch.Tensor | None = None) -> torch.Tensor:
+                *, out: torch.Tensor | None = None, block_h: int | None = None) -> torch.Tensor:
     """Single-KV-head attention over gathered rows with a per-head sink (see cpu.sparse_attn).
-    q [N, H, D] bf16; kv [R, D] bf16; sink [H] fp32; idx [N, K] int (-1 = none). Returns bf16 [N, H, D]."""
+    q [N, H, D] bf16; kv [R, D] bf16; sink [H] fp32; idx [N, K] int (-1 = none). Returns bf16 [N, H, D].
+    `block_h` (experiments) overrides the heads per program."""
     n, h, d = q.shape
     assert kv.dim() == 2 and kv.size(1) == d and idx.dim() == 2 and idx.size(0) == n
     q = q.to(torch.bfloat16)
@@ -711,7 +712,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     o = out if out is not None else torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
     if n == 0:
         return o
-    block_h = min(64, max(16, triton.next_power_of_2(h)))
+    block_h = block_h or min(64, max(16, triton.next_power_of_2(h)))
     block_d = max(16, triton.next_power_of_2(d))
     warps = 8 if block_h * block_d >= 64 * 256 else 4
     grid = (n, triton.cdiv(h, block_h))

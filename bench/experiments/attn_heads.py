@@ -1,0 +1,34 @@
+"""Experiment (GPU): does sparse attention give the same bits with fewer heads per program (16 heads:
+mma.sync tiles and another reduction layout for the softmax sums), and how fast is each at decode
+sizes? One program per query uses one SM at M=1 (52 µs per layer); 16-head programs would use four.
+
+    python bench/experiments/attn_heads.py > $OUT/attn_heads.txt
+"""
+
+import torch
+
+from dsflash.bench.kernels import bench_graph
+from dsflash.kernels import cuda as kc
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    h, d, k = 64, 512, 640
+    for n in (1, 8, 512):
+        r = 8192 + 128
+        q = torch.randn(n, h, d, device="cuda").bfloat16()
+        kv = torch.randn(r, d, device="cuda").bfloat16()
+        sink = torch.randn(h, device="cuda")
+        idx = torch.randint(0, r, (n, k), device="cuda", dtype=torch.int32)
+        idx[:, 600:] = -1  # the model's layout: valid entries first, -1 padding last
+        ref = kc.sparse_attn(q, kv, sink, idx, d ** -0.5)
+        for block_h in (64, 32, 16):
+            got = kc.sparse_attn(q, kv, sink, idx, d ** -0.5, block_h=block_h)
+            diff = int((got.view(torch.int16) != ref.view(torch.int16)).sum())
+            us = bench_graph(lambda b=block_h, q=q, kv=kv, sink=sink, idx=idx:
+                             kc.sparse_attn(q, kv, sink, idx, d ** -0.5, block_h=b)) * 1e3
+            print(f"n={n:<4} heads/program {block_h:<3} bits differ {diff:>8}/{ref.numel()}  {us:8.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
