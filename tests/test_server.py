@@ -144,8 +144,23 @@ def test_n_choices(oai, server):
     assert three.usage.prompt_tokens == one.usage.prompt_tokens
     greedy = oai.completions.create(model="tiny", prompt="def", max_tokens=4, temperature=0, n=2)
     assert len(greedy.choices) == 2 and greedy.choices[0].text == greedy.choices[1].text
-    r = httpx.post(server + "/v1/chat/completions", json={"messages": kw["messages"], "n": 2, "stream": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    # streamed: the choices' chunks interleave, each with its index; the same texts, the usage summed once
+    chunks = list(oai.chat.completions.create(**kw, n=3, stream=True, stream_options={"include_usage": True}))
+    streamed, finished = ["", "", ""], set()
+    for c in chunks:
+        for ch in c.choices:
+            streamed[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert streamed == texts and finished == {0, 1, 2}
+    assert [c.usage for c in chunks if c.usage] == [three.usage]
+    pieces, plain = ["", ""], oai.completions.create(model="tiny", prompt="def", max_tokens=4, temperature=0.9,
+                                                     seed=5, n=2)
+    for c in oai.completions.create(model="tiny", prompt="def", max_tokens=4, temperature=0.9, seed=5, n=2,
+                                    stream=True):
+        for ch in c.choices:
+            pieces[ch.index] += ch.text
+    assert pieces == [c.text for c in plain.choices]
 
 
 def test_completions(oai):

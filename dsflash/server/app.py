@@ -356,7 +356,7 @@ class _Sampling(_Body):
     min_tokens: int = Field(0, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=16)  # n > 1: without streaming; choice i samples with seed + i
+    n: int = Field(1, ge=1, le=16)  # choice i samples with seed + i
     return_progress: bool = False  # llama.cpp's prompt_progress chunks while prefilling (streaming only)
 
 
@@ -692,12 +692,46 @@ def _progress_chunk(cid: str, created: int, kind: str) -> Callable[[dict], str]:
     return lambda p: _sse({"id": cid, "object": kind, "created": created, "choices": [], "prompt_progress": p})
 
 
-def _choices(job: Job, n: int, stream: bool) -> list[Job]:
+def _choices(job: Job, n: int) -> list[Job]:
     """`job` and its n - 1 siblings (seed + i; greedy ones give the same text, as in vLLM)."""
-    if n > 1 and stream:
-        raise ApiError(400, "n: n > 1 is supported without streaming only", "n")
     return [job] + [replace(job, params=replace(job.params, seed=job.params.seed + i), cancel=threading.Event(),
                             progress=None) for i in range(1, n)]
+
+
+class _Raised:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of several async streams as they come (each stream's own order kept); the first error
+    of any stream is raised and the others are cancelled."""
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+        except Exception as e:  # handed to the consumer, raised there
+            await queue.put(_Raised(e))
+        finally:
+            await queue.put(finished)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is finished:
+                running -= 1
+            elif isinstance(item, _Raised):
+                raise item.error
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _total(dones: list[Done]) -> Done:
@@ -830,13 +864,13 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         max_tokens = req.max_completion_tokens or req.max_tokens
         job = srv.job(prompt, max_tokens, _sampling(req), _stop_list(req.stop), top, split, arrived)
         job.images = spans
-        jobs = _choices(job, req.n, req.stream)
+        jobs = _choices(job, req.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = _now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             progress = _progress_chunk(cid, created, "chat.completion.chunk") if req.return_progress else None
-            return StreamingResponse(with_keepalive(_chat_stream(job, request, cid, created, thinking, include_usage),
+            return StreamingResponse(with_keepalive(_chat_stream(jobs, request, cid, created, thinking, include_usage),
                                                     job, progress), media_type="text/event-stream")
         results = await asyncio.gather(*(srv.collect(j, request, thinking) for j in jobs))
 
@@ -858,48 +892,22 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
                 "choices": [choice(i, *r) for i, r in enumerate(results)],
                 "usage": _usage(_total([r[2] for r in results])), "dsflash": results[0][2].stats}
 
-    async def _chat_stream(job: Job, request: Request, cid: str, created: int, thinking: bool,
+    async def _chat_stream(jobs: list[Job], request: Request, cid: str, created: int, thinking: bool,
                            include_usage: bool) -> AsyncIterator[str]:
-        def chunk(delta: dict, finish: str | None = None, lps: list | None = None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": {"content": lps} if lps else None,
-                      "finish_reason": finish}
+        """The chunks of every choice as they come (each with its index), then the summed usage."""
+        def sse(choices: list[dict], **extra) -> str:
             return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                         "choices": [choice]})
+                         "choices": choices, **extra})
 
-        parser = DsmlParser(thinking)
-        any_calls = False
+        dones: list[Done] = []
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for ev in srv.events(job, request):
-                if isinstance(ev, Done):
-                    evs, lps = parser.finish(), []
+            async for item in merged([_chat_choice(i, j, request, thinking) for i, j in enumerate(jobs)]):
+                if isinstance(item, Done):
+                    dones.append(item)
                 else:
-                    evs, lps = parser.feed(ev.text), ev.logprobs
-                for e in evs:
-                    if isinstance(e, ContentDelta):
-                        yield chunk({"content": e.text}, lps=lps)
-                    elif isinstance(e, ReasoningDelta):
-                        yield chunk({"reasoning_content": e.text}, lps=lps)
-                    elif isinstance(e, ToolCallStart):
-                        any_calls = True
-                        yield chunk({"tool_calls": [{"index": e.index, "id": f"call_{uuid.uuid4().hex[:24]}",
-                                                     "type": "function",
-                                                     "function": {"name": e.name, "arguments": ""}}]}, lps=lps)
-                    elif isinstance(e, ToolCallArgumentsDelta):
-                        yield chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}, lps=lps)
-                    else:
-                        continue
-                    lps = []
-                if lps:
-                    yield chunk({}, lps=lps)
-                if isinstance(ev, Done):
-                    finish = ev.finish if ev.finish != "cancelled" else "stop"
-                    if any_calls and ev.finish == "stop":
-                        finish = "tool_calls"
-                    yield chunk({}, finish)
-                    if include_usage:
-                        yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                    "model": model_name, "choices": [], "usage": _usage(ev)})
+                    yield sse([item])
+            if include_usage:
+                yield sse([], usage=_usage(_total(dones)))
         except ApiError as e:
             m.inc(m.errors, e.code or "invalid_request")
             yield _sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
@@ -907,6 +915,44 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
             m.inc(m.errors, "internal")
             yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
         yield "data: [DONE]\n\n"
+
+    async def _chat_choice(index: int, job: Job, request: Request, thinking: bool) -> AsyncIterator[Any]:
+        """One choice's chunk dicts (role first, finish reason last), then its Done."""
+        def chunk(delta: dict, finish: str | None = None, lps: list | None = None) -> dict:
+            return {"index": index, "delta": delta, "logprobs": {"content": lps} if lps else None,
+                    "finish_reason": finish}
+
+        parser = DsmlParser(thinking)
+        any_calls = False
+        yield chunk({"role": "assistant", "content": ""})
+        async for ev in srv.events(job, request):
+            if isinstance(ev, Done):
+                evs, lps = parser.finish(), []
+            else:
+                evs, lps = parser.feed(ev.text), ev.logprobs
+            for e in evs:
+                if isinstance(e, ContentDelta):
+                    yield chunk({"content": e.text}, lps=lps)
+                elif isinstance(e, ReasoningDelta):
+                    yield chunk({"reasoning_content": e.text}, lps=lps)
+                elif isinstance(e, ToolCallStart):
+                    any_calls = True
+                    yield chunk({"tool_calls": [{"index": e.index, "id": f"call_{uuid.uuid4().hex[:24]}",
+                                                 "type": "function",
+                                                 "function": {"name": e.name, "arguments": ""}}]}, lps=lps)
+                elif isinstance(e, ToolCallArgumentsDelta):
+                    yield chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}, lps=lps)
+                else:
+                    continue
+                lps = []
+            if lps:
+                yield chunk({}, lps=lps)
+            if isinstance(ev, Done):
+                finish = ev.finish if ev.finish != "cancelled" else "stop"
+                if any_calls and ev.finish == "stop":
+                    finish = "tool_calls"
+                yield chunk({}, finish)
+                yield ev
 
     # ------------------------------------------------------------------ text completions
 
@@ -936,24 +982,35 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
             return {"tokens": [x["token"] for x in lps], "token_logprobs": [x["logprob"] for x in lps],
                     "top_logprobs": [{t["token"]: t["logprob"] for t in x["top_logprobs"]} for x in lps]}
 
-        jobs = _choices(job, req.n, req.stream)
+        jobs = _choices(job, req.n)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+            def sse(choices: list[dict], **extra) -> str:
+                return _sse({"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                             "choices": choices, **extra})
+
+            async def choice(index: int, j: Job) -> AsyncIterator[Any]:
+                def chunk(text: str, finish: str | None = None, lps=()) -> dict:
+                    return {"index": index, "text": text, "logprobs": lp_obj(list(lps)), "finish_reason": finish}
+
+                async for ev in srv.events(j, request):
+                    if isinstance(ev, Done):
+                        yield chunk("", ev.finish if ev.finish != "cancelled" else "stop")
+                        yield ev
+                    elif ev.text or ev.logprobs:
+                        yield chunk(ev.text, lps=ev.logprobs)
+
             async def stream():
-                def chunk(text: str, finish: str | None = None, lps=()) -> str:
-                    return _sse({"id": cid, "object": "text_completion", "created": created, "model": model_name,
-                                 "choices": [{"index": 0, "text": text, "logprobs": lp_obj(list(lps)),
-                                              "finish_reason": finish}]})
+                dones: list[Done] = []
                 try:
-                    async for ev in srv.events(job, request):
-                        if isinstance(ev, Done):
-                            yield chunk("", ev.finish if ev.finish != "cancelled" else "stop")
-                            if include_usage:
-                                yield _sse({"id": cid, "object": "text_completion", "created": created,
-                                            "model": model_name, "choices": [], "usage": _usage(ev)})
-                        elif ev.text or ev.logprobs:
-                            yield chunk(ev.text, lps=ev.logprobs)
+                    async for item in merged([choice(i, j) for i, j in enumerate(jobs)]):
+                        if isinstance(item, Done):
+                            dones.append(item)
+                        else:
+                            yield sse([item])
+                    if include_usage:
+                        yield sse([], usage=_usage(_total(dones)))
                 except Exception as e:
                     m.inc(m.errors, "internal")
                     yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
