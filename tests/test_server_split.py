@@ -66,9 +66,12 @@ def test_split_server_answers_then_503_while_box_down_then_recovers(split_server
     r = httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=60)
     assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0
     assert r.json()["error"]["code"] == "box_unavailable"
-    with httpx.stream("POST", base + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=60) as s:
-        lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
-    assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
+    for n in (1, 2):  # one error event for the whole stream, also with several choices
+        with httpx.stream("POST", base + "/v1/chat/completions", json={**CHAT, "stream": True, "n": n},
+                          timeout=60) as s:
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
+        assert sum('"error"' in ln for ln in lines) == 1, lines
 
     state["box"] = start_box(ckpt, box_port, state["health_port"])
     again = client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=0,
