@@ -734,6 +734,28 @@ async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
             t.cancel()
 
 
+async def choice_stream(choices: list[AsyncIterator[Any]], sse: Callable[..., str], include_usage: bool,
+                        metrics: Metrics) -> AsyncIterator[str]:
+    """The SSE lines of n choices: each choice's chunk dicts as they come (`sse([chunk])`), the usage of all
+    of them when asked, one error event if any fails, then [DONE]. A choice stream ends with its Done."""
+    dones: list[Done] = []
+    try:
+        async for item in merged(choices):
+            if isinstance(item, Done):
+                dones.append(item)
+            else:
+                yield sse([item])
+        if include_usage:
+            yield sse([], usage=_usage(_total(dones)))
+    except ApiError as e:
+        metrics.inc(metrics.errors, e.code or "invalid_request")
+        yield _sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
+    except Exception as e:
+        metrics.inc(metrics.errors, "internal")
+        yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+    yield "data: [DONE]\n\n"
+
+
 def _total(dones: list[Done]) -> Done:
     """One Done for the usage of n choices: the prompt once, the completions summed."""
     return replace(dones[0], completion_tokens=sum(d.completion_tokens for d in dones))
@@ -899,22 +921,9 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
             return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                          "choices": choices, **extra})
 
-        dones: list[Done] = []
-        try:
-            async for item in merged([_chat_choice(i, j, request, thinking) for i, j in enumerate(jobs)]):
-                if isinstance(item, Done):
-                    dones.append(item)
-                else:
-                    yield sse([item])
-            if include_usage:
-                yield sse([], usage=_usage(_total(dones)))
-        except ApiError as e:
-            m.inc(m.errors, e.code or "invalid_request")
-            yield _sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
-        except Exception as e:
-            m.inc(m.errors, "internal")
-            yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
-        yield "data: [DONE]\n\n"
+        choices = [_chat_choice(i, j, request, thinking) for i, j in enumerate(jobs)]
+        async for line in choice_stream(choices, sse, include_usage, m):
+            yield line
 
     async def _chat_choice(index: int, job: Job, request: Request, thinking: bool) -> AsyncIterator[Any]:
         """One choice's chunk dicts (role first, finish reason last), then its Done."""
@@ -1001,23 +1010,9 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
                     elif ev.text or ev.logprobs:
                         yield chunk(ev.text, lps=ev.logprobs)
 
-            async def stream():
-                dones: list[Done] = []
-                try:
-                    async for item in merged([choice(i, j) for i, j in enumerate(jobs)]):
-                        if isinstance(item, Done):
-                            dones.append(item)
-                        else:
-                            yield sse([item])
-                    if include_usage:
-                        yield sse([], usage=_usage(_total(dones)))
-                except Exception as e:
-                    m.inc(m.errors, "internal")
-                    yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
-                yield "data: [DONE]\n\n"
-
+            stream = choice_stream([choice(i, j) for i, j in enumerate(jobs)], sse, include_usage, m)
             progress = _progress_chunk(cid, created, "text_completion") if req.return_progress else None
-            return StreamingResponse(with_keepalive(stream(), job, progress), media_type="text/event-stream")
+            return StreamingResponse(with_keepalive(stream, job, progress), media_type="text/event-stream")
         async def run(j: Job) -> tuple[str, list[dict], Done]:
             texts, lps, done = [], [], None
             async for ev in srv.events(j, request):
