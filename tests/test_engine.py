@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsflash.engine.sampling import History, SamplingParams
+from dsflash.engine.sampling import Forcing, History, SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
@@ -92,6 +92,42 @@ def test_accepted_drafts_give_plain_decoding(engine, params):
     stats = DecodeStats()
     assert list(decode(s, s.prefill(ids), 24, params, stop=set(), dspark=4, stats=stats)) == plain
     assert stats.accepted > 0 and stats.accepted < stats.drafted
+
+
+def test_forcing_by_hand():
+    f = Forcing([[5, 6, 7], [5, 8]], trigger=2)
+    assert f.allowed() is None
+    f.advance(3)
+    assert f.allowed() is None
+    f.advance(2)  # the trigger: one of the sequences must follow
+    assert f.allowed() == [5]
+    f.advance(5)
+    assert sorted(f.allowed()) == [6, 8]
+    f.advance(8)  # a sequence done: free again, also after another trigger
+    f.advance(2)
+    assert f.allowed() is None
+    with pytest.raises(ValueError):
+        Forcing([])
+
+
+@pytest.mark.parametrize("params", DECODING[:2], ids=["greedy", "seeded"])
+def test_forced_continuation_and_drafts(engine, params):
+    """A forced continuation (a tool call the request forces) follows its trigger token in the output, and
+    speculative decoding with partly right drafts gives exactly the same tokens."""
+    ids = prompt(25, seed=4)
+    s = engine.session()
+    free = list(decode(s, s.prefill(ids), 12, params, stop=set()))
+    trigger, seqs = free[2], [[11, 12, 13, 14], [11, 15]]
+    s = engine.session()
+    forced = list(decode(s, s.prefill(ids), 20, params, stop=set(), forcing=Forcing(seqs, trigger)))
+    at = forced.index(trigger) + 1
+    assert forced[:at] == free[:at] and forced[at:at + 4] in (seqs[0], seqs[1] + forced[at + 2:at + 4])
+    s = engine.session()
+    s.draft = partly_right_drafter(s, len(ids), forced)
+    stats = DecodeStats()
+    again = list(decode(s, s.prefill(ids), 20, params, stop=set(), dspark=4, stats=stats,
+                        forcing=Forcing(seqs, trigger)))
+    assert again == forced and 0 < stats.accepted < stats.drafted
 
 
 def test_penalties_and_biases_by_hand():

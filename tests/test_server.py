@@ -385,26 +385,42 @@ def test_tool_call_round_trip_through_the_real_model(oai, claude):
 
 
 def test_tool_choice(oai, claude, server):
-    """none keeps the tools out of the prompt; a forced call is refused (no constrained decoding), never
-    quietly treated as auto."""
-    tools = [{"type": "function", "function": {"name": "f", "description": "a tool",
-                                               "parameters": {"type": "object", "properties": {}}}}]
+    """none keeps the tools out of the prompt; required/any and a named tool force a call (the DSML block
+    and the invoke of a forced tool are forced tokens; the arguments are the model's), in every API and
+    streamed or not; a forced tool that is not offered is refused."""
+    def tool(name):
+        return {"type": "function", "function": {"name": name, "description": "a tool",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+    tools = [tool("get_weather"), tool("get_time")]
     kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0,
               extra_body=NO_THINK)
     bare = oai.chat.completions.create(**kw).usage.prompt_tokens
     assert oai.chat.completions.create(**kw, tools=tools, tool_choice="none").usage.prompt_tokens == bare
     assert oai.chat.completions.create(**kw, tools=tools, tool_choice="auto").usage.prompt_tokens > bare + 20
+    kw["max_tokens"] = 40
+    named = {"type": "function", "function": {"name": "get_time"}}
+    calls = oai.chat.completions.create(**kw, tools=tools, tool_choice=named).choices[0].message.tool_calls
+    assert [c.function.name for c in calls][:1] == ["get_time"]
+    streamed = [d.function.name for c in oai.chat.completions.create(**kw, tools=tools, tool_choice=named, stream=True)
+                for ch in c.choices for d in ch.delta.tool_calls or () if d.function and d.function.name]
+    assert streamed[:1] == ["get_time"]
+    calls = oai.chat.completions.create(**kw, tools=tools, tool_choice="required").choices[0].message.tool_calls
+    assert calls and calls[0].function.name in ("get_weather", "get_time")
+    msg = claude.messages.create(model="tiny", max_tokens=40, messages=[{"role": "user", "content": "Hi"}],
+                                 tools=[{"name": "get_time", "input_schema": {"type": "object"}}],
+                                 tool_choice={"type": "tool", "name": "get_time"}, extra_body={"temperature": 0})
+    assert [b.name for b in msg.content if b.type == "tool_use"][:1] == ["get_time"]
+    out = oai.responses.create(model="tiny", input="Hi", max_output_tokens=40, temperature=0,
+                               tools=[{"type": "function", "name": "get_time", "parameters": {"type": "object"}}],
+                               tool_choice={"type": "function", "name": "get_time"})
+    assert [o.name for o in out.output if o.type == "function_call"][:1] == ["get_time"]
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "tools": tools}
-    forced = [("/v1/chat/completions", {**chat, "tool_choice": "required"}),
-              ("/v1/chat/completions", {**chat, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
-              ("/v1/responses", {"model": "tiny", "input": "Hi", "tools": [{"type": "function", "name": "f"}],
-                                 "tool_choice": "required"}),
-              ("/v1/messages", {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}],
-                                "tools": [{"name": "f", "input_schema": {"type": "object"}}],
-                                "tool_choice": {"type": "any"}})]
-    for path, body in forced:
-        r = httpx.post(server + path, json=body, timeout=60)
-        assert r.status_code == 400 and "tool_choice" in r.text, (path, r.text)
+    for choice in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
+        r = httpx.post(server + "/v1/chat/completions", json={**chat, "tool_choice": choice}, timeout=60)
+        assert r.status_code == 400 and "tool_choice" in r.text, r.text
+    r = httpx.post(server + "/v1/chat/completions", json={**chat, "tools": [], "tool_choice": "required"}, timeout=60)
+    assert r.status_code == 400 and "tool_choice" in r.text, r.text
 
 
 def test_streamed_prefill_progress(server):

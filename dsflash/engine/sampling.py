@@ -130,13 +130,47 @@ class History:
         return x
 
 
-def sample(logits: torch.Tensor, position: int, p: SamplingParams, history: History | None = None) -> int:
-    """The token at `position` given its fp32 logits [V] (and, for the penalties, the tokens so far)."""
+class Forcing:
+    """Makes the output continue with one of several token sequences (a tool call the request forces),
+    from the start or once a `trigger` token has been produced (the end of the reasoning). Its state
+    follows the emitted tokens only (`advance`), so drafts and rollbacks do not disturb it."""
+
+    def __init__(self, sequences: Iterable[Iterable[int]], trigger: int | None = None):
+        self.trie: dict = {}
+        for seq in sequences:
+            node = self.trie
+            for t in seq:
+                node = node.setdefault(int(t), {})
+        if not self.trie:
+            raise ValueError("nothing to force")
+        self.trigger = trigger
+        self.node: dict | None = self.trie if trigger is None else None
+
+    def allowed(self) -> list[int] | None:
+        """The tokens allowed next, or None when any token is (before the trigger, after a sequence)."""
+        return list(self.node) if self.node else None
+
+    def advance(self, token: int) -> None:
+        if self.node:
+            self.node = self.node.get(token) or None
+        elif self.trigger is not None and token == self.trigger and self.node is None:
+            self.node, self.trigger = self.trie, None
+
+
+def sample(logits: torch.Tensor, position: int, p: SamplingParams, history: History | None = None,
+           forcing: Forcing | None = None) -> int:
+    """The token at `position` given its fp32 logits [V] (and, for the penalties, the tokens so far;
+    with `forcing`, only the tokens it allows)."""
+    allowed = forcing.allowed() if forcing is not None else None
+    if allowed is not None and len(allowed) == 1:
+        return allowed[0]
     logits = logits.cpu()
     if p.adjusted:
         if history is None:
             raise ValueError("penalties and biases need the token history")
         logits = history.adjust(logits, p)
+    if allowed is not None:
+        logits = torch.full_like(logits, -torch.inf).index_copy_(0, torch.tensor(allowed), logits[allowed])
     if p.greedy:
         return int(torch.argmax(logits))
     x = filtered_logits(logits, p)

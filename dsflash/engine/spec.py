@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from dsflash.engine.sampling import History, SamplingParams, sample
+from dsflash.engine.sampling import Forcing, History, SamplingParams, sample
 from dsflash.engine.session import Session
 
 
@@ -93,19 +93,26 @@ class DraftDepth:
 
 def decode(session: Session, first_logits, max_new: int, params: SamplingParams, stop: set[int],
            dspark: int = 0, stats: DecodeStats | None = None,
-           stopped: Callable[[], bool] | None = None) -> Iterator[int]:
-    """Yield up to `max_new` tokens after the session's last row (whose logits are `first_logits`)."""
+           stopped: Callable[[], bool] | None = None, forcing: Forcing | None = None) -> Iterator[int]:
+    """Yield up to `max_new` tokens after the session's last row (whose logits are `first_logits`);
+    `forcing` restricts them as it says (a forced tool call)."""
     stats = stats or DecodeStats()
     depth = None
     if dspark and session.decoder.dspark:
         depth = DraftDepth(min(dspark, session.engine.args.dspark_block_size))
     t0 = time.perf_counter()
     history = History(session.tokens, first_logits.numel()) if params.adjusted else None
-    tok = sample(first_logits, session.pos, params, history)
+
+    def emitted_token(t: int) -> None:  # what the sampler of the next position depends on
+        if history is not None:
+            history.add(t)
+        if forcing is not None:
+            forcing.advance(t)
+
+    tok = sample(first_logits, session.pos, params, history, forcing)
     emitted = 0
     while True:
-        if history is not None:
-            history.add(tok)
+        emitted_token(tok)
         yield tok
         emitted += 1
         stats.generated += 1
@@ -121,13 +128,12 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
         ts = time.perf_counter() - ts
         accepted = 0
         for j, d in enumerate(drafts):
-            target = sample(logits[j], p + j + 1, params, history)
+            target = sample(logits[j], p + j + 1, params, history, forcing)
             if target != d:
                 break
             accepted += 1
-            if history is not None:
-                history.add(d)
-        new_anchor = sample(logits[accepted], p + accepted + 1, params, history)
+            emitted_token(d)
+        new_anchor = sample(logits[accepted], p + accepted + 1, params, history, forcing)
         stats.cycles += 1
         stats.drafted += len(drafts)
         stats.accepted += accepted

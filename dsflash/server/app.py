@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dsflash.engine.generate_cmd import prepare_session
 from dsflash.engine.images import cache_key, span_keys
 from dsflash.engine.prefix_cache import PrefixCache
-from dsflash.engine.sampling import SamplingParams, logprobs
+from dsflash.engine.sampling import Forcing, SamplingParams, logprobs
 from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.server.dsml import (
@@ -40,7 +40,15 @@ from dsflash.server.dsml import (
     ToolCallArgumentsDelta,
     ToolCallStart,
 )
-from dsflash.server.encoding import EncodingError, encode_messages
+from dsflash.server.encoding import (
+    DSML_ATTRIBUTES_END,
+    DSML_CALLS_OPEN,
+    DSML_INVOKE_OPEN,
+    THINK_END,
+    TOOL_CALLS_SEPARATOR,
+    EncodingError,
+    encode_messages,
+)
 from dsflash.server.images import ImageError, Images
 from dsflash.split.link import BoxUnavailable
 from dsflash.tokenizer import BOS_ID, EOS_ID
@@ -163,6 +171,8 @@ class Job:
     # prefill progress as llama.cpp reports it: total, cache, processed, time_ms (set by the worker thread)
     progress: dict | None = None
     images: list = field(default_factory=list)  # ImageSpan of the prompt's images
+    forced_tools: tuple[str, ...] = ()  # one of these tools must be called (tool_choice required / named)
+    thinking: bool = False  # with forced tools: the call follows the reasoning's end
 
 
 @dataclass
@@ -261,8 +271,9 @@ class Worker:
         last = None
         t_dec = time.perf_counter()
         end = set(job.params.end_ids)
+        forcing = self._forcing(job) if job.forced_tools else None
         for i, tok in enumerate(decode(session, first_logits, job.max_new, job.params, end, dspark=dspark,
-                                       stats=stats, stopped=job.cancel.is_set)):
+                                       stats=stats, stopped=job.cancel.is_set, forcing=forcing)):
             now = time.perf_counter()
             with m.lock:
                 m.generated_tokens += 1
@@ -316,6 +327,18 @@ class Worker:
             except Exception:
                 pass
         emit(Done(finish, stop_string, stats.prompt_tokens, stats.cached_tokens, emitted, stats.as_dict()))
+
+    def _forcing(self, job: Job) -> Forcing:
+        """A forced tool call: the model's answer (after its reasoning, when thinking) opens the DSML block
+        with an invoke of one of the forced tools; the arguments are the model's own."""
+        heads = [TOOL_CALLS_SEPARATOR + DSML_CALLS_OPEN + "\n" + DSML_INVOKE_OPEN + name + DSML_ATTRIBUTES_END + "\n"
+                 for name in job.forced_tools]
+        trigger = None
+        if job.thinking:
+            trigger = self.tokenizer.token_to_id(THINK_END)
+            if trigger is None:
+                raise ValueError(f"the tokenizer has no single {THINK_END} token to start a forced call after")
+        return Forcing([self.tokenizer.encode(h, add_special_tokens=False).ids for h in heads], trigger)
 
     def _lp_entry(self, tok: int, lp: float, best: list[tuple[int, float]]) -> dict:
         def one(t: int, v: float) -> dict:
@@ -468,16 +491,28 @@ def _reasoning_effort(value: str | int | None) -> tuple[bool | None, int | None]
     return (False, None) if effort is None else (None, effort)
 
 
-def offered_tools(tools: list[dict] | None, tool_choice: Any) -> list[dict] | None:
-    """The tools put in the prompt under `tool_choice` (OpenAI, Responses or Anthropic spelling): all of
-    them for auto, none for none. A forced call (required/any or a named tool) would need constrained
-    decoding, which dsflash does not do, so it is refused rather than silently treated as auto."""
+def offered_tools(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict] | None, tuple[str, ...]]:
+    """The tools put in the prompt under `tool_choice` (OpenAI, Responses or Anthropic spelling, tools in
+    OpenAI's form) and the names of those of which one must be called: auto → all tools, nothing forced;
+    none → no tools; required / any → all, one of them forced; a named tool → all, that one forced."""
     kind = tool_choice.get("type") if isinstance(tool_choice, dict) else tool_choice
     if kind in (None, "auto"):
-        return tools
+        return tools, ()
     if kind == "none":
-        return None
-    raise ApiError(400, f"tool_choice: {kind!r} (a forced tool call) is not supported; use 'auto' or 'none'",
+        return None, ()
+    # (malformed tools are refused by encode_messages, which renders them next)
+    names = tuple(t["function"].get("name") for t in tools or () if isinstance(t, dict)
+                  and isinstance(t.get("function"), dict))
+    if kind in ("required", "any"):
+        if not names:
+            raise ApiError(400, f"tool_choice: {kind!r} needs at least one tool", "tool_choice")
+        return tools, names
+    if kind in ("function", "tool") and isinstance(tool_choice, dict):
+        name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
+        if name not in names:
+            raise ApiError(400, f"tool_choice: no tool named {name!r} among the tools", "tool_choice")
+        return tools, (name,)
+    raise ApiError(400, f"tool_choice: {tool_choice!r} is not auto, none, required/any or a named tool",
                    "tool_choice")
 
 
@@ -872,9 +907,9 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
             thinking = kwargs["thinking"] if kwargs["thinking"] is not None else thinking
         thinking = True if thinking is None else thinking
         images = Images()
+        tools, forced = offered_tools(req.tools, req.tool_choice)
         try:
-            text = encode_messages(images.openai_messages(req.messages), offered_tools(req.tools, req.tool_choice),
-                                   thinking, effort)
+            text = encode_messages(images.openai_messages(req.messages), tools, thinking, effort)
         except EncodingError as e:
             raise ApiError(400, str(e), str(e).split(":")[0]) from e
         except ImageError as e:
@@ -885,7 +920,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         job = srv.job(prompt, max_tokens, _sampling(req), _stop_list(req.stop), top, split, arrived)
-        job.images = spans
+        job.images, job.forced_tools, job.thinking = spans, forced, thinking
         jobs = _choices(job, req.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = _now()
@@ -1038,7 +1073,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         m.inc(m.requests, "messages")
         images = Images()
         msgs, tools = _anthropic_to_openai(req, images)
-        tools = offered_tools(tools, req.tool_choice)
+        tools, forced = offered_tools(tools, req.tool_choice)
         thinking = req.thinking is not None and req.thinking.type != "disabled"
         try:
             text = encode_messages(msgs, tools, thinking)
@@ -1047,7 +1082,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         prompt, spans = srv.prompt_ids(text, images)
         job = srv.job(prompt, req.max_tokens, _sampling(req), _stop_list(req.stop_sequences), None,
                       len(prompt) - 1, arrived)
-        job.images = spans
+        job.images, job.forced_tools, job.thinking = spans, forced, thinking
         mid = f"msg_{uuid.uuid4().hex[:24]}"
 
         def stop_reason(done: Done, calls: bool) -> str:

@@ -143,7 +143,7 @@ def add_routes(app: FastAPI, srv: Server, model_name: str) -> None:
         thinking = bool(req.reasoning) if thinking is None else thinking
         images = Images()
         messages, tools = to_messages(req, images)
-        tools = offered_tools(tools, req.tool_choice)
+        tools, forced = offered_tools(tools, req.tool_choice)
         try:
             text = encode_messages(messages, tools, thinking, effort)
         except EncodingError as e:
@@ -151,7 +151,7 @@ def add_routes(app: FastAPI, srv: Server, model_name: str) -> None:
         prompt, spans = srv.prompt_ids(text, images)
         job = srv.job(prompt, req.max_output_tokens or req.max_tokens, _sampling(req), _stop_list(req.stop), None,
                       len(prompt) - 1, arrived)
-        job.images = spans
+        job.images, job.forced_tools, job.thinking = spans, forced, thinking
         rid, created = f"resp_{uuid.uuid4().hex}", time.time()
         if req.stream:
             return StreamingResponse(with_keepalive(stream(job, request, rid, created, thinking), job, None),
