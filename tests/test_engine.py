@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsflash.engine.sampling import Forcing, History, SamplingParams
+from dsflash.engine.sampling import Forcing, History, SamplingParams, sample
 from dsflash.engine.session import Engine
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
@@ -102,7 +102,8 @@ def test_forcing_by_hand():
     f.advance(2)  # the trigger: one of the sequences must follow
     assert f.allowed() == [5]
     f.advance(5)
-    assert sorted(f.allowed()) == [6, 8]
+    assert sorted(f.allowed()) == [6, 8] and f.determined(5) == []
+    assert Forcing([[1, 2, 3, 4], [1, 2, 5]]).determined(5) == [1, 2]
     f.advance(8)  # a sequence done: free again, also after another trigger
     f.advance(2)
     assert f.allowed() is None
@@ -122,12 +123,26 @@ def test_forced_continuation_and_drafts(engine, params):
     forced = list(decode(s, s.prefill(ids), 20, params, stop=set(), forcing=Forcing(seqs, trigger)))
     at = forced.index(trigger) + 1
     assert forced[:at] == free[:at] and forced[at:at + 4] in (seqs[0], seqs[1] + forced[at + 2:at + 4])
+    # one token per step, by hand: the forced tokens (verified as drafts in one step by `decode`) and
+    # everything after them are the tokens plain decoding gives
+    s, by_hand, forcing = engine.session(), [], Forcing(seqs, trigger)
+    logits = s.prefill(ids)
+    for _ in range(20):
+        t = sample(logits, s.pos, params, None, forcing)
+        forcing.advance(t)
+        by_hand.append(t)
+        logits = s.step(s.pos, [t])[0]
+    assert forced == by_hand
     s = engine.session()
     s.draft = partly_right_drafter(s, len(ids), forced)
     stats = DecodeStats()
     again = list(decode(s, s.prefill(ids), 20, params, stop=set(), dspark=4, stats=stats,
                         forcing=Forcing(seqs, trigger)))
     assert again == forced and 0 < stats.accepted < stats.drafted
+    # a forced prefix with no choice left costs one step: 8 tokens in 8 - 1 - 3 steps
+    s, stats = engine.session(), DecodeStats()
+    out = list(decode(s, s.prefill(ids), 8, params, stop=set(), stats=stats, forcing=Forcing([seqs[0]])))
+    assert out[:4] == seqs[0] and stats.cycles == 4 and stats.drafted == 0
 
 
 def test_penalties_and_biases_by_hand():

@@ -146,6 +146,14 @@ class Forcing:
         self.trigger = trigger
         self.node: dict | None = self.trie if trigger is None else None
 
+    def determined(self, limit: int) -> list[int]:
+        """The next tokens that are forced with no choice left, at most `limit` (drafts sure to verify)."""
+        out, node = [], self.node
+        while node and len(node) == 1 and len(out) < limit:
+            ((token, node),) = node.items()
+            out.append(token)
+        return out
+
     def allowed(self) -> list[int] | None:
         """The tokens allowed next, or None when any token is (before the trigger, after a sequence)."""
         return list(self.node) if self.node else None

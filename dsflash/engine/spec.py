@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from dsflash.engine.sampling import Forcing, History, SamplingParams, sample
-from dsflash.engine.session import Session
+from dsflash.engine.session import MAX_STEP_ROWS, Session
 
 
 @dataclass
@@ -118,9 +118,11 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
         stats.generated += 1
         if tok in stop or emitted >= max_new or (stopped and stopped()):
             break
-        k = depth.choose() if depth else 0
+        # tokens the forcing leaves no choice about are drafts that verify for sure: one step for all of them
+        forced = forcing.determined(MAX_STEP_ROWS - 1) if forcing is not None else []
+        k = 0 if forced or not depth else depth.choose()
         td = time.perf_counter()
-        drafts = session.draft(tok)[:k] if k else []
+        drafts = forced or (session.draft(tok)[:k] if k else [])
         td = time.perf_counter() - td
         p = session.pos
         ts = time.perf_counter()
@@ -135,10 +137,11 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
             emitted_token(d)
         new_anchor = sample(logits[accepted], p + accepted + 1, params, history, forcing)
         stats.cycles += 1
-        stats.drafted += len(drafts)
-        stats.accepted += accepted
-        if depth:
-            depth.record(len(drafts) + 1, ts, len(drafts), accepted, td)
+        if not forced:  # DSpark's own drafts: its acceptance and the depth's measurements
+            stats.drafted += len(drafts)
+            stats.accepted += accepted
+            if depth:
+                depth.record(len(drafts) + 1, ts, len(drafts), accepted, td)
         session.rollback(p + accepted + 1)
         session.last_logits = logits[accepted]
         done = False
