@@ -247,3 +247,33 @@ def compressed_token_map(tokenizer: Tokenizer | TokenDecoder) -> tuple[list[int]
             key = _ENGRAM_NORMALIZER.normalize_str(text) or text
         token_map.append(key_to_class.setdefault(key, len(key_to_class)))
     return token_map, len(key_to_class)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The printable character byte-level BPE writes for each byte (printable ASCII and Latin-1 stand for
+    themselves, the other bytes for characters from U+0100 on, in byte order) -> the byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_bytes(tokenizer) -> list[bytes | None]:
+    """Each token's bytes under a byte-level BPE tokenizer; None for added tokens (specials, markers)."""
+    alphabet = _byte_level_alphabet()
+    added = set(tokenizer.get_added_tokens_decoder())
+    out: list[bytes | None] = []
+    for i in range(tokenizer.get_vocab_size()):
+        piece = tokenizer.id_to_token(i)
+        if piece is None or i in added:
+            out.append(None)
+        elif all(c in alphabet for c in piece):
+            out.append(bytes(alphabet[c] for c in piece))
+        else:
+            out.append(piece.encode())
+    return out

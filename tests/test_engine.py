@@ -120,7 +120,7 @@ def test_forced_continuation_and_drafts(engine, params):
     free = list(decode(s, s.prefill(ids), 12, params, stop=set()))
     trigger, seqs = free[2], [[11, 12, 13, 14], [11, 15]]
     s = engine.session()
-    forced = list(decode(s, s.prefill(ids), 20, params, stop=set(), forcing=Forcing(seqs, trigger)))
+    forced = list(decode(s, s.prefill(ids), 20, params, stop=set(), constraint=Forcing(seqs, trigger)))
     at = forced.index(trigger) + 1
     assert forced[:at] == free[:at] and forced[at:at + 4] in (seqs[0], seqs[1] + forced[at + 2:at + 4])
     # one token per step, by hand: the forced tokens (verified as drafts in one step by `decode`) and
@@ -137,11 +137,11 @@ def test_forced_continuation_and_drafts(engine, params):
     s.draft = partly_right_drafter(s, len(ids), forced)
     stats = DecodeStats()
     again = list(decode(s, s.prefill(ids), 20, params, stop=set(), dspark=4, stats=stats,
-                        forcing=Forcing(seqs, trigger)))
+                        constraint=Forcing(seqs, trigger)))
     assert again == forced and 0 < stats.accepted < stats.drafted
     # a forced prefix with no choice left costs one step: 8 tokens in 8 - 1 - 3 steps
     s, stats = engine.session(), DecodeStats()
-    out = list(decode(s, s.prefill(ids), 8, params, stop=set(), stats=stats, forcing=Forcing([seqs[0]])))
+    out = list(decode(s, s.prefill(ids), 8, params, stop=set(), stats=stats, constraint=Forcing([seqs[0]])))
     assert out[:4] == seqs[0] and stats.cycles == 4 and stats.drafted == 0
 
 

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dsflash.engine.json_mode import START, feed
 from dsflash.tokenizer import EOS_ID
 from tests.conftest import free_port, serve_app, start_server
 
@@ -211,8 +212,11 @@ def test_anthropic_messages(claude):
     ('{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}}', "logit_bias"),
     ('{"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [99999]}', "stop_token_ids"),
     ('{"messages": [{"role": "user", "content": "x"}], "min_tokens": -1}', "min_tokens"),
-    ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
+    ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}',
      "response_format"),
+    ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}', "response_format"),
+    ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}, "tools": '
+     '[{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}', "response_format"),
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role"),
     ('{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": []}}',
      "stream_options.include_usage"),
@@ -421,6 +425,28 @@ def test_tool_choice(oai, claude, server):
         assert r.status_code == 400 and "tool_choice" in r.text, r.text
     r = httpx.post(server + "/v1/chat/completions", json={**chat, "tools": [], "tool_choice": "required"}, timeout=60)
     assert r.status_code == 400 and "tool_choice" in r.text, r.text
+
+
+def test_json_mode(oai, server):
+    """response_format json_object (chat, completions) and text.format json_object (Responses): the answer
+    is a JSON object text, whole once the model ends it, cut by max_tokens otherwise."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Reply in JSON"}], max_tokens=30,
+              temperature=0.9, seed=3, response_format={"type": "json_object"})
+    texts = [oai.chat.completions.create(**kw, extra_body=NO_THINK).choices[0].message.content,
+             "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+                 **kw, stream=True, extra_body=NO_THINK) if c.choices),
+             oai.completions.create(model="tiny", prompt="JSON:", max_tokens=30, temperature=0.9, seed=3,
+                                    extra_body={"response_format": {"type": "json_object"}}).choices[0].text,
+             oai.responses.create(model="tiny", input="Reply in JSON", max_output_tokens=30, temperature=0.9,
+                                  text={"format": {"type": "json_object"}}).output_text]
+    assert texts[0] == texts[1]
+    for text in texts:
+        state = feed(START, text.encode())
+        assert state is not None and text.lstrip().startswith("{"), text
+    # with thinking, the constraint waits for the reasoning's end (this random model rarely gets there): the
+    # request runs through the triggered path without error
+    r = oai.chat.completions.create(**{**kw, "max_tokens": 8})
+    assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_streamed_prefill_progress(server):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -130,6 +131,19 @@ class History:
         return x
 
 
+class Constraint(Protocol):
+    """What the output may be (a forced tool call, JSON mode). Its state follows the emitted tokens only
+    (`advance`), never drafts, so speculative decoding and plain decoding see the same constraint."""
+
+    def allowed(self) -> list[int] | torch.Tensor | None:
+        """The tokens allowed next (ids, or a bool mask over the vocabulary), or None for any."""
+
+    def determined(self, limit: int) -> list[int]:
+        """The next tokens there is no choice about (at most `limit`): drafts that verify for sure."""
+
+    def advance(self, token: int) -> None: ...
+
+
 class Forcing:
     """Makes the output continue with one of several token sequences (a tool call the request forces),
     from the start or once a `trigger` token has been produced (the end of the reasoning). Its state
@@ -166,18 +180,20 @@ class Forcing:
 
 
 def sample(logits: torch.Tensor, position: int, p: SamplingParams, history: History | None = None,
-           forcing: Forcing | None = None) -> int:
+           constraint: Constraint | None = None) -> int:
     """The token at `position` given its fp32 logits [V] (and, for the penalties, the tokens so far;
-    with `forcing`, only the tokens it allows)."""
-    allowed = forcing.allowed() if forcing is not None else None
-    if allowed is not None and len(allowed) == 1:
+    with a `constraint`, only the tokens it allows)."""
+    allowed = constraint.allowed() if constraint is not None else None
+    if isinstance(allowed, list) and len(allowed) == 1:
         return allowed[0]
     logits = logits.cpu()
     if p.adjusted:
         if history is None:
             raise ValueError("penalties and biases need the token history")
         logits = history.adjust(logits, p)
-    if allowed is not None:
+    if isinstance(allowed, torch.Tensor):
+        logits = logits.masked_fill(~allowed, -torch.inf)
+    elif allowed is not None:
         logits = torch.full_like(logits, -torch.inf).index_copy_(0, torch.tensor(allowed), logits[allowed])
     if p.greedy:
         return int(torch.argmax(logits))

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from dsflash.engine.sampling import Forcing, History, SamplingParams, sample
+from dsflash.engine.sampling import Constraint, History, SamplingParams, sample
 from dsflash.engine.session import MAX_STEP_ROWS, Session
 
 
@@ -93,9 +93,9 @@ class DraftDepth:
 
 def decode(session: Session, first_logits, max_new: int, params: SamplingParams, stop: set[int],
            dspark: int = 0, stats: DecodeStats | None = None,
-           stopped: Callable[[], bool] | None = None, forcing: Forcing | None = None) -> Iterator[int]:
+           stopped: Callable[[], bool] | None = None, constraint: Constraint | None = None) -> Iterator[int]:
     """Yield up to `max_new` tokens after the session's last row (whose logits are `first_logits`);
-    `forcing` restricts them as it says (a forced tool call)."""
+    a `constraint` restricts them (a forced tool call, JSON mode)."""
     stats = stats or DecodeStats()
     depth = None
     if dspark and session.decoder.dspark:
@@ -106,10 +106,10 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
     def emitted_token(t: int) -> None:  # what the sampler of the next position depends on
         if history is not None:
             history.add(t)
-        if forcing is not None:
-            forcing.advance(t)
+        if constraint is not None:
+            constraint.advance(t)
 
-    tok = sample(first_logits, session.pos, params, history, forcing)
+    tok = sample(first_logits, session.pos, params, history, constraint)
     emitted = 0
     while True:
         emitted_token(tok)
@@ -118,8 +118,8 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
         stats.generated += 1
         if tok in stop or emitted >= max_new or (stopped and stopped()):
             break
-        # tokens the forcing leaves no choice about are drafts that verify for sure: one step for all of them
-        forced = forcing.determined(MAX_STEP_ROWS - 1) if forcing is not None else []
+        # tokens the constraint leaves no choice about are drafts that verify for sure: one step for all of them
+        forced = constraint.determined(MAX_STEP_ROWS - 1) if constraint is not None else []
         k = 0 if forced or not depth else depth.choose()
         td = time.perf_counter()
         drafts = forced or (session.draft(tok)[:k] if k else [])
@@ -130,12 +130,12 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
         ts = time.perf_counter() - ts
         accepted = 0
         for j, d in enumerate(drafts):
-            target = sample(logits[j], p + j + 1, params, history, forcing)
+            target = sample(logits[j], p + j + 1, params, history, constraint)
             if target != d:
                 break
             accepted += 1
             emitted_token(d)
-        new_anchor = sample(logits[accepted], p + accepted + 1, params, history, forcing)
+        new_anchor = sample(logits[accepted], p + accepted + 1, params, history, constraint)
         stats.cycles += 1
         if not forced:  # DSpark's own drafts: its acceptance and the depth's measurements
             stats.drafted += len(drafts)

@@ -28,8 +28,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsflash.engine.generate_cmd import prepare_session
 from dsflash.engine.images import cache_key, span_keys
+from dsflash.engine.json_mode import JsonObject
 from dsflash.engine.prefix_cache import PrefixCache
-from dsflash.engine.sampling import Forcing, SamplingParams, logprobs
+from dsflash.engine.sampling import Constraint, Forcing, SamplingParams, logprobs
 from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.server.dsml import (
@@ -51,7 +52,7 @@ from dsflash.server.encoding import (
 )
 from dsflash.server.images import ImageError, Images
 from dsflash.split.link import BoxUnavailable
-from dsflash.tokenizer import BOS_ID, EOS_ID
+from dsflash.tokenizer import BOS_ID, EOS_ID, token_bytes
 
 REASONING_LEVELS = {"none": None, "minimal": 10, "low": 25, "medium": 50, "high": 75, "xhigh": 100, "max": 100}
 
@@ -172,7 +173,8 @@ class Job:
     progress: dict | None = None
     images: list = field(default_factory=list)  # ImageSpan of the prompt's images
     forced_tools: tuple[str, ...] = ()  # one of these tools must be called (tool_choice required / named)
-    thinking: bool = False  # with forced tools: the call follows the reasoning's end
+    json_mode: bool = False  # the answer is a JSON object (response_format json_object)
+    thinking: bool = False  # with either: the constraint starts at the reasoning's end
 
 
 @dataclass
@@ -201,6 +203,9 @@ class Worker:
                  chunk: int = DEFAULT_CHUNK, concurrency: int = 2):
         self.engine, self.tokenizer, self.cache, self.dspark = engine, tokenizer, cache, dspark
         self.metrics, self.chunk = metrics, chunk
+        self._token_bytes: list[bytes | None] | None = None
+        self._json_masks: dict = {}
+        self._json_lock = threading.Lock()
         # two generations in flight: with a box, each machine works on one while the other finishes the next
         self.executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="dsflash-engine")
 
@@ -271,9 +276,8 @@ class Worker:
         last = None
         t_dec = time.perf_counter()
         end = set(job.params.end_ids)
-        forcing = self._forcing(job) if job.forced_tools else None
         for i, tok in enumerate(decode(session, first_logits, job.max_new, job.params, end, dspark=dspark,
-                                       stats=stats, stopped=job.cancel.is_set, forcing=forcing)):
+                                       stats=stats, stopped=job.cancel.is_set, constraint=self._constraint(job))):
             now = time.perf_counter()
             with m.lock:
                 m.generated_tokens += 1
@@ -328,17 +332,25 @@ class Worker:
                 pass
         emit(Done(finish, stop_string, stats.prompt_tokens, stats.cached_tokens, emitted, stats.as_dict()))
 
-    def _forcing(self, job: Job) -> Forcing:
-        """A forced tool call: the model's answer (after its reasoning, when thinking) opens the DSML block
-        with an invoke of one of the forced tools; the arguments are the model's own."""
-        heads = [TOOL_CALLS_SEPARATOR + DSML_CALLS_OPEN + "\n" + DSML_INVOKE_OPEN + name + DSML_ATTRIBUTES_END + "\n"
-                 for name in job.forced_tools]
+    def _constraint(self, job: Job) -> Constraint | None:
+        """What the answer must be (after the reasoning, when thinking): a forced tool call opens the DSML
+        block with an invoke of one of the forced tools (the arguments are the model's own); JSON mode
+        makes it a JSON object."""
+        if not job.forced_tools and not job.json_mode:
+            return None
         trigger = None
         if job.thinking:
             trigger = self.tokenizer.token_to_id(THINK_END)
             if trigger is None:
-                raise ValueError(f"the tokenizer has no single {THINK_END} token to start a forced call after")
-        return Forcing([self.tokenizer.encode(h, add_special_tokens=False).ids for h in heads], trigger)
+                raise ValueError(f"the tokenizer has no single {THINK_END} token to start the answer's constraint")
+        if job.forced_tools:
+            heads = [TOOL_CALLS_SEPARATOR + DSML_CALLS_OPEN + "\n" + DSML_INVOKE_OPEN + name + DSML_ATTRIBUTES_END
+                     + "\n" for name in job.forced_tools]
+            return Forcing([self.tokenizer.encode(h, add_special_tokens=False).ids for h in heads], trigger)
+        with self._json_lock:  # the token bytes and the masks by grammar state are made once per server
+            if self._token_bytes is None:
+                self._token_bytes = token_bytes(self.tokenizer)
+        return JsonObject(self._token_bytes, EOS_ID, trigger, self._json_masks)
 
     def _lp_entry(self, tok: int, lp: float, best: list[tuple[int, float]]) -> dict:
         def one(t: int, v: float) -> dict:
@@ -455,11 +467,20 @@ def _end_ids(req) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def json_mode(fmt: Any, field: str) -> bool:
+    """Whether a response format (OpenAI's response_format, the Responses API's text.format) asks for a
+    JSON object. A JSON schema is refused: structured outputs against a schema are not built."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if kind in (None, "text"):
+        return False
+    if kind == "json_object":
+        return True
+    if kind == "json_schema":
+        raise ApiError(400, f"{field}: json_schema (structured outputs) is not supported; json_object is", field)
+    raise ApiError(400, f"{field}: unknown type {kind!r}; one of text, json_object", field)
+
+
 def _sampling(req, default_temperature: float = 1.0) -> SamplingParams:
-    response_format = getattr(req, "response_format", None)
-    if response_format and response_format.get("type") != "text":
-        raise ApiError(400, f"response_format: {response_format.get('type')!r} is not supported (no constrained "
-                            "decoding); only {'type': 'text'}", "response_format")
     temperature = default_temperature if req.temperature is None else req.temperature
     seed = req.seed if getattr(req, "seed", None) is not None else secrets.randbits(63)
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
@@ -921,6 +942,10 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         max_tokens = req.max_completion_tokens or req.max_tokens
         job = srv.job(prompt, max_tokens, _sampling(req), _stop_list(req.stop), top, split, arrived)
         job.images, job.forced_tools, job.thinking = spans, forced, thinking
+        job.json_mode = json_mode(req.response_format, "response_format")
+        if job.json_mode and forced:
+            raise ApiError(400, "response_format: json_object and a forced tool call exclude each other",
+                           "response_format")
         jobs = _choices(job, req.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = _now()
@@ -1017,6 +1042,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
             prompt = list(req.prompt)
         top = req.logprobs
         job = srv.job(prompt, req.max_tokens or 16, _sampling(req), _stop_list(req.stop), top, 0, arrived)
+        job.json_mode = json_mode(getattr(req, "response_format", None), "response_format")
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = _now()
 

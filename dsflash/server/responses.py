@@ -27,6 +27,7 @@ from dsflash.server.app import (
     _Sampling,
     _sampling,
     _stop_list,
+    json_mode,
     offered_tools,
     with_keepalive,
 )
@@ -42,6 +43,7 @@ class ResponsesRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None  # text.format: text or json_object
 
 
 def _text_of(content: Any, where: str, images: Images) -> str:
@@ -152,6 +154,9 @@ def add_routes(app: FastAPI, srv: Server, model_name: str) -> None:
         job = srv.job(prompt, req.max_output_tokens or req.max_tokens, _sampling(req), _stop_list(req.stop), None,
                       len(prompt) - 1, arrived)
         job.images, job.forced_tools, job.thinking = spans, forced, thinking
+        job.json_mode = json_mode((req.text or {}).get("format"), "text.format")
+        if job.json_mode and forced:
+            raise ApiError(400, "text.format: json_object and a forced tool call exclude each other", "text.format")
         rid, created = f"resp_{uuid.uuid4().hex}", time.time()
         if req.stream:
             return StreamingResponse(with_keepalive(stream(job, request, rid, created, thinking), job, None),

@@ -1,0 +1,131 @@
+"""JSON mode: the byte automaton accepts exactly the prefixes of JSON object texts (against Python's json),
+and decoding under it, with or without drafts, gives valid JSON."""
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsflash.engine.json_mode import START, JsonObject, feed, is_complete
+from dsflash.engine.sampling import SamplingParams, sample
+from dsflash.engine.spec import DecodeStats, decode
+from dsflash.server.builtin import builtin_checkpoint
+from dsflash.tokenizer import EOS_ID, load_tokenizer, token_bytes
+from tests.conftest import partly_right_drafter
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12)
+OBJECTS = st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=4)
+
+
+def accepts_prefixes(data: bytes) -> bool:
+    state = START
+    for b in data:
+        state = feed(state, bytes([b]))
+        if state is None:
+            return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(OBJECTS, st.sampled_from([None, 2]), st.booleans())
+def test_every_prefix_of_a_json_object_is_accepted(obj, indent, ascii_only):
+    text = json.dumps(obj, indent=indent, ensure_ascii=ascii_only).encode()
+    assert accepts_prefixes(text)
+    assert is_complete(feed(START, text)) and is_complete(feed(START, text + b" \n"))
+
+
+ALPHABET = '{}[]",:0123456789.-+eE \\ntrufalsx'
+
+
+def python_says_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text(alphabet=ALPHABET, max_size=14))
+def test_complete_exactly_when_python_parses_an_object(text):
+    assert is_complete(feed(START, text.encode())) == python_says_object(text)
+
+
+@pytest.mark.parametrize("text", ['{"a":}', '{"a" 1}', "{'a':1}", "[1]", '{"a":01}', '{"a":1.}', '{"a":tru}',
+                                  '{"a":"\x01"}', '{"a":"\\q"}', '{"a":1,}', "{,}", "{}}", '{"a":1}x', '{"a":-}',
+                                  '{"a":"\\u12g4"}', '{"a":[1 2]}', '{"a":1e}', '{"a":nul}', ' {"a" : [ ] } ,'])
+def test_invalid_texts_are_refused(text):
+    assert not accepts_prefixes(text.encode()) or not is_complete(feed(START, text.encode()))
+    assert not python_says_object(text)
+
+
+@pytest.mark.parametrize("data", [b'{"a":"\xff"}', b'{"a":"\xc3"}', b'{"a":"\xed\xa0\x80"}', b'{"\xc0\xaf":1}',
+                                  b'{"a":"\xf4\x90\x80\x80"}', b'{"a":"\xe0\x80\x80"}', b'{"\xe2\x82":1}'])
+def test_invalid_utf8_in_strings_is_refused(data):
+    assert not is_complete(feed(START, data))
+    assert is_complete(feed(START, '{"é€😀":"ü"}'.encode()))
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    tok = load_tokenizer(builtin_checkpoint())
+    return tok, token_bytes(tok)
+
+
+def test_random_decoding_under_the_mask_stays_json(vocab):
+    """Sampling from random logits under the mask: every text is a JSON object prefix; once EOS is chosen
+    the text parses."""
+    tok, tb = vocab
+    rng = random.Random(0)
+    finished, cache = 0, {}
+    for run in range(40):
+        c = JsonObject(tb, EOS_ID, cache=cache)
+        out = b""
+        for pos in range(60):
+            t = sample(torch.randn(len(tb), generator=torch.Generator().manual_seed(rng.randrange(1 << 30))),
+                       pos, SamplingParams(temperature=1.0, seed=run), constraint=c)
+            if t == EOS_ID:
+                assert isinstance(json.loads(out), dict)
+                finished += 1
+                break
+            out += tb[t]
+            c.advance(t)
+            assert accepts_prefixes(out), out
+    assert finished  # the walk closes objects now and then
+
+
+def test_thinking_starts_the_mask_after_the_reasoning(vocab):
+    tok, tb = vocab
+    think_end = tok.token_to_id("</think>")
+    c = JsonObject(tb, EOS_ID, trigger=think_end)
+    assert c.allowed() is None
+    c.advance(tok.token_to_id("Hello") or 100)
+    assert c.allowed() is None
+    c.advance(think_end)
+    mask = c.allowed()
+    assert mask[tok.token_to_id("{")] and not mask[tok.token_to_id("}")] and not mask[EOS_ID]
+
+
+def test_json_decoding_with_drafts_is_exact(vocab):
+    from dsflash.engine.session import Engine
+
+    tok, tb = vocab
+    engine = Engine.load(builtin_checkpoint(), max_context=4096)
+    ids = tok.encode("Give me JSON:", add_special_tokens=False).ids
+    params = SamplingParams(temperature=0.8, seed=5)
+    s = engine.session()
+    plain = list(decode(s, s.prefill(ids), 30, params, {EOS_ID}, constraint=JsonObject(tb, EOS_ID)))
+    text = b"".join(tb[t] for t in plain if t != EOS_ID)
+    assert accepts_prefixes(text) and text.lstrip().startswith(b"{")
+    s = engine.session()
+    s.draft = partly_right_drafter(s, len(ids), plain)
+    stats = DecodeStats()
+    assert list(decode(s, s.prefill(ids), 30, params, {EOS_ID}, dspark=4, stats=stats,
+                       constraint=JsonObject(tb, EOS_ID))) == plain
+    assert stats.accepted > 0
