@@ -3,7 +3,8 @@
 # machine from the repository root with the golden cases in $DSFLASH_GOLDEN_DIR; results land in
 # ${OUT:-bench/results}. `bench/run_gpu.sh tests`, `... bench` or `... ab` run one part; all = tests,
 # bench, then the step benchmark without CUDA graphs and a profile of one graphed step (ab = the step
-# benchmark with and without CUDA graphs, and the profile).
+# benchmark with and without CUDA graphs, and the profile). `... open` runs the measurements the open
+# questions of docs/perf-record.md need first: the prefill profile and the sparse-attention head split.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -18,6 +19,11 @@ fi
 if [ "$part" = all ] || [ "$part" = bench ]; then
   timeout 200 python -m dsflash.cli bench all --preset bench --experts 48 --device cuda --context 8192,32768 \
     --rows 1,2,4,5,8 --lengths 8192 --reps 5 --reference-layers 3 --out "$out" 2>&1 | tail -14
+fi
+if [ "$part" = open ]; then
+  timeout 150 python -m dsflash.cli bench profile --prefill --preset bench --experts 48 --device cuda \
+    --context 8192 --out "$out" 2>&1 | head -45
+  timeout 120 python bench/experiments/attn_heads.py 2>&1 | tee "$out/attn-heads.txt"
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   [ "$part" = ab ] && timeout 200 $step 2>&1 | tail -12

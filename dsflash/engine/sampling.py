@@ -173,9 +173,9 @@ class Forcing:
         return list(self.node) if self.node else None
 
     def advance(self, token: int) -> None:
-        if self.node:
+        if self.node:  # inside a sequence; a finished one (a leaf) leaves the output free
             self.node = self.node.get(token) or None
-        elif self.trigger is not None and token == self.trigger and self.node is None:
+        elif self.trigger is not None and token == self.trigger:
             self.node, self.trigger = self.trie, None
 
 
