@@ -3,13 +3,14 @@ and decoding under it, with or without drafts, gives valid JSON."""
 
 import json
 import random
+import re
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsflash.engine.json_mode import START, JsonObject, feed, is_complete
+from dsflash.engine.json_mode import START, JsonObject, SchemaError, compile_schema, feed, is_complete, schema_start
 from dsflash.engine.sampling import SamplingParams, sample
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.server.builtin import builtin_checkpoint
@@ -129,3 +130,101 @@ def test_json_decoding_with_drafts_is_exact(vocab):
     assert list(decode(s, s.prefill(ids), 30, params, {EOS_ID}, dspark=4, stats=stats,
                        constraint=JsonObject(tb, EOS_ID))) == plain
     assert stats.accepted > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# structured outputs: a JSON schema's subset
+# ---------------------------------------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "description": "annotations are fine"},
+    "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}},
+    "ok": {"type": "boolean"},
+    "kind": {"enum": ["x", 1, None]},
+    "nested": {"type": "object", "properties": {"v": {"type": ["number", "null"]}}, "required": ["v"]},
+    "extra": {}}, "required": ["name", "age", "nested"], "additionalProperties": False}
+
+
+def schema_state(text: str):
+    return feed(schema_start(compile_schema(SCHEMA)), text.encode())
+
+
+def conforms(value, schema) -> bool:
+    """The subset's meaning, written independently of the automaton."""
+    if "const" in schema:
+        return json.dumps(value) == json.dumps(schema["const"])
+    if "enum" in schema:
+        return json.dumps(value) in [json.dumps(e) for e in schema["enum"]]
+    kinds = schema.get("type", ["object", "array", "string", "integer", "number", "boolean", "null"])
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    ok = {"object": isinstance(value, dict), "array": isinstance(value, list), "string": isinstance(value, str),
+          "integer": is_int, "number": is_int or isinstance(value, float), "boolean": isinstance(value, bool),
+          "null": value is None}
+    if not any(ok[k] for k in kinds):
+        return False
+    if isinstance(value, dict) and "properties" in schema:
+        props = schema["properties"]
+        return (set(value) <= set(props) and set(schema.get("required", [])) <= set(value)
+                and all(conforms(v, props[k]) for k, v in value.items()))
+    if isinstance(value, list) and "items" in schema:
+        return all(conforms(v, schema["items"]) for v in value)
+    return True
+
+
+@pytest.mark.parametrize("text", [
+    '{"name":"bo","age":3,"nested":{"v":null}}',
+    '{ "name" : "é", "age" : -12 , "tags" : ["a","b"], "ok": true, "kind": null, "nested": {"v": 1.5e3},'
+    ' "extra": [1, {"z": "free"}] }',
+    '{"name":"","age":0,"kind":1,"nested":{"v":-0.5}}',
+])
+def test_schema_documents_are_accepted(text):
+    assert conforms(json.loads(text), SCHEMA) and is_complete(schema_state(text))
+
+
+@pytest.mark.parametrize("text", [
+    '{"name":"x"}',  # required properties missing: cannot close
+    '{"age":1,"name":"x","nested":{"v":1}}',  # out of schema order
+    '{"name":"x","age":1.5,"nested":{"v":1}}', '{"name":"x","age":"1","nested":{"v":1}}',  # types
+    '{"name":"x","age":1,"tags":["c"],"nested":{"v":1}}', '{"name":"x","age":1,"kind":2,"nested":{"v":1}}',
+    '{"name":"x","age":1,"zzz":1,"nested":{"v":1}}', '{"name":"x","age":1,"nested":{}}',
+    '{"name":"x","age":1e2,"nested":{"v":1}}', '{"name":1,"age":1,"nested":{"v":1}}',
+])
+def test_schema_violations_are_refused(text):
+    assert not is_complete(schema_state(text))
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "pattern"),
+    ({"anyOf": [{"type": "string"}]}, "anyOf"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/x"}}}, "$ref"),
+    ({"type": "object", "properties": {}, "required": ["b"]}, "required"),
+    ({"type": "object", "additionalProperties": {"type": "string"}}, "additionalProperties"),
+    ({"type": "thing"}, "type"),
+])
+def test_unsupported_schemas_are_refused(schema, message):
+    with pytest.raises(SchemaError, match=re.escape(message)):
+        compile_schema(schema)
+    with pytest.raises(SchemaError, match="root"):
+        schema_start(compile_schema({"type": "string"}))
+
+
+def test_random_decoding_under_a_schema_conforms(vocab):
+    tok, tb = vocab
+    rng, finished = random.Random(1), 0
+    node = compile_schema(SCHEMA)
+    for run in range(60):
+        c = JsonObject(tb, EOS_ID, schema=node)
+        out = b""
+        for pos in range(120):
+            logits = torch.randn(len(tb), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+            logits[[tok.token_to_id(t) for t in ('"', "}", '",') if tok.token_to_id(t) is not None]] += 3
+            t = sample(logits, pos, SamplingParams(temperature=1.0, seed=run), constraint=c)
+            if t == EOS_ID:
+                assert conforms(json.loads(out), SCHEMA), out
+                finished += 1
+                break
+            out += tb[t]
+            c.advance(t)
+            assert feed(schema_start(node), out) is not None, out
+    assert finished

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsflash.engine.json_mode import START, feed
+from dsflash.engine.json_mode import START, compile_schema, feed, schema_start
 from dsflash.tokenizer import EOS_ID
 from tests.conftest import free_port, serve_app, start_server
 
@@ -213,6 +213,9 @@ def test_anthropic_messages(claude):
     ('{"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [99999]}', "stop_token_ids"),
     ('{"messages": [{"role": "user", "content": "x"}], "min_tokens": -1}', "min_tokens"),
     ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}',
+     "response_format"),
+    ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": '
+     '{"name": "s", "schema": {"type": "object", "properties": {"a": {"type": "string", "format": "date"}}}}}}',
      "response_format"),
     ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}', "response_format"),
     ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}, "tools": '
@@ -443,6 +446,18 @@ def test_json_mode(oai, server):
     for text in texts:
         state = feed(START, text.encode())
         assert state is not None and text.lstrip().startswith("{"), text
+    # structured outputs: the answer follows the schema (chat nests it under json_schema, Responses not)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                               "days": {"type": "integer"}}, "required": ["city", "days"]}
+    node = compile_schema(schema)
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": schema, "strict": True}}
+    chat = oai.chat.completions.create(**{**kw, "max_tokens": 40, "response_format": fmt}, extra_body=NO_THINK)
+    out = oai.responses.create(model="tiny", input="Plan a trip", max_output_tokens=40, temperature=0.9,
+                               text={"format": {"type": "json_schema", "name": "trip", "schema": schema}})
+    for text in (chat.choices[0].message.content, out.output_text):
+        assert feed(schema_start(node), text.encode()) is not None, text
+        if chat.choices[0].finish_reason == "stop" and text == chat.choices[0].message.content:
+            assert json.loads(text)["city"] in ("Paris", "Rome")
     # with thinking, the constraint waits for the reasoning's end (this random model rarely gets there): the
     # request runs through the triggered path without error
     r = oai.chat.completions.create(**{**kw, "max_tokens": 8})

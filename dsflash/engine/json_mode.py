@@ -1,4 +1,5 @@
-"""JSON mode (OpenAI `response_format: {"type": "json_object"}`): the answer is a JSON object.
+"""JSON mode and structured outputs (OpenAI `response_format` json_object / json_schema): the answer is a
+JSON object, optionally one that a JSON schema describes.
 
 A byte-level pushdown automaton (`step`) accepts exactly the prefixes of a JSON object text (RFC 8259:
 objects, arrays, strings with escapes, numbers, true/false/null, whitespace); `JsonObject` turns it into
@@ -7,11 +8,18 @@ text a valid prefix; EOS only once the object is closed; other special tokens ne
 automaton state, so a state's vocabulary scan is paid once per server, and tokens made only of plain
 string bytes are allowed inside strings without a scan. Its state follows emitted tokens only
 (`advance`), like `sampling.Forcing`, so speculative decoding stays exact.
+
+With a schema (`compile_schema`, a subset: type, properties, required, additionalProperties, items, enum,
+const; anything else is refused, never ignored) the automaton's frames carry the schema: an object emits
+its declared properties in schema order (optional ones may be skipped, required ones not), values take
+their property's type, enum and const values are matched literally, integers have no fraction or exponent.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,10 +31,143 @@ LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
 # number states after which the number may end
 NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp"})
 
-# a state: (mode, stack) with stack a tuple of "o"/"a" (open objects and arrays), mode a string or, for a
-# literal in progress, ("lit", remaining bytes)
+# a state: (mode, stack). The stack holds the open containers: "o" / "a" for any JSON, ("o", Node, next
+# property index) / ("a", items Node) under a schema. The mode is a string, or a tuple for a literal in
+# progress ("lit", remaining bytes), a schema value ("value", Node) or its colon ("colon", Node), enum
+# candidates ("enum", candidates, bytes matched) and property-name candidates ("okey", (name, index)..., n)
 State = tuple
 START: State = ("start", ())
+KINDS = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+SCHEMA_KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const",
+                             "title", "description", "default", "examples", "$schema", "$comment"})
+
+
+class SchemaError(ValueError):
+    """A schema outside the supported subset, or malformed."""
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: states holding nodes stay cheap to hash
+class Node:
+    kinds: frozenset
+    literals: tuple[bytes, ...] | None = None  # enum / const values, compact JSON
+    keys: tuple[bytes, ...] = ()  # declared property names as JSON strings, schema order
+    values: tuple[Node, ...] = ()
+    required: tuple[bool, ...] = ()
+    items: Node | None = None
+    open_object: bool = True  # an object with no declared properties: any members
+
+
+def _compact(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def compile_schema(schema, where: str = "schema") -> Node:
+    """The supported subset of JSON Schema as automaton nodes (SchemaError names what is not supported)."""
+    if not isinstance(schema, dict):
+        raise SchemaError(f"{where}: must be an object")
+    unknown = sorted(set(schema) - SCHEMA_KEYWORDS)
+    if unknown:
+        raise SchemaError(f"{where}: {', '.join(unknown)} not supported")
+    literals = None
+    if "const" in schema:
+        literals = (_compact(schema["const"]),)
+    elif "enum" in schema:
+        if not isinstance(schema["enum"], list) or not schema["enum"]:
+            raise SchemaError(f"{where}.enum: must be a non-empty list")
+        literals = tuple(dict.fromkeys(_compact(v) for v in schema["enum"]))
+    kinds = schema.get("type", sorted(KINDS))
+    kinds = frozenset([kinds] if isinstance(kinds, str) else kinds)
+    if not kinds or not kinds <= KINDS:
+        raise SchemaError(f"{where}.type: {schema.get('type')!r} is not a JSON type or list of them")
+    props = schema.get("properties", {})
+    if not isinstance(props, dict):
+        raise SchemaError(f"{where}.properties: must be an object")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not set(required) <= set(props):
+        raise SchemaError(f"{where}.required: must list declared properties")
+    if not isinstance(schema.get("additionalProperties", False), bool):
+        raise SchemaError(f"{where}.additionalProperties: only true or false is supported")
+    items = schema.get("items")
+    return Node(kinds, literals, tuple(_compact(k) for k in props),
+                tuple(compile_schema(v, f"{where}.properties.{k}") for k, v in props.items()),
+                tuple(k in required for k in props), None if items is None else compile_schema(items, f"{where}.items"),
+                not props)
+
+
+def schema_start(root: Node) -> State:
+    if root.kinds != {"object"} or root.literals is not None:
+        raise SchemaError("schema: the root must be an object (type: object)")
+    return (("value", root), ())
+
+
+def _frame_kind(frame) -> str:
+    return frame if isinstance(frame, str) else frame[0]
+
+
+def _keys_left(frame) -> tuple:
+    """A schema object's property names that may come next, as (JSON name, index): the next ones in schema
+    order up to and including the first required one."""
+    _, node, pos = frame
+    out = []
+    for i in range(pos, len(node.keys)):
+        out.append((node.keys[i], i))
+        if node.required[i]:
+            break
+    return tuple(out)
+
+
+def _may_close(frame) -> bool:
+    return isinstance(frame, str) or frame[0] == "a" or not any(frame[1].required[frame[2]:])
+
+
+def _schema_value_start(byte: int, stack: tuple, node: Node) -> State | None:
+    if node.literals is not None:
+        return _enum(byte, node.literals, 0, stack)
+    k = node.kinds
+    if byte == ord("{") and "object" in k:
+        return ("obj_first", stack + ("o" if node.open_object else ("o", node, 0),))
+    if byte == ord("[") and "array" in k:
+        return ("arr_first", stack + ("a" if node.items is None else ("a", node.items),))
+    if byte == ord('"') and "string" in k:
+        return ("str", stack)
+    if (byte == ord("-") or byte in DIGITS) and k & {"integer", "number"}:
+        state = _value_start(byte, stack)
+        return state if "number" in k else ("i:" + state[0], stack)
+    if (byte in b"tf" and "boolean" in k) or (byte == ord("n") and "null" in k):
+        return _value_start(byte, stack)
+    return None
+
+
+def _enum(byte: int, candidates: tuple[bytes, ...], i: int, stack: tuple) -> State | None:
+    """One byte against the enum values still possible after i bytes; a value ends where it is complete
+    and the byte cannot continue another one (the byte then belongs to what follows)."""
+    nxt = tuple(c for c in candidates if len(c) > i and c[i] == byte)
+    if nxt:
+        if all(len(c) == i + 1 for c in nxt):
+            return _closed(stack)
+        return (("enum", nxt, i + 1), stack)
+    if any(len(c) == i for c in candidates):
+        return step(_closed(stack), byte)
+    return None
+
+
+def _key(byte: int, candidates: tuple, i: int, stack: tuple) -> State | None:
+    """One byte of a declared property name (JSON strings: a complete one is never a prefix of another)."""
+    nxt = tuple((c, j) for c, j in candidates if len(c) > i and c[i] == byte)
+    if not nxt:
+        return None
+    if len(nxt) == 1 and len(nxt[0][0]) == i + 1:
+        _, node, _pos = stack[-1]
+        j = nxt[0][1]
+        return (("colon", node.values[j]), stack[:-1] + (("o", node, j + 1),))
+    return (("okey", nxt, i + 1), stack)
+
+
+def _key_start(byte: int, stack: tuple) -> State | None:
+    frame = stack[-1]
+    if isinstance(frame, str):
+        return ("key", stack) if byte == ord('"') else None
+    return _key(byte, _keys_left(frame), 0, stack)
 
 
 def _value_start(byte: int, stack: tuple) -> State | None:
@@ -53,7 +194,7 @@ def _closed(stack: tuple) -> State:
 
 
 def _close(byte: int, stack: tuple) -> State | None:
-    if stack and byte == (ord("}") if stack[-1] == "o" else ord("]")):
+    if stack and byte == (ord("}") if _frame_kind(stack[-1]) == "o" else ord("]")) and _may_close(stack[-1]):
         return _closed(stack[:-1])
     return None
 
@@ -96,11 +237,29 @@ def _string(byte: int, mode: str, stack: tuple, end: str) -> State | None:
 def step(state: State, byte: int) -> State | None:
     """The automaton's state after `byte`, or None if the text stops being a JSON object prefix."""
     mode, stack = state
-    if isinstance(mode, tuple):  # a literal: true / false / null
-        rest = mode[1]
-        if byte != rest[0]:
+    if isinstance(mode, tuple):
+        tag = mode[0]
+        if tag == "lit":  # true / false / null
+            rest = mode[1]
+            if byte != rest[0]:
+                return None
+            return (("lit", rest[1:]), stack) if len(rest) > 1 else _closed(stack)
+        if tag == "enum":
+            return _enum(byte, mode[1], mode[2], stack)
+        if tag == "okey":
+            return _key(byte, mode[1], mode[2], stack)
+        if byte in WHITESPACE:
+            return state
+        if tag == "value":
+            return _schema_value_start(byte, stack, mode[1])
+        return (("value", mode[1]), stack) if byte == ord(":") else None  # "colon"
+    if mode.startswith("i:"):  # an integer: no fraction, no exponent
+        nxt = _number(mode[2:], byte)
+        if nxt is not None and nxt in ("zero", "int"):
+            return ("i:" + nxt, stack)
+        if nxt is not None or mode[2:] not in NUMBER_ENDS:
             return None
-        return ((("lit", rest[1:])), stack) if len(rest) > 1 else _closed(stack)
+        return step(_closed(stack), byte)
     if mode.startswith("key"):
         return _string(byte, mode, stack, "colon")
     if mode.startswith("str"):
@@ -117,18 +276,23 @@ def step(state: State, byte: int) -> State | None:
     if mode == "start":
         return ("obj_first", ("o",)) if byte == ord("{") else None
     if mode == "obj_first":  # after "{": a key or "}"
-        return ("key", stack) if byte == ord('"') else _close(byte, stack)
+        return _key_start(byte, stack) or _close(byte, stack)
     if mode == "obj_key":  # after "," in an object
-        return ("key", stack) if byte == ord('"') else None
+        return _key_start(byte, stack)
     if mode == "colon":
         return ("value", stack) if byte == ord(":") else None
     if mode == "value":
         return _value_start(byte, stack)
+    top = stack[-1] if stack else None
+    items = top[1] if isinstance(top, tuple) and top[0] == "a" else None
     if mode == "arr_first":  # after "[": a value or "]"
-        return _value_start(byte, stack) or _close(byte, stack)
+        start = _value_start(byte, stack) if items is None else _schema_value_start(byte, stack, items)
+        return start or _close(byte, stack)
     if mode == "after":  # a value ended inside a container
         if byte == ord(","):
-            return ("obj_key", stack) if stack[-1] == "o" else ("value", stack)
+            if _frame_kind(top) == "a":
+                return ("value", stack) if items is None else (("value", items), stack)
+            return ("obj_key", stack) if isinstance(top, str) or _keys_left(top) else None
         return _close(byte, stack)
     return None  # "done": only whitespace (handled above)
 
@@ -178,17 +342,21 @@ def is_complete(state: State | None) -> bool:
 class JsonObject:
     """Allowed tokens for JSON mode. `token_bytes[i]` is token i's bytes, None for special tokens; `eos`
     ends the answer once the object is closed; with `trigger` (the end of the reasoning) the constraint
-    starts after that token. Masks are cached across requests by automaton state (share one `cache`)."""
+    starts after that token; with `schema` the object follows it. Masks of schema-free states are cached
+    across requests (share one `cache`)."""
 
     def __init__(self, token_bytes: Sequence[bytes | None], eos: int, trigger: int | None = None,
-                 cache: dict | None = None):
+                 cache: dict | None = None, schema: Node | None = None):
         self.tokens = token_bytes
         self.eos, self.trigger = eos, trigger
-        self.cache = cache if cache is not None else {}
+        shared = cache if cache is not None else {}
+        if "plain" not in shared:  # tokens that leave a string's plain state as it was
+            shared["plain"] = torch.tensor([_plain(b) for b in token_bytes])
+        self.plain = shared["plain"]
+        # a schema's states are its own (nodes are per request): its masks live with this constraint
+        self.cache = shared if schema is None else {}
         self.waiting = trigger is not None  # for the trigger: no constraint yet
-        self.state: State | None = START
-        if "plain" not in self.cache:  # tokens that leave a string's plain state as it was
-            self.cache["plain"] = torch.tensor([_plain(b) for b in token_bytes])
+        self.state: State | None = START if schema is None else schema_start(schema)
 
     def determined(self, limit: int) -> list[int]:
         return []
@@ -209,7 +377,7 @@ class JsonObject:
         mode = state[0]
         in_string = isinstance(mode, str) and mode in ("str", "key")
         if in_string:  # plain tokens keep the state; only the others need a scan
-            mask = self.cache["plain"].clone()
+            mask = self.plain.clone()
             todo = (~mask).nonzero().flatten().tolist()
         else:
             mask = torch.zeros(len(self.tokens), dtype=torch.bool)

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsflash.engine.generate_cmd import prepare_session
 from dsflash.engine.images import cache_key, span_keys
-from dsflash.engine.json_mode import JsonObject
+from dsflash.engine.json_mode import JsonObject, Node, SchemaError, compile_schema, schema_start
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import Constraint, Forcing, SamplingParams, logprobs
 from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine
@@ -173,7 +173,8 @@ class Job:
     progress: dict | None = None
     images: list = field(default_factory=list)  # ImageSpan of the prompt's images
     forced_tools: tuple[str, ...] = ()  # one of these tools must be called (tool_choice required / named)
-    json_mode: bool = False  # the answer is a JSON object (response_format json_object)
+    json_mode: bool = False  # the answer is a JSON object (response_format json_object / json_schema)
+    json_schema: Node | None = None  # ... following this schema
     thinking: bool = False  # with either: the constraint starts at the reasoning's end
 
 
@@ -335,7 +336,7 @@ class Worker:
     def _constraint(self, job: Job) -> Constraint | None:
         """What the answer must be (after the reasoning, when thinking): a forced tool call opens the DSML
         block with an invoke of one of the forced tools (the arguments are the model's own); JSON mode
-        makes it a JSON object."""
+        makes it a JSON object, following the request's schema when it has one."""
         if not job.forced_tools and not job.json_mode:
             return None
         trigger = None
@@ -350,7 +351,7 @@ class Worker:
         with self._json_lock:  # the token bytes and the masks by grammar state are made once per server
             if self._token_bytes is None:
                 self._token_bytes = token_bytes(self.tokenizer)
-        return JsonObject(self._token_bytes, EOS_ID, trigger, self._json_masks)
+        return JsonObject(self._token_bytes, EOS_ID, trigger, self._json_masks, job.json_schema)
 
     def _lp_entry(self, tok: int, lp: float, best: list[tuple[int, float]]) -> dict:
         def one(t: int, v: float) -> dict:
@@ -467,17 +468,24 @@ def _end_ids(req) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def json_mode(fmt: Any, field: str) -> bool:
-    """Whether a response format (OpenAI's response_format, the Responses API's text.format) asks for a
-    JSON object. A JSON schema is refused: structured outputs against a schema are not built."""
+def json_mode(fmt: Any, field: str) -> tuple[bool, Node | None]:
+    """What a response format (OpenAI's response_format, the Responses API's text.format) asks for: (a JSON
+    object?, the schema it follows). A schema outside the supported subset is refused, not ignored."""
     kind = fmt.get("type") if isinstance(fmt, dict) else fmt
     if kind in (None, "text"):
-        return False
+        return False, None
     if kind == "json_object":
-        return True
+        return True, None
     if kind == "json_schema":
-        raise ApiError(400, f"{field}: json_schema (structured outputs) is not supported; json_object is", field)
-    raise ApiError(400, f"{field}: unknown type {kind!r}; one of text, json_object", field)
+        spec = fmt.get("json_schema", fmt)  # chat nests it under json_schema, Responses does not
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        try:
+            node = compile_schema(schema, f"{field}.schema")
+            schema_start(node)
+        except SchemaError as e:
+            raise ApiError(400, str(e), field) from e
+        return True, node
+    raise ApiError(400, f"{field}: unknown type {kind!r}; one of text, json_object, json_schema", field)
 
 
 def _sampling(req, default_temperature: float = 1.0) -> SamplingParams:
@@ -942,7 +950,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         max_tokens = req.max_completion_tokens or req.max_tokens
         job = srv.job(prompt, max_tokens, _sampling(req), _stop_list(req.stop), top, split, arrived)
         job.images, job.forced_tools, job.thinking = spans, forced, thinking
-        job.json_mode = json_mode(req.response_format, "response_format")
+        job.json_mode, job.json_schema = json_mode(req.response_format, "response_format")
         if job.json_mode and forced:
             raise ApiError(400, "response_format: json_object and a forced tool call exclude each other",
                            "response_format")
@@ -1042,7 +1050,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
             prompt = list(req.prompt)
         top = req.logprobs
         job = srv.job(prompt, req.max_tokens or 16, _sampling(req), _stop_list(req.stop), top, 0, arrived)
-        job.json_mode = json_mode(getattr(req, "response_format", None), "response_format")
+        job.json_mode, job.json_schema = json_mode(getattr(req, "response_format", None), "response_format")
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = _now()
 
