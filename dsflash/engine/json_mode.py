@@ -352,7 +352,12 @@ class JsonObject:
         shared = cache if cache is not None else {}
         if "plain" not in shared:  # tokens that leave a string's plain state as it was
             shared["plain"] = torch.tensor([_plain(b) for b in token_bytes])
-        self.plain = shared["plain"]
+            by_first: dict[int, list[int]] = {}
+            for i, b in enumerate(token_bytes):
+                if b:
+                    by_first.setdefault(b[0], []).append(i)
+            shared["by_first"] = by_first
+        self.plain, self.by_first = shared["plain"], shared["by_first"]
         # a schema's states are its own (nodes are per request): its masks live with this constraint
         self.cache = shared if schema is None else {}
         self.waiting = trigger is not None  # for the trigger: no constraint yet
@@ -379,9 +384,9 @@ class JsonObject:
         if in_string:  # plain tokens keep the state; only the others need a scan
             mask = self.plain.clone()
             todo = (~mask).nonzero().flatten().tolist()
-        else:
+        else:  # only tokens whose first byte the state takes
             mask = torch.zeros(len(self.tokens), dtype=torch.bool)
-            todo = range(len(self.tokens))
+            todo = [i for byte, ids in self.by_first.items() if step(state, byte) is not None for i in ids]
         for i in todo:
             data = self.tokens[i]
             if data:
