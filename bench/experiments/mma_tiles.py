@@ -6,12 +6,10 @@ each tile config and K split at decode sizes? Decides whether steps of <= 16 row
 
 import torch
 
-from dsflash.bench.kernels import _rotating, bench_graph, random_cuda_weight, weight_bytes
+from dsflash.bench.kernels import LINEARS, _rotating, bench_graph, random_cuda_weight, weight_bytes
 from dsflash.kernels import cuda as kc
 
-SHAPES = [("wq_a", "fp8", 1280, 5120), ("wq_b", "fp8", 32768, 1280), ("wkv", "fp8", 512, 5120),
-          ("wo_b", "fp8", 5120, 8192), ("shared w1", "fp8", 2304, 5120), ("shared w2", "fp8", 5120, 2304),
-          ("expert w1", "fp4", 2304, 5120), ("expert w2", "fp4", 5120, 2304)]
+SHAPES = [shape for shape in LINEARS if shape[1] in ("fp8", "fp4")]  # the block-scaled layers
 BASE = kc.LinearConfig(64, 64, 32, 4, 4)
 CANDIDATES = [BASE, kc.LinearConfig(16, 64, 32, 4, 4), kc.LinearConfig(16, 128, 32, 4, 4),
               kc.LinearConfig(16, 64, 32, 2, 4), kc.LinearConfig(16, 32, 32, 2, 4), kc.LinearConfig(64, 128, 32, 4, 4)]

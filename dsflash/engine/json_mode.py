@@ -28,6 +28,7 @@ DIGITS = frozenset(b"0123456789")
 HEX = frozenset(b"0123456789abcdefABCDEF")
 ESCAPES = frozenset(b'"\\/bfnrt')
 LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
+NUMBER_MODES = frozenset({"minus", "zero", "int", "dot", "frac", "e", "esign", "exp"})
 # number states after which the number may end
 NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp"})
 
@@ -253,22 +254,19 @@ def step(state: State, byte: int) -> State | None:
         if tag == "value":
             return _schema_value_start(byte, stack, mode[1])
         return (("value", mode[1]), stack) if byte == ord(":") else None  # "colon"
-    if mode.startswith("i:"):  # an integer: no fraction, no exponent
-        nxt = _number(mode[2:], byte)
-        if nxt is not None and nxt in ("zero", "int"):
-            return ("i:" + nxt, stack)
-        if nxt is not None or mode[2:] not in NUMBER_ENDS:
-            return None
-        return step(_closed(stack), byte)
     if mode.startswith("key"):
         return _string(byte, mode, stack, "colon")
     if mode.startswith("str"):
         return _string(byte, mode, stack, "after")
-    if mode in ("minus", "zero", "int", "dot", "frac", "e", "esign", "exp"):
-        nxt = _number(mode, byte)
+    integer = mode.startswith("i:")  # an integer: no fraction, no exponent
+    number = mode[2:] if integer else mode
+    if number in NUMBER_MODES:
+        nxt = _number(number, byte)
         if nxt is not None:
-            return (nxt, stack)
-        if mode not in NUMBER_ENDS:
+            if integer and nxt not in ("zero", "int"):
+                return None
+            return (("i:" if integer else "") + nxt, stack)
+        if number not in NUMBER_ENDS:
             return None
         return step(_closed(stack), byte)  # the number ended: the byte belongs to what follows
     if byte in WHITESPACE:  # every structural mode allows it

@@ -578,17 +578,18 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
     kb = k // ACT_BLOCK
     kc = triton.cdiv(kb, SCALE_GROUP)
     rows = y.size(0)
-    m = 1 if slots is not None else rows  # rows per program column: a slot is a one-row call
-    programs = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN) * (rows if slots is not None else 1)
+    stacked = slots is not None
+    m = 1 if stacked else rows  # rows per program column: a slot is a one-row call
+    tiles = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN)
+    columns = rows if stacked else 1
     if splits is None:  # measured (bench/results/mma-tiles-2026-11-30.txt): the K chain of a decode tile is
         # latency-bound, so spread it while the tiles alone leave SMs idle; slots have enough programs
-        use = m <= SPLIT_MAX_M and slots is None and programs < SPLIT_MAX_TILES
-        splits = min(SPLIT_MAX, kc, triton.cdiv(4 * _sm_count(a.device), programs)) if use else 1
+        use = m <= SPLIT_MAX_M and not stacked and tiles < SPLIT_MAX_TILES
+        splits = min(SPLIT_MAX, kc, triton.cdiv(4 * _sm_count(a.device), tiles)) if use else 1
     cps = triton.cdiv(kc, max(1, splits))
     splits = triton.cdiv(kc, cps)
     part = torch.empty((kb, rows, n), dtype=torch.float32, device=a.device) if splits > 1 else y
-    stacked = slots is not None
-    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), splits, rows if stacked else 1)
+    grid = (tiles, splits, columns)
     _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if stacked else y, m, n, kb, cps,
                           a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0),
                           a_s.stride(0) if not fuse else m, rows * n,

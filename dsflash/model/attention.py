@@ -227,7 +227,8 @@ class Attention:
         if self.ratio:
             comp_idx = self._compressed(x, qr, chunk)
             comp = state.compressed[self.kv_source].rows
-            key = ("attention idx", id(comp_idx), comp.size(0))
+            # keyed by the picks' identity (layers reading one source share them); the entry keeps them alive
+            key = ("attention idx", id(comp_idx))
             idx = chunk.shared(key, lambda: (comp_idx, _with_compressed(idx, comp_idx, source.size(0))))[1]
             source = torch.cat([source, comp])
         o = self.k.sparse_attn(q, source, self.attn_sink, idx, a.head_dim ** -0.5)

@@ -83,7 +83,9 @@ class SegmentGraphs:
 
     def _capture(self, key: Hashable, fn: Callable, static: tuple[torch.Tensor, ...], rows: int) -> _Captured:
         # one memory pool per row count: graphs of one forward run in capture order and keep their outputs
-        pool = self._pools.setdefault(rows, torch.cuda.graph_pool_handle())
+        pool = self._pools.get(rows)
+        if pool is None:
+            pool = self._pools[rows] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's other engine thread may run CUDA work meanwhile (another model half)
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):

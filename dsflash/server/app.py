@@ -468,14 +468,18 @@ def _end_ids(req) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def json_mode(fmt: Any, field: str) -> tuple[bool, Node | None]:
+def json_mode(fmt: Any, field: str, forced_tools: tuple[str, ...] = ()) -> tuple[bool, Node | None]:
     """What a response format (OpenAI's response_format, the Responses API's text.format) asks for: (a JSON
-    object?, the schema it follows). A schema outside the supported subset is refused, not ignored."""
+    object?, the schema it follows). A schema outside the supported subset is refused, not ignored, and so
+    is JSON output together with a forced tool call (the answer cannot be both)."""
     kind = fmt.get("type") if isinstance(fmt, dict) else fmt
     if kind in (None, "text"):
         return False, None
-    if kind == "json_object":
-        return True, None
+    if kind not in ("json_object", "json_schema"):
+        raise ApiError(400, f"{field}: unknown type {kind!r}; one of text, json_object, json_schema", field)
+    if forced_tools:
+        raise ApiError(400, f"{field}: {kind} and a forced tool call exclude each other", field)
+    node = None
     if kind == "json_schema":
         spec = fmt.get("json_schema", fmt)  # chat nests it under json_schema, Responses does not
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -484,8 +488,7 @@ def json_mode(fmt: Any, field: str) -> tuple[bool, Node | None]:
             schema_start(node)
         except SchemaError as e:
             raise ApiError(400, str(e), field) from e
-        return True, node
-    raise ApiError(400, f"{field}: unknown type {kind!r}; one of text, json_object, json_schema", field)
+    return True, node
 
 
 def _sampling(req, default_temperature: float = 1.0) -> SamplingParams:
@@ -950,10 +953,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         max_tokens = req.max_completion_tokens or req.max_tokens
         job = srv.job(prompt, max_tokens, _sampling(req), _stop_list(req.stop), top, split, arrived)
         job.images, job.forced_tools, job.thinking = spans, forced, thinking
-        job.json_mode, job.json_schema = json_mode(req.response_format, "response_format")
-        if job.json_mode and forced:
-            raise ApiError(400, "response_format: json_object and a forced tool call exclude each other",
-                           "response_format")
+        job.json_mode, job.json_schema = json_mode(req.response_format, "response_format", forced)
         jobs = _choices(job, req.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = _now()

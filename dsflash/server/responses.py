@@ -154,9 +154,7 @@ def add_routes(app: FastAPI, srv: Server, model_name: str) -> None:
         job = srv.job(prompt, req.max_output_tokens or req.max_tokens, _sampling(req), _stop_list(req.stop), None,
                       len(prompt) - 1, arrived)
         job.images, job.forced_tools, job.thinking = spans, forced, thinking
-        job.json_mode, job.json_schema = json_mode((req.text or {}).get("format"), "text.format")
-        if job.json_mode and forced:
-            raise ApiError(400, "text.format: json_object and a forced tool call exclude each other", "text.format")
+        job.json_mode, job.json_schema = json_mode((req.text or {}).get("format"), "text.format", forced)
         rid, created = f"resp_{uuid.uuid4().hex}", time.time()
         if req.stream:
             return StreamingResponse(with_keepalive(stream(job, request, rid, created, thinking), job, None),
