@@ -219,8 +219,8 @@ def test_linear_batch_invariant(kind, n, k):
         if kind in ("fp8", "fp4"):  # every route that must not change bits
             for fuse in (False, True):
                 assert torch.equal(kc.linear(x[rows], wc, fuse_quant=fuse), full[rows]), f"fuse={fuse} M={m}"
-            for splits in (1, 3, 1000):
-                assert torch.equal(kc.linear(x[rows], wc, splits=splits), full[rows]), f"splits={splits} M={m}"
+            for spread in (False, True):
+                assert torch.equal(kc.linear(x[rows], wc, spread=spread), full[rows]), f"spread={spread} M={m}"
             if kind == "fp4":
                 for pre in (False, True):
                     assert torch.equal(kc.linear(x[rows], wc, preconvert=pre), full[rows]), f"pre={pre} M={m}"
@@ -356,5 +356,5 @@ def test_narrow_tiles_give_the_wide_tiles_bits(kind, n, k):
     x = rand_act(16, k, g).to(DEV)
     wide = kc.linear_config(kind, n, k)
     assert kc.linear_config(kind, n, k, 16) != wide
-    for splits in (1, None):
-        assert torch.equal(kc.linear(x, wc, splits=splits), kc.linear(x, wc, config=wide, splits=1))
+    for spread in (False, None):
+        assert torch.equal(kc.linear(x, wc, spread=spread), kc.linear(x, wc, config=wide, spread=False))

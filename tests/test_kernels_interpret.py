@@ -49,16 +49,17 @@ from test_kernels_cuda import act_for, attn_inputs, rand_act, rand_weight
 g = torch.Generator().manual_seed(0)
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
-for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256)):
+for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
     w = rand_weight(kind, n, k, g)
     wc = cuda.to_cuda_weight(w, "cpu")
     x = rand_act(5, k, g)
     full = cuda.linear(x, wc)
+    assert (cuda.block_k_splits(n, k // 32) < -(-k // 128)) == (k == 1280), k  # 1280: two K ranges
     assert rel(full, cpu.linear(x, w)) < 1e-5, (kind, rel(full, cpu.linear(x, w)))
     # every route that must not change bits, and a row's bits whatever the other rows
     for m in (1, 5):
-        assert torch.equal(cuda.linear(x[:m], wc, splits=1), full[:m]), (kind, m)
-        assert torch.equal(cuda.linear(x[:m], wc, splits=3), full[:m]), (kind, m)
+        assert torch.equal(cuda.linear(x[:m], wc, spread=False), full[:m]), (kind, m)
+        assert torch.equal(cuda.linear(x[:m], wc, spread=True), full[:m]), (kind, m)
         assert torch.equal(cuda.linear(x[:m], wc, fuse_quant=True), full[:m]), (kind, m)
         if kind == "fp4":
             assert torch.equal(cuda.linear(x[:m], wc, preconvert=True), full[:m]), (kind, m)

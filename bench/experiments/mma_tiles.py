@@ -1,5 +1,6 @@
 """Experiment (GPU): do 16-row tiles (mma.sync) give the bits of the 64-row wgmma tiles, and how fast is
-each tile config and K split at decode sizes? Decides whether steps of <= 16 rows may use narrow tiles.
+each tile config, its K ranges in one program or spread, at decode sizes? Decides whether steps of <= 16
+rows may use narrow tiles.
 
     python bench/experiments/mma_tiles.py > $OUT/mma_tiles.txt
 """
@@ -31,17 +32,17 @@ def main() -> None:
         w = random_cuda_weight(kind, n, k)
         copies = [w] + [random_cuda_weight(kind, n, k) for _ in range(max(1, (256 << 20) // weight_bytes(w)))]
         x16 = act(16, k)
-        ref = kc.linear(x16, w, config=BASE, splits=1)
+        ref = kc.linear(x16, w, config=BASE, spread=False)
         for cfg in CANDIDATES:
-            got = kc.linear(x16, w, config=cfg, splits=1)
-            one = kc.linear(x16[3:4], w, config=cfg, splits=1)
+            got = kc.linear(x16, w, config=cfg, spread=False)
+            one = kc.linear(x16[3:4], w, config=cfg, spread=False)
             diff = int((got.view(torch.int16) != ref.view(torch.int16)).sum())
             times = []
-            for splits in (1, 2, 4, 8, 16):
+            for spread in (False, True):
                 for m in (1, 8):
                     x = x16[:m]
-                    fns = [lambda w=c, x=x, cfg=cfg, s=splits: kc.linear(x, w, config=cfg, splits=s) for c in copies]
-                    times.append(f"s{splits}/M{m} {bench_graph(_rotating(fns)) * 1e3:6.1f}")
+                    fns = [lambda w=c, x=x, cfg=cfg, s=spread: kc.linear(x, w, config=cfg, spread=s) for c in copies]
+                    times.append(f"{'spread' if spread else 'one'}/M{m} {bench_graph(_rotating(fns)) * 1e3:6.1f}")
             print(f"{label:<10} {name(cfg):<14} bits differ {diff:>6}/{ref.numel()} row3 "
                   f"{'same' if torch.equal(one, ref[3:4]) else 'DIFF'} | " + " ".join(times), flush=True)
         del copies, w

@@ -168,8 +168,8 @@ def bench_linears(ceil, ms_values, sweep: bool) -> list[dict]:
                 extra["fused_quant"] = m <= kc.FUSE_QUANT_MAX_M
             rows.append(row(f"linear {kind}", f"{name} {k}->{n}", m, ms, nbytes, flops, ceil, extra))
             alts = []  # the same bits by another route: record what each M-dependent choice buys
-            if kind in ("fp8", "fp4") and m <= kc.SPLIT_MAX_M:
-                alts += [{"fuse_quant": m > kc.FUSE_QUANT_MAX_M}, {"splits": 1}]
+            if kind in ("fp8", "fp4") and m <= kc.SPREAD_MAX_M:
+                alts += [{"fuse_quant": m > kc.FUSE_QUANT_MAX_M}, {"spread": False}]
             if kind == "fp4" and m >= kc.FP4_PRECONVERT_M:
                 alts += [{"preconvert": False}]
             if kind == "fp32":
@@ -206,7 +206,7 @@ def bench_linears(ceil, ms_values, sweep: bool) -> list[dict]:
 
 def bench_experts(ceil, rows_values=(1, 5, 8), experts=48, top_k=6) -> list[dict]:
     """expert_linear over a step's (row, slot) pairs: top-6 of 48 experts per row, banks rotated so the
-    weights come from HBM; the default K split and the alternatives (same bits, different speed)."""
+    weights come from HBM; the K ranges as separate programs (default) or in one (same bits)."""
     rows = []
     g = torch.Generator().manual_seed(0)
     for name, n, k in (("expert w1/w3", 2304, 5120), ("expert w2", 5120, 2304)):
@@ -219,12 +219,13 @@ def bench_experts(ceil, rows_values=(1, 5, 8), experts=48, top_k=6) -> list[dict
             used = len(set(ids.flatten().tolist()))
             nbytes = used * per_expert + x.numel() * 2 + m * top_k * n * 2
             flops = 2 * m * top_k * n * k
-            for splits in (None, 1, 2, 4, 8, 16):
-                fn = _rotating([lambda b=b, s=splits, x=x, ids=ids, r=per_row: kc.expert_linear(x, b, ids, r, splits=s)
+            for spread in (None, False):
+                fn = _rotating([lambda b=b, s=spread, x=x, ids=ids, r=per_row: kc.expert_linear(x, b, ids, r, spread=s)
                                 for b in banks])
                 ms = bench_both(fn)
+                note = "K ranges spread" if spread is None else "K ranges in one program"
                 rows.append(row("expert_linear", f"{name} {k}->{n} x{m * top_k}", m, ms, nbytes, flops, ceil,
-                                {"fp8": True, "note": "default split" if splits is None else f"splits={splits}"}))
+                                {"fp8": True, "note": note}))
         del banks
         torch.cuda.empty_cache()
     return rows

@@ -7,10 +7,12 @@ scale)`, `hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)`, plus `Weight`,
 Numerics (spec §3, as dsflash/kernels/cpu.py):
 - FP8/FP4 linear: the activation is quantised to E4M3 per 32 values with a power-of-two scale (the
   exponent-bit trick, bit-exact with numerics/quant.py), each 32-wide K block's product is one
-  tensor-core dot with a fresh fp32 accumulator, scaled by a_s * b_s and added to the fp32 row
-  accumulator in K order, then rounded once to bf16. With power-of-two scales the scaling is exact,
-  so the only differences from the CPU are inside a block's 32-term dot (tensor-core vs CPU fp32
-  summation); FP4 weight codes are widened to E4M3 in registers (every E2M1 value is an E4M3 value).
+  tensor-core dot with a fresh fp32 accumulator, scaled by a_s * b_s and added in K order to the fp32
+  sum of its K range (ranges fixed by the weight's shape, `block_k_splits`), the range sums added in
+  order, then rounded once to bf16. With power-of-two scales the scaling is exact, so the differences
+  from the CPU are inside a block's 32-term dot (tensor-core vs CPU fp32 summation) and the ranges'
+  association of the K sum; FP4 weight codes are widened to E4M3 in registers (every E2M1 value is
+  an E4M3 value).
 - bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
   3xTF32 tensor-core products by default, IEEE fp32 FMA dots on request); output in the weight's dtype.
 - sparse_attn: one program per (query, 64 heads); online softmax over blocks of 64 indices with the
@@ -19,14 +21,13 @@ Numerics (spec §3, as dsflash/kernels/cpu.py):
   pass; a one-warp program takes a fixed tile of 4 rows that never interact.
 
 Batch invariance: a row's bits never depend on how many rows share the call. Every kernel's tile
-shape and K step is a function of the weight's (N, K) or of the head/dim sizes only (never of M),
-no split-K reassociates a sum, there is no autotuning and no atomics, and each output element is
-computed by the same instruction sequence wherever its row sits in a tile. The M-dependent choices
-give identical bits by construction and are tested to: fusing the activation quantisation into the
-GEMM (the quantisation is exact bit arithmetic); for M <= 16, spreading the K loop over programs
-that store each block's scaled partial -- exactly the term the single loop adds -- and summing
-those in K order in a second kernel; for M >= 128, widening FP4 weights to E4M3 once per call
-instead of per tile.
+shape, K step and K split is a function of the weight's (N, K) or of the head/dim sizes only (never
+of M), there is no autotuning and no atomics, and each output element is computed by the same
+instruction sequence wherever its row sits in a tile. The M-dependent choices give identical bits by
+construction and are tested to: fusing the activation quantisation into the GEMM (the quantisation is
+exact bit arithmetic); for M <= 16, 16-row tiles, and running the K ranges as separate programs whose
+sums a second kernel adds in range order (one program adds them in the same order); for M >= 128,
+widening FP4 weights to E4M3 once per call instead of per tile.
 """
 
 from __future__ import annotations
@@ -50,9 +51,7 @@ _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product,
 # M-dependent choices that never change bits (see the module docstring and the invariance tests):
 FUSE_QUANT_MAX_M = 0  # up to this many rows the GEMM quantises its own activation tile (measured slower)
 NARROW_TILE_MAX_M = 16  # up to this many rows FP8/FP4 GEMMs use 16-row tiles (same bits as 64-row ones)
-SPLIT_MAX_M = 16  # up to this many rows the K loop is spread over programs (partials summed in K order)
-SPLIT_MAX_TILES = 256  # ... when the output has fewer tiles than this
-SPLIT_MAX = 16  # ... over at most this many programs per tile, aiming at 4 programs per SM
+SPREAD_MAX_M = 16  # up to this many rows a GEMM's K ranges run as separate programs (sums added in order)
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
 SLOT_MOE_ROWS = 16  # MoE chunks up to this many rows use expert_linear (one launch per projection)
 
@@ -62,6 +61,11 @@ SLOT_MOE_ROWS = 16  # MoE chunks up to this many rows use expert_linear (one lau
 # ---------------------------------------------------------------------------------------------
 SCALE_GROUP = 4  # K blocks whose E8M0 scale bytes share one int32 word (loaded once, a chunk ahead)
 _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
+# the K ranges of a block-scaled GEMM (block_k_splits): numerics, fixed by the weight's shape
+BLOCK_SPLIT_TILE_N = 64
+BLOCK_SPLIT_PROGRAMS = 512
+BLOCK_SPLIT_MAX = 16
+BLOCK_SPLIT_MIN_CHUNKS = 4
 
 
 @dataclass
@@ -244,18 +248,61 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _load_block(x_rows, w_rows, kb, limit, mmask, nmask, FP4: tl.constexpr):
+    """K block kb's activation and weight tiles as stored (zeros from block `limit` on)."""
+    kin = kb < limit
+    a = tl.load(x_rows + kb * 32, mask=mmask[:, None] & kin, other=0.0)
+    if FP4:
+        w = tl.load(w_rows + kb * 16, mask=nmask[:, None] & kin, other=0)
+    else:
+        w = tl.load(w_rows + kb * 32, mask=nmask[None, :] & kin, other=0.0)
+    return a, w
+
+
+@triton.jit
+def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, FP4: tl.constexpr,
+                FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr):
+    """One K block's scaled product dot32(A, B) * a_s * b_s, fp32 [BM, BN]; j: the block's byte in the
+    chunk's scale words."""
+    if FUSE_QUANT:
+        a, _e, a_s = _quant_tile(a.to(tl.float32))
+    else:
+        a_s = _word_scale(aw, j)
+    if FP4:
+        wb = w.to(tl.int32)
+        lo = _e2m1_to_e4m3_bits(wb & 0xF)
+        hi = _e2m1_to_e4m3_bits(wb >> 4)
+        b = tl.trans(tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.uint8).to(tl.float8e4nv, bitcast=True))
+    else:
+        b = w
+    if SCALE_E8M0:
+        b_s = _word_scale(bw, j)
+    else:
+        b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
+    # bf16 operands hold every E4M3/E2M1 code exactly, and the bf16 MMA accumulates in fp32, so the
+    # block's 32 exact products are summed like the CPU reference's fp32 GEMM (the FP8 MMA keeps fewer
+    # accumulator bits and moved every golden battery row off the reference)
+    partial = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's (partial * a_s) * b_s,
+    # exact too; the caller's add is the only rounding
+    return partial * (a_s[:, None] * b_s[None, :])
+
+
 @triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk"])
-def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, N, KB, chunks_per_split,
+def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, N, KB, chunks_per_split, splits,
                     stride_xm, stride_wn, stride_wsk, stride_ym, stride_xs, stride_pk, stride_we, stride_wse,
                     slots_per_row,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                    SCALE_E8M0: tl.constexpr, SPLIT: tl.constexpr, SLOTS: tl.constexpr, BM: tl.constexpr,
+                    SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """y[M, N] = sum over K blocks kb (in order) of dot32(A_kb, B_kb) * a_s * b_s, fp32, then bf16.
-    The K loop runs over chunks of 4 blocks; the chunk's scale words are loaded one chunk ahead.
-    SPLIT: program_id(1) takes `chunks_per_split` chunks and stores each block's scaled partial
-    (exactly the term the unsplit loop adds) to part[kb, m, n]; _ordered_sum_kernel then adds them
-    in K order, so the bits equal the unsplit kernel's.
+    """y[M, N] = the block-scaled product (see linear), fp32 sums rounded once to bf16. K runs in chunks of
+    4 blocks (one scale word); the chunks form `splits` ranges of `chunks_per_split`, fixed by the weight's
+    shape: each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
+    A chunk's tiles are loaded while the previous chunk is multiplied (register double buffering: a
+    decode tile's time is the load latency, not the bytes).
+    SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
+    adds in range order -- the bits of one program looping over the ranges.
     SLOTS (routed experts): program_id(2) is slot s, one output row computed as a one-row call would
     compute it, with activation row s // slots_per_row and expert slot[s] of a stacked weight bank."""
     if SLOTS:
@@ -281,59 +328,55 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
     ws_cols = ws_ptr + rn // SCALE_ROWS
     xs_rows = xs_ptr + rm
     KC = tl.cdiv(KB, 4)
-    c_lo = 0
-    c_hi = KC
-    if SPLIT:
-        c_lo = tl.program_id(1) * chunks_per_split
-        c_hi = tl.minimum(c_lo + chunks_per_split, KC)
-        part_rows = part_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-    if not FUSE_QUANT:
-        aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
-    if SCALE_E8M0:
-        bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
+    r_lo = 0
+    r_hi = splits
+    if SPREAD:
+        r_lo = tl.program_id(1)
+        r_hi = r_lo + 1
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for c in range(c_lo, c_hi):
-        more = c + 1 < c_hi
+    for r in range(r_lo, r_hi):
+        c_lo = r * chunks_per_split
+        c_hi = tl.minimum(c_lo + chunks_per_split, KC)
+        limit = tl.minimum(c_hi * 4, KB)
         if not FUSE_QUANT:
-            aw = aw_next
-            aw_next = tl.load(xs_rows + (c + 1) * stride_xs, mask=mmask & more, other=_ONE_WORD)
+            aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
         if SCALE_E8M0:
-            bw = bw_next
-            bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
-        for j in tl.static_range(4):
-            kb = c * 4 + j
-            kin = kb < KB
-            if FUSE_QUANT:
-                xt = tl.load(x_rows + kb * 32, mask=mmask[:, None] & kin, other=0.0)
-                a, _e, a_s = _quant_tile(xt.to(tl.float32))
-            else:
-                a = tl.load(x_rows + kb * 32, mask=mmask[:, None] & kin, other=0.0)
-                a_s = _word_scale(aw, j)
-            if FP4:
-                wb = tl.load(w_rows + kb * 16, mask=nmask[:, None] & kin, other=0).to(tl.int32)
-                lo = _e2m1_to_e4m3_bits(wb & 0xF)
-                hi = _e2m1_to_e4m3_bits(wb >> 4)
-                w8 = tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-                b = tl.trans(w8)
-            else:
-                b = tl.load(w_rows + kb * 32, mask=nmask[None, :] & kin, other=0.0)
+            bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
+        a0, w0 = _load_block(x_rows, w_rows, c_lo * 4, limit, mmask, nmask, FP4)
+        a1, w1 = _load_block(x_rows, w_rows, c_lo * 4 + 1, limit, mmask, nmask, FP4)
+        a2, w2 = _load_block(x_rows, w_rows, c_lo * 4 + 2, limit, mmask, nmask, FP4)
+        a3, w3 = _load_block(x_rows, w_rows, c_lo * 4 + 3, limit, mmask, nmask, FP4)
+        total = tl.zeros([BM, BN], dtype=tl.float32)
+        for c in range(c_lo, c_hi):
+            more = c + 1 < c_hi
+            aw = 0
+            bw = 0
+            if not FUSE_QUANT:
+                aw = aw_next
+                aw_next = tl.load(xs_rows + (c + 1) * stride_xs, mask=mmask & more, other=_ONE_WORD)
             if SCALE_E8M0:
-                b_s = _word_scale(bw, j)
-            else:
-                b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
-            # bf16 operands hold every E4M3/E2M1 code exactly, and the bf16 MMA accumulates in fp32, so
-            # the block's 32 exact products are summed like the CPU reference's fp32 GEMM (the FP8 MMA
-            # keeps fewer accumulator bits and moved every golden battery row off the reference)
-            partial = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-            # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's
-            # (partial * a_s) * b_s, exact too; the add is the only rounding, in K order (an FMA
-            # gives the same bits, the product being exact). A block past K adds +0.
-            term = partial * (a_s[:, None] * b_s[None, :])
-            if SPLIT:
-                tl.store(part_rows + kb * stride_pk, term, mask=mmask[:, None] & nmask[None, :] & kin)
-            else:
-                acc += term
-    if not SPLIT:
+                bw = bw_next
+                bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
+            kb = c * 4
+            n0, v0 = _load_block(x_rows, w_rows, kb + 4, limit, mmask, nmask, FP4)
+            n1, v1 = _load_block(x_rows, w_rows, kb + 5, limit, mmask, nmask, FP4)
+            n2, v2 = _load_block(x_rows, w_rows, kb + 6, limit, mmask, nmask, FP4)
+            n3, v3 = _load_block(x_rows, w_rows, kb + 7, limit, mmask, nmask, FP4)
+            # a block past K adds +0 to a sum that is never -0
+            total += _block_term(a0, w0, aw, bw, 0, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
+            total += _block_term(a1, w1, aw, bw, 1, kb + 1, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0,
+                                 BN)
+            total += _block_term(a2, w2, aw, bw, 2, kb + 2, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0,
+                                 BN)
+            total += _block_term(a3, w3, aw, bw, 3, kb + 3, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0,
+                                 BN)
+            a0, w0, a1, w1, a2, w2, a3, w3 = n0, v0, n1, v1, n2, v2, n3, v3
+        if SPREAD:
+            part = part_ptr + r * stride_pk + rm[:, None].to(tl.int64) * N + rn[None, :]
+            tl.store(part, total, mask=mmask[:, None] & nmask[None, :])
+        else:
+            acc += total
+    if not SPREAD:
         y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
         tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
 
@@ -448,11 +491,12 @@ def expert_bank(weights: list[Weight]) -> ExpertBank:
 
 
 def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slots_per_row: int, *,
-                  splits: int | None = None, config: LinearConfig | None = None) -> torch.Tensor:
+                  spread: bool | None = None, config: LinearConfig | None = None) -> torch.Tensor:
     """Routed-expert GEMM over slots: row s of the result is x[s // slots_per_row] @ W_{experts[s]}^T,
     bf16 [len(experts), out], each row's bits those of `linear(x[row:row+1], bank[experts[s]])`. One launch
-    whatever the routing, with no host read of it (a step stays capturable in a CUDA graph). `splits` and
-    `config` (benchmarks) override the K split, which never changes bits, and the tile config."""
+    whatever the routing, with no host read of it (a step stays capturable in a CUDA graph). `spread` and
+    `config` (benchmarks) override two choices that never change bits: the K ranges as separate programs,
+    and the tile config."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"{bank.kind} expert linear takes a bf16 activation, got {x.dtype}")
     slots = experts.reshape(-1).to(torch.int32).contiguous()
@@ -464,7 +508,7 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
     fuse = x.size(0) <= FUSE_QUANT_MAX_M
     a, a_s = (x, x) if fuse else quant_act(x)
     cfg = config or linear_config(bank.kind, n, x.size(1), m=1)  # each slot is a one-row product
-    _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, splits=splits,
+    _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, spread=spread,
                        slots=slots, slots_per_row=slots_per_row)
     return y
 
@@ -569,47 +613,54 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+def block_k_splits(n: int, kb: int) -> int:
+    """Chunks (of SCALE_GROUP K blocks) per K range of a block-scaled GEMM with N outputs and KB K blocks:
+    part of the numerics (each range is summed alone, then the range sums in order), so a function of the
+    weight's shape only. Narrow weights get up to BLOCK_SPLIT_MAX ranges, so that a decode call has
+    about BLOCK_SPLIT_PROGRAMS programs, each range keeping at least BLOCK_SPLIT_MIN_CHUNKS chunks."""
+    kc = triton.cdiv(kb, SCALE_GROUP)
+    tiles = triton.cdiv(n, BLOCK_SPLIT_TILE_N)
+    ranges = max(1, min(BLOCK_SPLIT_MAX, triton.cdiv(BLOCK_SPLIT_PROGRAMS, tiles), kc // BLOCK_SPLIT_MIN_CHUNKS))
+    return triton.cdiv(kc, ranges)
+
+
 def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
-                       fp4: bool, fuse: bool, cfg: LinearConfig, splits: int | None,
+                       fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
                        slots: torch.Tensor | None = None, slots_per_row: int = 1) -> None:
-    """Launch the block-scaled GEMM into y (and the K-order sum when the K loop is split over programs).
+    """Launch the block-scaled GEMM into y (and the sum of the K ranges when they run as separate programs).
     With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]."""
     n, k = y.size(1), a.size(1)
     kb = k // ACT_BLOCK
-    kc = triton.cdiv(kb, SCALE_GROUP)
+    cps = block_k_splits(n, kb)
+    splits = triton.cdiv(triton.cdiv(kb, SCALE_GROUP), cps)
     rows = y.size(0)
     stacked = slots is not None
     m = 1 if stacked else rows  # rows per program column: a slot is a one-row call
-    tiles = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN)
-    columns = rows if stacked else 1
-    if splits is None:  # measured (bench/results/mma-tiles-2026-11-30.txt): the K chain of a decode tile is
-        # latency-bound, so spread it while the tiles alone leave SMs idle; slots have enough programs
-        use = m <= SPLIT_MAX_M and not stacked and tiles < SPLIT_MAX_TILES
-        splits = min(SPLIT_MAX, kc, triton.cdiv(4 * _sm_count(a.device), tiles)) if use else 1
-    cps = triton.cdiv(kc, max(1, splits))
-    splits = triton.cdiv(kc, cps)
-    part = torch.empty((kb, rows, n), dtype=torch.float32, device=a.device) if splits > 1 else y
-    grid = (tiles, splits, columns)
-    _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if stacked else y, m, n, kb, cps,
+    if spread is None:  # a decode tile's K chain is latency-bound: its ranges run side by side
+        spread = m <= SPREAD_MAX_M
+    spread = spread and splits > 1
+    part = torch.empty((splits, rows, n), dtype=torch.float32, device=a.device) if spread else y
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), splits if spread else 1, rows if stacked else 1)
+    _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if stacked else y, m, n, kb, cps, splits,
                           a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0),
                           a_s.stride(0) if not fuse else m, rows * n,
                           wv.stride(0) if stacked else 0, w.scale.stride(0) if stacked else 0, slots_per_row,
                           FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows, SCALE_E8M0=w.scale_e8m0,
-                          SPLIT=splits > 1, SLOTS=stacked, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M,
+                          SPREAD=spread, SLOTS=stacked, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        _ordered_sum(part, y, kb)
+    if spread:
+        _ordered_sum(part, y, splits)
 
 
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
            config: LinearConfig | None = None, fuse_quant: bool | None = None,
-           splits: int | None = None, preconvert: bool | None = None,
+           spread: bool | None = None, preconvert: bool | None = None,
            fp32_precision: str = "tf32x3") -> torch.Tensor:
     """y = x @ W^T by the weight's storage kind (see cpu.linear). x: [M, in] on CUDA. fp8/fp4 take a
     bf16 activation and give bf16; bf16/fp32 weights give their own dtype. A non-CUDA-layout Weight
     is converted on the fly (convert once with to_cuda_weight instead).
     Keyword overrides are for tests and benchmarks: `config` (tile config), and three choices that
-    never change bits: `fuse_quant`, `splits` (K-parallel programs; 1 = none) and `preconvert`
+    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs) and `preconvert`
     (widen FP4 to E4M3 before the GEMM); `fp32_precision` for fp32 weights: "tf32x3" (default: three
     TF32 tensor-core products, measured closer to the CPU's fp32 than the alternative and 3-4.5x
     faster) or "ieee" (fp32 FMA dots, one long K chain per output)."""
@@ -631,7 +682,7 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
         wv, fp4 = w.values, w.kind == "fp4"
         if fp4 and (m >= FP4_PRECONVERT_M if preconvert is None else preconvert):
             wv, fp4 = fp4_to_fp8(wv), False
-        _block_scaled_gemm(a, a_s, wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, splits=splits)
+        _block_scaled_gemm(a, a_s, wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, spread=spread)
         return y
     dtype = w.values.dtype
     x = x.to(dtype).contiguous()
