@@ -249,12 +249,14 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _load_block(x_rows, w_rows, kb, limit, mmask, nmask, FP4: tl.constexpr):
-    """K block kb's activation and weight tiles as stored (zeros from block `limit` on)."""
+def _load_block(x_rows, w_rows, kb, limit, mmask, nmask, FP4: tl.constexpr, SWAP: tl.constexpr):
+    """K block kb's activation and weight tiles as stored (zeros from block `limit` on: past K)."""
     kin = kb < limit
     a = tl.load(x_rows + kb * 32, mask=mmask[:, None] & kin, other=0.0)
     if FP4:
         w = tl.load(w_rows + kb * 16, mask=nmask[:, None] & kin, other=0)
+    elif SWAP:
+        w = tl.load(w_rows + kb * 32, mask=nmask[:, None] & kin, other=0.0)
     else:
         w = tl.load(w_rows + kb * 32, mask=nmask[None, :] & kin, other=0.0)
     return a, w
@@ -262,7 +264,7 @@ def _load_block(x_rows, w_rows, kb, limit, mmask, nmask, FP4: tl.constexpr):
 
 @triton.jit
 def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, FP4: tl.constexpr,
-                FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr):
+                FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
     """One K block's scaled product dot32(A, B) * a_s * b_s, fp32 [BM, BN]; j: the block's byte in the
     chunk's scale words."""
     if FUSE_QUANT:
@@ -273,7 +275,9 @@ def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, F
         wb = w.to(tl.int32)
         lo = _e2m1_to_e4m3_bits(wb & 0xF)
         hi = _e2m1_to_e4m3_bits(wb >> 4)
-        b = tl.trans(tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.uint8).to(tl.float8e4nv, bitcast=True))
+        b = tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        if not SWAP:
+            b = tl.trans(b)
     else:
         b = w
     if SCALE_E8M0:
@@ -283,10 +287,13 @@ def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, F
     # bf16 operands hold every E4M3/E2M1 code exactly, and the bf16 MMA accumulates in fp32, so the
     # block's 32 exact products are summed like the CPU reference's fp32 GEMM (the FP8 MMA keeps fewer
     # accumulator bits and moved every golden battery row off the reference)
-    partial = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's (partial * a_s) * b_s,
     # exact too; the caller's add is the only rounding
-    return partial * (a_s[:, None] * b_s[None, :])
+    if SWAP:
+        term = tl.dot(b.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16))) * (b_s[:, None] * a_s[None, :])
+    else:
+        term = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16)) * (a_s[:, None] * b_s[None, :])
+    return term
 
 
 @triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk"])
@@ -295,12 +302,12 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
                     slots_per_row,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
                     SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, GROUP_M: tl.constexpr):
+                    BN: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr):
     """y[M, N] = the block-scaled product (see linear), fp32 sums rounded once to bf16. K runs in chunks of
     4 blocks (one scale word); the chunks form `splits` ranges of `chunks_per_split`, fixed by the weight's
     shape: each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
-    A chunk's tiles are loaded while the previous chunk is multiplied (register double buffering: a
-    decode tile's time is the load latency, not the bytes).
+    The loads are plain, so that Triton's pipeliner streams them through shared memory (cp.async,
+    num_stages deep): a register double buffer measured 2-3x slower at large M (bench/results).
     SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
     adds in range order -- the bits of one program looping over the ranges.
     SLOTS (routed experts): program_id(2) is slot s, one output row computed as a one-row call would
@@ -323,6 +330,8 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
     if FP4:
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn + tl.arange(0, 16)[None, :]
+    elif SWAP:
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     else:
         w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     ws_cols = ws_ptr + rn // SCALE_ROWS
@@ -333,20 +342,15 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
     if SPREAD:
         r_lo = tl.program_id(1)
         r_hi = r_lo + 1
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
     for r in range(r_lo, r_hi):
         c_lo = r * chunks_per_split
         c_hi = tl.minimum(c_lo + chunks_per_split, KC)
-        limit = tl.minimum(c_hi * 4, KB)
         if not FUSE_QUANT:
             aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
         if SCALE_E8M0:
             bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
-        a0, w0 = _load_block(x_rows, w_rows, c_lo * 4, limit, mmask, nmask, FP4)
-        a1, w1 = _load_block(x_rows, w_rows, c_lo * 4 + 1, limit, mmask, nmask, FP4)
-        a2, w2 = _load_block(x_rows, w_rows, c_lo * 4 + 2, limit, mmask, nmask, FP4)
-        a3, w3 = _load_block(x_rows, w_rows, c_lo * 4 + 3, limit, mmask, nmask, FP4)
-        total = tl.zeros([BM, BN], dtype=tl.float32)
+        total = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
         for c in range(c_lo, c_hi):
             more = c + 1 < c_hi
             aw = 0
@@ -357,28 +361,28 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
             if SCALE_E8M0:
                 bw = bw_next
                 bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
-            kb = c * 4
-            n0, v0 = _load_block(x_rows, w_rows, kb + 4, limit, mmask, nmask, FP4)
-            n1, v1 = _load_block(x_rows, w_rows, kb + 5, limit, mmask, nmask, FP4)
-            n2, v2 = _load_block(x_rows, w_rows, kb + 6, limit, mmask, nmask, FP4)
-            n3, v3 = _load_block(x_rows, w_rows, kb + 7, limit, mmask, nmask, FP4)
-            # a block past K adds +0 to a sum that is never -0
-            total += _block_term(a0, w0, aw, bw, 0, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
-            total += _block_term(a1, w1, aw, bw, 1, kb + 1, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0,
-                                 BN)
-            total += _block_term(a2, w2, aw, bw, 2, kb + 2, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0,
-                                 BN)
-            total += _block_term(a3, w3, aw, bw, 3, kb + 3, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0,
-                                 BN)
-            a0, w0, a1, w1, a2, w2, a3, w3 = n0, v0, n1, v1, n2, v2, n3, v3
+            for j in tl.static_range(4):
+                kb = c * 4 + j
+                a, w = _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4, SWAP)
+                # a block past K adds +0 to a sum that is never -0
+                total += _block_term(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN,
+                                     SWAP)
         if SPREAD:
-            part = part_ptr + r * stride_pk + rm[:, None].to(tl.int64) * N + rn[None, :]
-            tl.store(part, total, mask=mmask[:, None] & nmask[None, :])
+            if SWAP:
+                part = part_ptr + r * stride_pk + rm[None, :].to(tl.int64) * N + rn[:, None]
+                tl.store(part, total, mask=mmask[None, :] & nmask[:, None])
+            else:
+                part = part_ptr + r * stride_pk + rm[:, None].to(tl.int64) * N + rn[None, :]
+                tl.store(part, total, mask=mmask[:, None] & nmask[None, :])
         else:
             acc += total
     if not SPREAD:
-        y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-        tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
+        if SWAP:
+            y = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None]
+            tl.store(y, acc.to(tl.bfloat16), mask=mmask[None, :] & nmask[:, None])
+        else:
+            y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+            tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -566,6 +570,7 @@ class LinearConfig:
     num_warps: int
     num_stages: int
     GROUP_M: int = 8
+    weight_first: bool = False  # FP8/FP4: the weight tile is the MMA's A operand (y^T = W x^T per tile)
 
 
 def linear_config(kind: str, n: int, k: int, m: int | None = None) -> LinearConfig:
@@ -647,7 +652,7 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
                           wv.stride(0) if stacked else 0, w.scale.stride(0) if stacked else 0, slots_per_row,
                           FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows, SCALE_E8M0=w.scale_e8m0,
                           SPREAD=spread, SLOTS=stacked, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M,
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                          SWAP=cfg.weight_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if spread:
         _ordered_sum(part, y, splits)
 
