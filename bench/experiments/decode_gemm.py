@@ -1,11 +1,13 @@
-"""Experiment (GPU): decode-size FP8/FP4 GEMMs with the shape-fixed K ranges -- which of the bit-neutral
-choices is fastest at M = 1 and 8 (the weight tile as the MMA's A operand, the activation quantisation fused
-into the GEMM), do they keep the default's bits, and is the large-M path as fast as before?
+"""Experiment (GPU): FP8/FP4 GEMMs with the shape-fixed K ranges (NUMERICS_VERSION 3) against the kernel
+before them (one K-order sum; its copy is passed as a module file, e.g. `git show 1027ac9:dsflash/kernels/
+cuda.py > old.py`), at decode and prefill sizes; at decode sizes also the bit-neutral choices (activation
+quantisation fused into the GEMM; K ranges spread over programs or in one), checked to keep the bits.
 
-    python bench/experiments/decode_gemm.py > $OUT/decode-gemm.txt
+    python bench/experiments/decode_gemm.py [old.py] > $OUT/decode-gemm.txt
 """
 
-import dataclasses
+import importlib.util
+import sys
 
 import torch
 
@@ -21,28 +23,35 @@ def act(m: int, k: int) -> torch.Tensor:
     return (x * mag).bfloat16()
 
 
-def variants(kind: str, n: int, k: int, m: int) -> dict[str, dict]:
-    cfg = kc.linear_config(kind, n, k, m)
-    swapped = dataclasses.replace(cfg, weight_first=True)
-    return {"default": {"config": cfg}, "weight-first": {"config": swapped},
-            "fused": {"config": cfg, "fuse_quant": True}, "weight-first+fused": {"config": swapped, "fuse_quant": True}}
+def load_old(path: str):
+    spec = importlib.util.spec_from_file_location("old_cuda", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def timed(fns) -> str:
+    return f"{bench_graph(_rotating(fns)) * 1e3:7.1f}"
 
 
 def main() -> None:
+    old = load_old(sys.argv[1]) if len(sys.argv) > 1 else None
     torch.manual_seed(0)
     for label, kind, n, k in SHAPES:
         w = random_cuda_weight(kind, n, k)
         copies = [w] + [random_cuda_weight(kind, n, k) for _ in range(max(1, (256 << 20) // weight_bytes(w)))]
-        for m in (1, 8, 8192):
+        for m in (1, 8, 512, 8192):
             x = act(m, k)
             ref = kc.linear(x, w)
-            out = []
-            for name, kw in variants(kind, n, k, m).items():
-                if m > 16 and "fused" in name:
-                    continue
-                same = torch.equal(kc.linear(x, w, **kw), ref)
-                fns = [lambda w=c, x=x, kw=kw: kc.linear(x, w, **kw) for c in copies]
-                out.append(f"{name} {bench_graph(_rotating(fns)) * 1e3:7.1f}{'' if same else ' DIFF'}")
+            out = [f"default {timed([lambda w=c, x=x: kc.linear(x, w) for c in copies])}"]
+            if m <= 16:
+                for name, kw in (("unfused", {"fuse_quant": False}), ("one program", {"spread": False})):
+                    same = torch.equal(kc.linear(x, w, **kw), ref)
+                    out.append(f"{name} {timed([lambda w=c, x=x, kw=kw: kc.linear(x, w, **kw) for c in copies])}"
+                               f"{'' if same else ' DIFF'}")
+            if old is not None:
+                olds = [old.CudaWeight(c.kind, c.values, c.scale, c.scale_rows) for c in copies]
+                out.append(f"before {timed([lambda w=c, x=x: old.linear(x, w) for c in olds])}")
             print(f"{label:<24} M={m:<5} " + " | ".join(out), flush=True)
         del copies, w
         torch.cuda.empty_cache()
@@ -56,12 +65,15 @@ def main() -> None:
             x = act(rows * ids.size(1) // per_row, k)
             ref = kc.expert_linear(x, banks[0], ids, per_row)
             out = []
-            for name, kw in variants("fp4", n, k, 1).items():
-                kc.FUSE_QUANT_MAX_M = 16 if kw.pop("fuse_quant", False) else 0
-                same = torch.equal(kc.expert_linear(x, banks[0], ids, per_row, **kw), ref)
-                fns = [lambda b=b, kw=kw, x=x, ids=ids, r=per_row: kc.expert_linear(x, b, ids, r, **kw) for b in banks]
-                out.append(f"{name} {bench_graph(_rotating(fns)) * 1e3:7.1f}{'' if same else ' DIFF'}")
-                kc.FUSE_QUANT_MAX_M = 0
+            for name, spread in (("default", None), ("spread", True), ("one program", False)):
+                same = torch.equal(kc.expert_linear(x, banks[0], ids, per_row, spread=spread), ref)
+                fns = [lambda b=b, s=spread, x=x, ids=ids, r=per_row: kc.expert_linear(x, b, ids, r, spread=s)
+                       for b in banks]
+                out.append(f"{name} {timed(fns)}{'' if same else ' DIFF'}")
+            if old is not None:
+                olds = [old.ExpertBank(b.kind, b.values, b.scale, b.scale_rows) for b in banks]
+                fns = [lambda b=b, x=x, ids=ids, r=per_row: old.expert_linear(x, b, ids, r) for b in olds]
+                out.append(f"before {timed(fns)}")
             print(f"{label:<24} rows={rows} " + " | ".join(out), flush=True)
         del banks
         torch.cuda.empty_cache()

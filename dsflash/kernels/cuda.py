@@ -49,7 +49,7 @@ __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", 
 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
 # M-dependent choices that never change bits (see the module docstring and the invariance tests):
-FUSE_QUANT_MAX_M = 0  # up to this many rows the GEMM quantises its own activation tile (measured slower)
+FUSE_QUANT_MAX_M = 16  # up to this many rows the GEMM quantises its own activation tile (2-3 us faster)
 NARROW_TILE_MAX_M = 16  # up to this many rows FP8/FP4 GEMMs use 16-row tiles (same bits as 64-row ones)
 SPREAD_MAX_M = 16  # up to this many rows a GEMM's K ranges run as separate programs (sums added in order)
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
@@ -249,14 +249,12 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _load_block(x_rows, w_rows, kb, limit, mmask, nmask, FP4: tl.constexpr, SWAP: tl.constexpr):
+def _load_block(x_rows, w_rows, kb, limit, mmask, nmask, FP4: tl.constexpr):
     """K block kb's activation and weight tiles as stored (zeros from block `limit` on: past K)."""
     kin = kb < limit
     a = tl.load(x_rows + kb * 32, mask=mmask[:, None] & kin, other=0.0)
     if FP4:
         w = tl.load(w_rows + kb * 16, mask=nmask[:, None] & kin, other=0)
-    elif SWAP:
-        w = tl.load(w_rows + kb * 32, mask=nmask[:, None] & kin, other=0.0)
     else:
         w = tl.load(w_rows + kb * 32, mask=nmask[None, :] & kin, other=0.0)
     return a, w
@@ -264,7 +262,7 @@ def _load_block(x_rows, w_rows, kb, limit, mmask, nmask, FP4: tl.constexpr, SWAP
 
 @triton.jit
 def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, FP4: tl.constexpr,
-                FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
+                FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr):
     """One K block's scaled product dot32(A, B) * a_s * b_s, fp32 [BM, BN]; j: the block's byte in the
     chunk's scale words."""
     if FUSE_QUANT:
@@ -275,9 +273,7 @@ def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, F
         wb = w.to(tl.int32)
         lo = _e2m1_to_e4m3_bits(wb & 0xF)
         hi = _e2m1_to_e4m3_bits(wb >> 4)
-        b = tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        if not SWAP:
-            b = tl.trans(b)
+        b = tl.trans(tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.uint8).to(tl.float8e4nv, bitcast=True))
     else:
         b = w
     if SCALE_E8M0:
@@ -287,24 +283,21 @@ def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, F
     # bf16 operands hold every E4M3/E2M1 code exactly, and the bf16 MMA accumulates in fp32, so the
     # block's 32 exact products are summed like the CPU reference's fp32 GEMM (the FP8 MMA keeps fewer
     # accumulator bits and moved every golden battery row off the reference)
+    partial = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's (partial * a_s) * b_s,
     # exact too; the caller's add is the only rounding
-    if SWAP:
-        term = tl.dot(b.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16))) * (b_s[:, None] * a_s[None, :])
-    else:
-        term = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16)) * (a_s[:, None] * b_s[None, :])
-    return term
+    return partial * (a_s[:, None] * b_s[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk"])
-def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, N, KB, chunks_per_split, splits,
+def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, N, KB, chunks_per_split,
                     stride_xm, stride_wn, stride_wsk, stride_ym, stride_xs, stride_pk, stride_we, stride_wse,
                     slots_per_row,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
                     SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr):
+                    BN: tl.constexpr, GROUP_M: tl.constexpr):
     """y[M, N] = the block-scaled product (see linear), fp32 sums rounded once to bf16. K runs in chunks of
-    4 blocks (one scale word); the chunks form `splits` ranges of `chunks_per_split`, fixed by the weight's
+    4 blocks (one scale word); the chunks form ranges of `chunks_per_split` (block_k_splits), fixed by the weight's
     shape: each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
     The loads are plain, so that Triton's pipeliner streams them through shared memory (cp.async,
     num_stages deep): a register double buffer measured 2-3x slower at large M (bench/results).
@@ -330,59 +323,49 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
     if FP4:
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn + tl.arange(0, 16)[None, :]
-    elif SWAP:
-        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     else:
         w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     ws_cols = ws_ptr + rn // SCALE_ROWS
     xs_rows = xs_ptr + rm
     KC = tl.cdiv(KB, 4)
-    r_lo = 0
-    r_hi = splits
+    c_lo = 0
+    c_hi = KC
     if SPREAD:
-        r_lo = tl.program_id(1)
-        r_hi = r_lo + 1
-    acc = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
-    for r in range(r_lo, r_hi):
-        c_lo = r * chunks_per_split
+        c_lo = tl.program_id(1) * chunks_per_split
         c_hi = tl.minimum(c_lo + chunks_per_split, KC)
+    if not FUSE_QUANT:
+        aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
+    if SCALE_E8M0:
+        bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
+    # one loop over the chunks (a loop per range would drain Triton's load pipeline at every range end):
+    # `total` sums the current range, added to `acc` where the range ends
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    total = tl.zeros([BM, BN], dtype=tl.float32)
+    for c in range(c_lo, c_hi):
+        more = c + 1 < c_hi
+        aw = 0
+        bw = 0
         if not FUSE_QUANT:
-            aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
+            aw = aw_next
+            aw_next = tl.load(xs_rows + (c + 1) * stride_xs, mask=mmask & more, other=_ONE_WORD)
         if SCALE_E8M0:
-            bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
-        total = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
-        for c in range(c_lo, c_hi):
-            more = c + 1 < c_hi
-            aw = 0
-            bw = 0
-            if not FUSE_QUANT:
-                aw = aw_next
-                aw_next = tl.load(xs_rows + (c + 1) * stride_xs, mask=mmask & more, other=_ONE_WORD)
-            if SCALE_E8M0:
-                bw = bw_next
-                bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
-            for j in tl.static_range(4):
-                kb = c * 4 + j
-                a, w = _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4, SWAP)
-                # a block past K adds +0 to a sum that is never -0
-                total += _block_term(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN,
-                                     SWAP)
-        if SPREAD:
-            if SWAP:
-                part = part_ptr + r * stride_pk + rm[None, :].to(tl.int64) * N + rn[:, None]
-                tl.store(part, total, mask=mmask[None, :] & nmask[:, None])
-            else:
-                part = part_ptr + r * stride_pk + rm[:, None].to(tl.int64) * N + rn[None, :]
-                tl.store(part, total, mask=mmask[:, None] & nmask[None, :])
-        else:
-            acc += total
-    if not SPREAD:
-        if SWAP:
-            y = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None]
-            tl.store(y, acc.to(tl.bfloat16), mask=mmask[None, :] & nmask[:, None])
-        else:
-            y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-            tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
+            bw = bw_next
+            bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
+        for j in tl.static_range(4):
+            kb = c * 4 + j
+            a, w = _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4)
+            # a block past K adds +0 to a sum that is never -0
+            total += _block_term(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
+        range_end = ((c + 1) % chunks_per_split == 0) | (c + 1 == KC)
+        acc = tl.where(range_end, acc + total, acc)
+        total = tl.where(range_end, 0.0, total)
+    # SPREAD: acc is this program's range sum (0 + total), stored for _ordered_sum_kernel
+    mask = mmask[:, None] & nmask[None, :]
+    if SPREAD:
+        part = part_ptr + tl.program_id(1) * stride_pk + rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part, acc, mask=mask)
+    else:
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -570,7 +553,6 @@ class LinearConfig:
     num_warps: int
     num_stages: int
     GROUP_M: int = 8
-    weight_first: bool = False  # FP8/FP4: the weight tile is the MMA's A operand (y^T = W x^T per tile)
 
 
 def linear_config(kind: str, n: int, k: int, m: int | None = None) -> LinearConfig:
@@ -641,18 +623,19 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
     rows = y.size(0)
     stacked = slots is not None
     m = 1 if stacked else rows  # rows per program column: a slot is a one-row call
-    if spread is None:  # a decode tile's K chain is latency-bound: its ranges run side by side
-        spread = m <= SPREAD_MAX_M
+    if spread is None:  # a decode tile's K chain is latency-bound: its ranges run side by side (slots have
+        # programs enough: measured slower spread, bench/results/decode-gemm-2026-11-30.txt)
+        spread = m <= SPREAD_MAX_M and not stacked
     spread = spread and splits > 1
     part = torch.empty((splits, rows, n), dtype=torch.float32, device=a.device) if spread else y
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), splits if spread else 1, rows if stacked else 1)
-    _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if stacked else y, m, n, kb, cps, splits,
+    _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if stacked else y, m, n, kb, cps,
                           a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0),
                           a_s.stride(0) if not fuse else m, rows * n,
                           wv.stride(0) if stacked else 0, w.scale.stride(0) if stacked else 0, slots_per_row,
                           FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows, SCALE_E8M0=w.scale_e8m0,
                           SPREAD=spread, SLOTS=stacked, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M,
-                          SWAP=cfg.weight_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if spread:
         _ordered_sum(part, y, splits)
 
