@@ -26,6 +26,7 @@ def act(m: int, k: int) -> torch.Tensor:
 def load_old(path: str):
     spec = importlib.util.spec_from_file_location("old_cuda", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["old_cuda"] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
