@@ -1,6 +1,6 @@
 """Experiment (GPU): FP8/FP4 GEMMs with the shape-fixed K ranges (NUMERICS_VERSION 3) against the kernel
 before them (one K-order sum; its copy is passed as a module file, e.g. `git show 1027ac9:dsflash/kernels/
-cuda.py > old.py`), at decode and prefill sizes; at decode sizes also the bit-neutral choices (activation
+cuda.py > old.py`), at decode and prefill sizes (there also other tile configs); at decode sizes also the bit-neutral choices (activation
 quantisation fused into the GEMM; K ranges spread over programs or in one), checked to keep the bits.
 
     python bench/experiments/decode_gemm.py [old.py] > $OUT/decode-gemm.txt
@@ -15,6 +15,9 @@ from dsflash.bench.kernels import LINEARS, _rotating, bench_graph, random_cuda_w
 from dsflash.kernels import cuda as kc
 
 SHAPES = [shape for shape in LINEARS if shape[1] in ("fp8", "fp4")]
+# large-M tile configs (the range sum is a second accumulator: 64x64 tiles need ~250 registers)
+WIDE_CANDIDATES = [kc.LinearConfig(64, 32, 32, 4, 4), kc.LinearConfig(64, 32, 32, 4, 3),
+                   kc.LinearConfig(128, 32, 32, 8, 3), kc.LinearConfig(128, 64, 32, 8, 3)]
 
 
 def act(m: int, k: int) -> torch.Tensor:
@@ -49,6 +52,12 @@ def main() -> None:
                 for name, kw in (("unfused", {"fuse_quant": False}), ("one program", {"spread": False})):
                     same = torch.equal(kc.linear(x, w, **kw), ref)
                     out.append(f"{name} {timed([lambda w=c, x=x, kw=kw: kc.linear(x, w, **kw) for c in copies])}"
+                               f"{'' if same else ' DIFF'}")
+            else:
+                for cfg in WIDE_CANDIDATES:
+                    same = torch.equal(kc.linear(x, w, config=cfg), ref)
+                    out.append(f"BM{cfg.BM}/BN{cfg.BN}/w{cfg.num_warps}/s{cfg.num_stages} "
+                               f"{timed([lambda w=c, x=x, cfg=cfg: kc.linear(x, w, config=cfg) for c in copies])}"
                                f"{'' if same else ' DIFF'}")
             if old is not None:
                 olds = [old.CudaWeight(c.kind, c.values, c.scale, c.scale_rows) for c in copies]

@@ -356,9 +356,9 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
             a, w = _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4)
             # a block past K adds +0 to a sum that is never -0
             total += _block_term(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
-        range_end = ((c + 1) % chunks_per_split == 0) | (c + 1 == KC)
-        acc = tl.where(range_end, acc + total, acc)
-        total = tl.where(range_end, 0.0, total)
+        if ((c + 1) % chunks_per_split == 0) | (c + 1 == KC):  # the range ends
+            acc += total
+            total = tl.zeros([BM, BN], dtype=tl.float32)
     # SPREAD: acc is this program's range sum (0 + total), stored for _ordered_sum_kernel
     mask = mmask[:, None] & nmask[None, :]
     if SPREAD:
