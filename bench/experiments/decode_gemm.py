@@ -1,7 +1,8 @@
 """Experiment (GPU): FP8/FP4 GEMMs with the shape-fixed K ranges (NUMERICS_VERSION 3) against the kernel
 before them (one K-order sum; its copy is passed as a module file, e.g. `git show 1027ac9:dsflash/kernels/
-cuda.py > old.py`), at decode and prefill sizes (there also other tile configs); at decode sizes also the bit-neutral choices (activation
-quantisation fused into the GEMM; K ranges spread over programs or in one), checked to keep the bits.
+cuda.py > old.py`), at decode and prefill sizes (there also other tile configs); at decode sizes also the
+bit-neutral choices (activation quantisation fused into the GEMM; K ranges spread over programs or in one),
+checked to keep the bits.
 
     python bench/experiments/decode_gemm.py [old.py] > $OUT/decode-gemm.txt
 """
