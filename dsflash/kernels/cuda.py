@@ -623,9 +623,9 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
     rows = y.size(0)
     stacked = slots is not None
     m = 1 if stacked else rows  # rows per program column: a slot is a one-row call
-    if spread is None:  # a decode tile's K chain is latency-bound: its ranges run side by side (slots have
-        # programs enough: measured slower spread, bench/results/decode-gemm-2026-11-30.txt)
-        spread = m <= SPREAD_MAX_M and not stacked
+    if spread is None:  # a decode tile's K chain is latency-bound: its ranges run side by side (measured:
+        # bench/results/decode-gemm-2026-11-30.txt)
+        spread = m <= SPREAD_MAX_M
     spread = spread and splits > 1
     part = torch.empty((splits, rows, n), dtype=torch.float32, device=a.device) if spread else y
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), splits if spread else 1, rows if stacked else 1)
