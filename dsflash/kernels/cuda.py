@@ -295,7 +295,7 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
                     slots_per_row,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
                     SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, GROUP_M: tl.constexpr):
+                    BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
     """y[M, N] = the block-scaled product (see linear), fp32 sums rounded once to bf16. K runs in chunks of
     4 blocks (one scale word); the chunks form ranges of `chunks_per_split` (block_k_splits), fixed by the weight's
     shape: each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
@@ -337,10 +337,12 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
         aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
     if SCALE_E8M0:
         bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
-    # one loop over the chunks (a loop per range would drain Triton's load pipeline at every range end):
-    # `total` sums the current range, added to `acc` where the range ends
+    # one loop over the chunks (a loop per range would drain Triton's load pipeline at every range end).
+    # RANGES (the program crosses range ends): `total` sums the current range, added to `acc` where the
+    # range ends -- a second accumulator, ~70 more registers on 64x64 tiles, so only where needed
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    total = tl.zeros([BM, BN], dtype=tl.float32)
+    if RANGES:
+        total = tl.zeros([BM, BN], dtype=tl.float32)
     for c in range(c_lo, c_hi):
         more = c + 1 < c_hi
         aw = 0
@@ -355,11 +357,16 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
             kb = c * 4 + j
             a, w = _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4)
             # a block past K adds +0 to a sum that is never -0
-            total += _block_term(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
-        if ((c + 1) % chunks_per_split == 0) | (c + 1 == KC):  # the range ends
-            acc += total
-            total = tl.zeros([BM, BN], dtype=tl.float32)
-    # SPREAD: acc is this program's range sum (0 + total), stored for _ordered_sum_kernel
+            term = _block_term(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
+            if RANGES:
+                total += term
+            else:
+                acc += term
+        if RANGES:
+            if ((c + 1) % chunks_per_split == 0) | (c + 1 == KC):  # the range ends
+                acc += total
+                total = tl.zeros([BM, BN], dtype=tl.float32)
+    # SPREAD: acc is this program's range sum, stored for _ordered_sum_kernel
     mask = mmask[:, None] & nmask[None, :]
     if SPREAD:
         part = part_ptr + tl.program_id(1) * stride_pk + rm[:, None].to(tl.int64) * N + rn[None, :]
@@ -635,7 +642,7 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
                           wv.stride(0) if stacked else 0, w.scale.stride(0) if stacked else 0, slots_per_row,
                           FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows, SCALE_E8M0=w.scale_e8m0,
                           SPREAD=spread, SLOTS=stacked, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M,
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                          RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if spread:
         _ordered_sum(part, y, splits)
 
