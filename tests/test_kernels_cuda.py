@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from dsflash.kernels import cpu
+from dsflash.kernels import cpu, load_kernels
 from dsflash.numerics.quant import fp8_act_codes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; run on the GPU machine")
@@ -182,6 +182,19 @@ def test_linear_fp32_ieee_measured():
     y = kc.linear(x.to(DEV), kc.to_cuda_weight(w), fp32_precision="ieee")
     rel, _, _ = measure("linear fp32 ieee 5120->384 M=37", y, cpu.linear(x, w))
     assert rel <= 1e-5
+
+
+def test_bf16_stored_fp32_weight_gives_the_widened_weights_bits():
+    """The head and the router are bf16 in the checkpoint and fp32 in the model: the CUDA backend keeps them
+    in bf16 (half the bytes) and widens tiles in the kernel, with the bits of the widened weight."""
+    g = gen(12)
+    stored = (torch.randn(4100, 5120, generator=g) / 64).bfloat16()
+    widened = load_kernels(DEV).weight("fp32", stored, None)
+    assert widened.values.dtype == torch.bfloat16
+    x = act_for("fp32", 9, 5120, g).to(DEV)
+    full = kc.to_cuda_weight(cpu.Weight("fp32", stored.float()))
+    for rows in (slice(0, 9), slice(4, 5)):
+        assert torch.equal(kc.linear(x[rows], widened), kc.linear(x[rows], full))
 
 
 def test_to_cuda_weight_roundtrip():

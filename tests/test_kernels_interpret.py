@@ -87,6 +87,11 @@ for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMM
     for m in (1, 3):
         assert torch.equal(cuda.linear(x[:m], wc), full[:m]), (kind, m)
     assert torch.equal(cuda.linear(x[2:3], wc), full[2:3])
+# an fp32 weight stored in bf16 (the head) is widened in the kernel, with the fp32-stored weight's bits
+stored = (torch.randn(40, 1024, generator=g) / 32).bfloat16()
+xh = torch.randn(3, 1024, generator=g)
+assert torch.equal(cuda.linear(xh, cuda.CudaWeight("fp32", stored)),
+                   cuda.linear(xh, cuda.to_cuda_weight(cpu.Weight("fp32", stored.float()), "cpu")))
 # grouped `wo_a`: each group's bits are a single linear's, also when that linear splits K
 xg = torch.randn(3, 4, 1024, generator=g).bfloat16()
 wg = (torch.randn(4, 40, 1024, generator=g) / 32).bfloat16()

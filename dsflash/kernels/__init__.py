@@ -66,6 +66,8 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     def cuda_weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
         if kind in ("fp8", "fp4"):
             return cuda.weight_from_codes(kind, stored, scale, device)
+        if kind == "fp32" and stored.dtype == torch.bfloat16:  # widened by the kernel (CudaWeight)
+            return cuda.CudaWeight(kind, stored.to(device).contiguous())
         dtype = torch.float32 if kind == "fp32" else torch.bfloat16
         return cuda.to_cuda_weight(cpu.Weight(kind, stored.to(dtype)), device)
 

@@ -73,7 +73,9 @@ class CudaWeight(Weight):
     """A Weight laid out for the CUDA kernels.
 
     fp8: `values` float8_e4m3fn [out, in]. fp4: `values` uint8 [out, in/2], element 2k in the low
-    nibble. bf16/fp32: `values` in that dtype [out, in].
+    nibble. bf16/fp32: `values` in that dtype [out, in]; an fp32 weight stored as bf16 in the checkpoint
+    (the head, the router: widened by the model) keeps bf16 values, widened exactly tile by tile in the
+    kernel -- half the bytes, the same bits.
     `scale` (fp8/fp4), when every scale is a normal power of two (always, for checkpoint weights):
     int32 words [ceil(in/128), ceil(out/scale_rows)], byte j of word c holding the E8M0 exponent
     (2^(byte-127)) of K block 4c+j, padded with 127; otherwise float32 [4*ceil(in/128),
@@ -538,7 +540,8 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part
     for k0 in range(k_lo, k_hi, BK):
         kmask = (k0 + rk) < k_hi
         a = tl.load(xp + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(wp + k0, mask=nmask[None, :] & kmask[:, None], other=0.0)
+        # a bf16-stored fp32 weight widens exactly here (its low TF32 part is 0: the same products)
+        b = tl.load(wp + k0, mask=nmask[None, :] & kmask[:, None], other=0.0).to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=PREC)
     if SPLIT:
         part = (part_ptr + tl.program_id(2).to(tl.int64) * M * part_cols + rm[:, None].to(tl.int64) * part_cols
@@ -679,7 +682,7 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
             wv, fp4 = fp4_to_fp8(wv), False
         _block_scaled_gemm(a, a_s, wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, spread=spread)
         return y
-    dtype = w.values.dtype
+    dtype = torch.float32 if w.kind == "fp32" else torch.bfloat16
     x = x.to(dtype).contiguous()
     y = out if out is not None else torch.empty((m, n), dtype=dtype, device=x.device)
     if m == 0:
