@@ -184,17 +184,23 @@ def test_linear_fp32_ieee_measured():
     assert rel <= 1e-5
 
 
-def test_bf16_stored_fp32_weight_gives_the_widened_weights_bits():
+def test_bf16_stored_fp32_weight_widened_in_the_kernel():
     """The head and the router are bf16 in the checkpoint and fp32 in the model: the CUDA backend keeps them
-    in bf16 (half the bytes) and widens tiles in the kernel, with the bits of the widened weight."""
+    in bf16 (half the bytes) and widens tiles in the kernel. The values are the widened weight's, but the
+    bf16 operand layout orders each MMA's k terms differently, so the bits are not the fp32-stored
+    kernel's (measured on the H200); the accuracy against the CPU is, and rows stay independent."""
     g = gen(12)
     stored = (torch.randn(4100, 5120, generator=g) / 64).bfloat16()
     widened = load_kernels(DEV).weight("fp32", stored, None)
     assert widened.values.dtype == torch.bfloat16
-    x = act_for("fp32", 9, 5120, g).to(DEV)
-    full = kc.to_cuda_weight(cpu.Weight("fp32", stored.float()))
-    for rows in (slice(0, 9), slice(4, 5)):
-        assert torch.equal(kc.linear(x[rows], widened), kc.linear(x[rows], full))
+    x = act_for("fp32", 9, 5120, g)
+    y = kc.linear(x.to(DEV), widened)
+    assert y.dtype == torch.float32
+    ref = cpu.linear(x, cpu.Weight("fp32", stored.float()))
+    rel, _, _ = measure("linear fp32 (bf16-stored) 5120->4100 M=9", y, ref)
+    assert rel <= TOL["fp32"][0]
+    for rows in (slice(0, 5), slice(4, 5)):
+        assert torch.equal(kc.linear(x[rows].to(DEV), widened), y[rows])
 
 
 def test_to_cuda_weight_roundtrip():

@@ -87,7 +87,8 @@ for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMM
     for m in (1, 3):
         assert torch.equal(cuda.linear(x[:m], wc), full[:m]), (kind, m)
     assert torch.equal(cuda.linear(x[2:3], wc), full[2:3])
-# an fp32 weight stored in bf16 (the head) is widened in the kernel, with the fp32-stored weight's bits
+# an fp32 weight stored in bf16 (the head) is widened exactly in the kernel: here the same sums as the fp32-stored
+# weight (on the GPU the bf16 operand layout reorders each MMA's k terms: tests/test_kernels_cuda.py)
 stored = (torch.randn(40, 1024, generator=g) / 32).bfloat16()
 xh = torch.randn(3, 1024, generator=g)
 assert torch.equal(cuda.linear(xh, cuda.CudaWeight("fp32", stored)),
