@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsflash.numerics.quant import ACT_BLOCK, fp8_act_codes
+from dsflash.numerics.quant import ACT_BLOCK, fp8_act_codes, k_range_blocks
 
 ROW_TILE = 64
 SPARSE_ATTN_BLOCK = 64
@@ -56,7 +56,8 @@ class Weight:
 
 
 def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, w: Weight) -> torch.Tensor:
-    """sum_k (A_k @ B_k^T) * a_s[:, k] * b_s[:, k] over 32-wide K blocks, partials added in K order."""
+    """sum_k (A_k @ B_k^T) * a_s[:, k] * b_s[:, k] over 32-wide K blocks: the partials of each K range
+    (quant.k_range_blocks) added in K order, then the range sums in order."""
     m, k = a.shape
     nb = k // ACT_BLOCK
     partial = torch.bmm(
@@ -65,8 +66,12 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, w: Weight) -> torch.T
     )  # [nb, m, n]
     scaled = partial * a_s.t().unsqueeze(-1) * w.scale.t().unsqueeze(1)
     acc = torch.zeros(m, w.out_features, dtype=torch.float32, device=a.device)
-    for kb in range(nb):
-        acc += scaled[kb]
+    per = k_range_blocks(w.out_features, nb)
+    for start in range(0, nb, per):
+        total = torch.zeros_like(acc)
+        for kb in range(start, min(start + per, nb)):
+            total += scaled[kb]
+        acc += total
     return acc
 
 

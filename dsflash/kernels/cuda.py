@@ -8,7 +8,7 @@ Numerics (spec §3, as dsflash/kernels/cpu.py):
 - FP8/FP4 linear: the activation is quantised to E4M3 per 32 values with a power-of-two scale (the
   exponent-bit trick, bit-exact with numerics/quant.py), each 32-wide K block's product is one
   tensor-core dot with a fresh fp32 accumulator, scaled by a_s * b_s and added in K order to the fp32
-  sum of its K range (ranges fixed by the weight's shape, `block_k_splits`), the range sums added in
+  sum of its K range (ranges fixed by the weight's shape, quant.k_range_blocks), the range sums added in
   order, then rounded once to bf16. With power-of-two scales the scaling is exact, so the differences
   from the CPU are inside a block's 32-term dot (tensor-core vs CPU fp32 summation) and the ranges'
   association of the K sum; FP4 weight codes are widened to E4M3 in registers (every E2M1 value is
@@ -41,7 +41,7 @@ from triton.language.extra import libdevice
 
 from dsflash.kernels.cpu import Weight
 from dsflash.numerics.codecs import encode_e2m1, pack_fp4
-from dsflash.numerics.quant import ACT_BLOCK, FP8_MAX
+from dsflash.numerics.quant import ACT_BLOCK, FP8_MAX, K_RANGE_GROUP, k_range_blocks
 
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
            "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "hc_split_sinkhorn", "LinearConfig",
@@ -59,13 +59,8 @@ SLOT_MOE_ROWS = 16  # MoE chunks up to this many rows use expert_linear (one lau
 # ---------------------------------------------------------------------------------------------
 # weights
 # ---------------------------------------------------------------------------------------------
-SCALE_GROUP = 4  # K blocks whose E8M0 scale bytes share one int32 word (loaded once, a chunk ahead)
+SCALE_GROUP = K_RANGE_GROUP  # K blocks whose E8M0 scale bytes share one int32 word (a K range is whole words)
 _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
-# the K ranges of a block-scaled GEMM (block_k_splits): numerics, fixed by the weight's shape
-BLOCK_SPLIT_TILE_N = 64
-BLOCK_SPLIT_PROGRAMS = 512
-BLOCK_SPLIT_MAX = 16
-BLOCK_SPLIT_MIN_CHUNKS = 4
 
 
 @dataclass
@@ -299,8 +294,8 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
                     SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
     """y[M, N] = the block-scaled product (see linear), fp32 sums rounded once to bf16. K runs in chunks of
-    4 blocks (one scale word); the chunks form ranges of `chunks_per_split` (block_k_splits), fixed by the weight's
-    shape: each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
+    4 blocks (one scale word); the chunks form ranges of `chunks_per_split` (quant.k_range_blocks, fixed by
+    the weight's shape): each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
     The loads are plain, so that Triton's pipeliner streams them through shared memory (cp.async,
     num_stages deep): a register double buffer measured 2-3x slower at large M (bench/results).
     SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
@@ -610,17 +605,6 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def block_k_splits(n: int, kb: int) -> int:
-    """Chunks (of SCALE_GROUP K blocks) per K range of a block-scaled GEMM with N outputs and KB K blocks:
-    part of the numerics (each range is summed alone, then the range sums in order), so a function of the
-    weight's shape only. Narrow weights get up to BLOCK_SPLIT_MAX ranges, so that a decode call has
-    about BLOCK_SPLIT_PROGRAMS programs, each range keeping at least BLOCK_SPLIT_MIN_CHUNKS chunks."""
-    kc = triton.cdiv(kb, SCALE_GROUP)
-    tiles = triton.cdiv(n, BLOCK_SPLIT_TILE_N)
-    ranges = max(1, min(BLOCK_SPLIT_MAX, triton.cdiv(BLOCK_SPLIT_PROGRAMS, tiles), kc // BLOCK_SPLIT_MIN_CHUNKS))
-    return triton.cdiv(kc, ranges)
-
-
 def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
                        fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
                        slots: torch.Tensor | None = None, slots_per_row: int = 1) -> None:
@@ -628,7 +612,7 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
     With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]."""
     n, k = y.size(1), a.size(1)
     kb = k // ACT_BLOCK
-    cps = block_k_splits(n, kb)
+    cps = k_range_blocks(n, kb) // SCALE_GROUP
     splits = triton.cdiv(triton.cdiv(kb, SCALE_GROUP), cps)
     rows = y.size(0)
     stacked = slots is not None

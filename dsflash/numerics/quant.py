@@ -14,6 +14,20 @@ import torch
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 ACT_BLOCK = 32  # one FP8 activation scale per 32 values; weights use 32x32 tiles
+# An FP8/FP4 GEMM sums its K blocks' scaled products in ranges fixed by the weight's shape (NUMERICS_VERSION
+# 3): each range in K order from a fresh fp32 sum, then the range sums in order. Narrow weights get up to 16
+# ranges so that a decode step's GEMM spreads over ~512 GPU programs of 64 outputs; a range keeps at least
+# 16 blocks and is a whole number of 4-block groups (the CUDA kernel's chunk: one word of scale bytes).
+K_RANGE_GROUP = 4
+_K_RANGE_TILE_N, _K_RANGE_PROGRAMS, _K_RANGE_MAX, _K_RANGE_MIN_GROUPS = 64, 512, 16, 4
+
+
+def k_range_blocks(n: int, kb: int) -> int:
+    """K blocks per summation range of an FP8/FP4 GEMM with n outputs over kb 32-wide K blocks."""
+    groups = -(-kb // K_RANGE_GROUP)
+    tiles = -(-n // _K_RANGE_TILE_N)
+    ranges = max(1, min(_K_RANGE_MAX, -(-_K_RANGE_PROGRAMS // tiles), groups // _K_RANGE_MIN_GROUPS))
+    return K_RANGE_GROUP * -(-groups // ranges)
 # the kernels multiply by reciprocals held as float32 constants, not divide by the maximum
 _FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
 _FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
