@@ -27,12 +27,13 @@ DEV = "cuda"
 # written tolerances: (‖Δ‖/‖ref‖, max ulp of the output dtype over elements whose |ref| >= 1/8 of the
 # output's rms; a result that cancels to near zero has an ulp far below its inputs' rounding, so its
 # ulp distance measures the inputs' magnitude, not this kernel -- it is reported, not asserted).
-# fp8/fp4: exact -- the bf16 MMA of the E4M3/E2M1 codes gives the CPU's fp32 block sums, and both backends
-# add the scaled blocks in the same K ranges (quant.k_range_blocks) in the same order; fp32: 3xTF32
-# tensor-core products (the default) in another summation order over K=5120.
+# fp8/fp4: the bf16 MMA of the E4M3/E2M1 codes gives the CPU's fp32 block sums, and both backends add the
+# scaled blocks in the same K ranges (quant.k_range_blocks) in the same order: measured bit-equal on every
+# shape but FP8 5120->2304, where 0.001 % of outputs (none of typical size) differ by 1 ulp (rel 3e-9);
+# fp32: 3xTF32 tensor-core products (the default) in another summation order over K=5120.
 TOL = {
-    "fp8": (0.0, 0),
-    "fp4": (0.0, 0),
+    "fp8": (1e-8, 0),
+    "fp4": (1e-8, 0),
     "bf16": (1e-3, 2),
     "fp32": (1e-5, 4096),
     "sparse_attn": (2e-3, 8),
