@@ -204,6 +204,36 @@ def test_bf16_stored_fp32_weight_widened_in_the_kernel():
         assert torch.equal(kc.linear(x[rows].to(DEV), widened), y[rows])
 
 
+def test_mhc_collapse_and_expand_kernels_give_the_composed_ops_bits():
+    """One kernel each for the mHC stream mixing, with the bits of the torch ops they replace (this backend's
+    ordered stream sum, fp32 products, one rounding), whatever the rows of the call."""
+    g = gen(13)
+    for n in (1, 7, 300):
+        streams = torch.randn(n, 4, 5120, generator=g).bfloat16().to(DEV)
+        pre, post = torch.rand(n, 4, generator=g).to(DEV), (2 * torch.rand(n, 4, generator=g)).to(DEV)
+        comb = torch.rand(n, 4, 4, generator=g).to(DEV)
+        y = torch.randn(n, 5120, generator=g).bfloat16().to(DEV)
+        got = kc.collapse(streams, pre)
+        assert torch.equal(got, cpu.collapse(streams, pre, small_sum=kc.small_sum)), n
+        assert torch.equal(kc.collapse(streams[-1:], pre[-1:]), got[-1:])
+        mixed = kc.expand(y, streams, post, comb)
+        assert torch.equal(mixed, cpu.expand(y, streams, post, comb, small_sum=kc.small_sum)), n
+        assert torch.equal(kc.expand(y[:1], streams[:1], post[:1], comb[:1]), mixed[:1])
+
+
+def test_rms_norm_kernel_gives_the_composed_ops_bits():
+    """RMSNorm as the fixed-order row sum of squares plus one kernel: the bits of torch's ops on the same
+    mean square (Triton's rsqrt is the ftz variant of torch's instruction: equal on normal values)."""
+    g = gen(14)
+    k = load_kernels(DEV)
+    w = (1 + 0.1 * torch.randn(5120, generator=g)).bfloat16().to(DEV)
+    for shape in ((1, 5120), (7, 5120), (300, 5120), (3, 4, 5120)):
+        x = (torch.randn(*shape, generator=g) * 3).bfloat16().to(DEV)
+        got = kc.rms_norm(x, w, 1e-6)
+        assert torch.equal(got, cpu.rms_norm(x, w, 1e-6, mean_square=k.mean_square)), shape
+        assert torch.equal(kc.rms_norm(x[:1], w, 1e-6), got[:1])
+
+
 def test_to_cuda_weight_roundtrip():
     g = gen(7)
     w8 = rand_weight("fp8", 100, 256, g)

@@ -101,6 +101,21 @@ got = cuda.grouped_linear(xg, wg)
 for gi in range(4):
     one = cuda.linear(xg[:, gi].contiguous(), cuda.to_cuda_weight(cpu.Weight("bf16", wg[gi]), "cpu"))
     assert torch.equal(got[:, gi], one), gi
+# mHC collapse / expand: one kernel each, the bits of the composition of this backend's ops
+streams = torch.randn(6, 4, 700, generator=g).bfloat16()
+pre, post = torch.rand(6, 4, generator=g), torch.rand(6, 4, generator=g) * 2
+comb = torch.rand(6, 4, 4, generator=g)
+y = torch.randn(6, 700, generator=g).bfloat16()
+assert torch.equal(cuda.collapse(streams, pre), cpu.collapse(streams, pre, small_sum=cuda.small_sum))
+assert torch.equal(cuda.expand(y, streams, post, comb), cpu.expand(y, streams, post, comb, small_sum=cuda.small_sum))
+assert torch.equal(cuda.collapse(streams[2:3], pre[2:3]), cuda.collapse(streams, pre)[2:3])
+# RMSNorm: the row sum of squares, then one kernel (the interpreter's rsqrt is numpy's, so not bit-checked here)
+xn = (torch.randn(5, 3, 700, generator=g) * 3).bfloat16()
+wn = (1 + 0.1 * torch.randn(700, generator=g)).bfloat16()
+normed = cuda.rms_norm(xn, wn, 1e-6)
+composed = cpu.rms_norm(xn, wn, 1e-6, mean_square=lambda v: (cuda.row_sum(v, square=True) / v.size(-1)).unsqueeze(-1))
+assert normed.shape == xn.shape and (normed.float() - composed.float()).abs().max() <= 2 ** -7 * composed.abs().max()
+assert torch.equal(cuda.rms_norm(xn[1:2], wn, 1e-6), normed[1:2])
 # activation quantisation: bit-exact with numerics/quant.py
 xq = rand_act(5, 192, g)
 xq[0, :32] = 0

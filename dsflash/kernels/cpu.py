@@ -149,6 +149,27 @@ def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.sum(x, dim=dim)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mean_square=mean_square) -> torch.Tensor:
+    """fp32 statistics, the weight multiplied in fp32, result in the input dtype (spec §3). `mean_square` is
+    the backend's (the composition a fused kernel reproduces)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(mean_square(xf) + eps)
+    return (weight * y).to(x.dtype)
+
+
+def collapse(h: torch.Tensor, pre: torch.Tensor, small_sum=small_sum) -> torch.Tensor:
+    """mHC: the weighted sum of the streams ([N, hc, D] x [N, hc] -> [N, D]) in fp32, back in h's dtype.
+    `small_sum` is the backend's sum over the streams (the composition a fused kernel reproduces)."""
+    return small_sum(pre.unsqueeze(-1) * h.float(), 1).to(h.dtype)
+
+
+def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+           small_sum=small_sum) -> torch.Tensor:
+    """mHC: out_k = post_k * y + sum_j comb[j, k] * residual_j, in fp32, back in y's dtype."""
+    out = post.unsqueeze(-1) * y.unsqueeze(-2) + small_sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), 1)
+    return out.type_as(y)
+
+
 def stream_mean(h: torch.Tensor) -> torch.Tensor:
     """Mean over the mHC streams (dim 1), in h's dtype (the DSpark taps)."""
     return h.mean(dim=1)

@@ -45,7 +45,7 @@ from dsflash.numerics.quant import ACT_BLOCK, FP8_MAX, K_RANGE_GROUP, k_range_bl
 
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
            "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "hc_split_sinkhorn", "LinearConfig",
-           "linear_config"]
+           "linear_config", "collapse", "expand", "rms_norm"]
 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
 # M-dependent choices that never change bits (see the module docstring and the invariance tests):
@@ -819,6 +819,77 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 
 
 # ---------------------------------------------------------------------------------------------
+# mHC stream collapse and expansion, each one kernel with the rounding of cpu.collapse / cpu.expand as
+# composed from this backend's ops (fp32 products, streams added first to last, one rounding at the
+# end); launched with fp fusion off, so no multiply-add is contracted into an FMA
+# ---------------------------------------------------------------------------------------------
+MHC_BLOCK = 512
+
+
+@triton.jit
+def _collapse_kernel(h_ptr, pre_ptr, o_ptr, D, stride_hn, stride_hs, stride_pn, stride_on,
+                     HC: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    acc = tl.load(pre_ptr + n * stride_pn) * tl.load(h_ptr + n * stride_hn + offs, mask=mask).to(tl.float32)
+    for i in tl.static_range(1, HC):
+        h = tl.load(h_ptr + n * stride_hn + i * stride_hs + offs, mask=mask).to(tl.float32)
+        acc = acc + tl.load(pre_ptr + n * stride_pn + i) * h
+    tl.store(o_ptr + n * stride_on + offs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_i pre[:, i] * h[:, i] in fp32, streams first to last, in h's dtype: [N, hc, D] x [N, hc] -> [N, D]."""
+    n, hc, d = h.shape
+    if h.stride(2) != 1:
+        h = h.contiguous()
+    pre = pre.float().contiguous()
+    out = torch.empty((n, d), dtype=h.dtype, device=h.device)
+    if n:
+        _collapse_kernel[(n, triton.cdiv(d, MHC_BLOCK))](h, pre, out, d, h.stride(0), h.stride(1), pre.stride(0),
+                                                         out.stride(0), HC=hc, BLOCK=MHC_BLOCK, num_warps=4,
+                                                         enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _expand_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, o_ptr, D, stride_yn, stride_rn, stride_rs, stride_pn,
+                   stride_cn, stride_on, stride_os, HC: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    y = tl.load(y_ptr + n * stride_yn + offs, mask=mask).to(tl.float32)
+    for k in tl.static_range(HC):
+        r = tl.load(r_ptr + n * stride_rn + offs, mask=mask).to(tl.float32)
+        mixed = tl.load(comb_ptr + n * stride_cn + k) * r
+        for j in tl.static_range(1, HC):
+            r = tl.load(r_ptr + n * stride_rn + j * stride_rs + offs, mask=mask).to(tl.float32)
+            mixed = mixed + tl.load(comb_ptr + n * stride_cn + j * HC + k) * r
+        out = tl.load(post_ptr + n * stride_pn + k) * y + mixed
+        tl.store(o_ptr + n * stride_on + k * stride_os + offs, out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * residual[:, j] in fp32 (j first to last), in y's
+    dtype: y [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc] -> [N, hc, D]."""
+    n, hc, d = residual.shape
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    if residual.stride(2) != 1:
+        residual = residual.contiguous()
+    post = post.float().contiguous()
+    comb = comb.float().contiguous()
+    out = torch.empty((n, hc, d), dtype=y.dtype, device=y.device)
+    if n:
+        _expand_kernel[(n, triton.cdiv(d, MHC_BLOCK))](y, residual, post, comb, out, d, y.stride(0),
+                                                       residual.stride(0), residual.stride(1), post.stride(0),
+                                                       comb.stride(0), out.stride(0), out.stride(1), HC=hc,
+                                                       BLOCK=MHC_BLOCK, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # row reductions with a fixed order (torch's CUDA reductions pick their split by tensor shape, so a
 # row's sum could depend on how many rows share the call)
 # ---------------------------------------------------------------------------------------------
@@ -841,6 +912,36 @@ def row_sum(x: torch.Tensor, square: bool = False) -> torch.Tensor:
     if x2.size(0):
         _row_sum_kernel[(x2.size(0),)](x2, y, x2.size(1), x2.stride(0), SQUARE=square, BLOCK=256)
     return y.view(shape)
+
+
+@triton.jit
+def _rms_scale_kernel(x_ptr, ss_ptr, w_ptr, o_ptr, D, eps, stride_xn, stride_on, BLOCK: tl.constexpr):
+    """out = (w * (x * rsqrt(ss / D + eps))) in fp32, rounded once: torch's ops, one launch."""
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    r = tl.rsqrt(tl.math.div_rn(tl.load(ss_ptr + n), D.to(tl.float32)) + eps)
+    x = tl.load(x_ptr + n * stride_xn + offs, mask=mask).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
+    tl.store(o_ptr + n * stride_on + offs, (w * (x * r)).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """cpu.rms_norm with this backend's mean square: the fixed-order row sum of squares, then one kernel
+    for the division (IEEE, as torch's), rsqrt and the two products. Triton's rsqrt is `rsqrt.approx.ftz`
+    (PTX of Triton 3.6 and 3.9), torch's the same instruction without ftz: equal on the normal values a
+    mean square plus eps gives."""
+    shape, d = x.shape, x.size(-1)
+    xf = x.reshape(-1, d).float()
+    if xf.stride(1) != 1:
+        xf = xf.contiguous()
+    ss = row_sum(xf, square=True)
+    out = torch.empty(xf.shape, dtype=x.dtype, device=x.device)
+    if xf.size(0):
+        _rms_scale_kernel[(xf.size(0), triton.cdiv(d, 1024))](xf, ss, weight.contiguous(), out, d, float(eps),
+                                                             xf.stride(0), out.stride(0), BLOCK=1024, num_warps=4,
+                                                             enable_fp_fusion=False)
+    return out.view(shape)
 
 
 def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
-from dsflash.model.common import Chunk, rms_norm
+from dsflash.model.common import Chunk
 from dsflash.model.rope import Rope
 from dsflash.model.weights import WeightLoader
 from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
@@ -72,7 +72,7 @@ class Compressor:
         """Latents of the groups completed by the chunk's real rows, and the first new group's id."""
         state, ratio = chunk.state, self.ratio
         if ratio == 1:
-            return rms_norm(self.k.linear(x, self.wkv)[: chunk.n], self.norm, self.eps, self.k), chunk.p0
+            return self.k.rms_norm(self.k.linear(x, self.wkv)[: chunk.n], self.norm, self.eps), chunk.p0
         xf = x.float()
         kv, score = self.k.linear(xf, self.wkv)[: chunk.n], self.k.linear(xf, self.wgate)[: chunk.n]
         rows = torch.stack([kv, score], dim=1)
@@ -85,7 +85,7 @@ class Compressor:
         grouped = rows[: rows.size(0) // ratio * ratio].unflatten(0, (-1, ratio))
         kv, score = grouped[:, :, 0], grouped[:, :, 1]
         pooled = (kv * score.softmax(dim=1)).sum(dim=1)
-        return rms_norm(pooled.to(torch.bfloat16), self.norm, self.eps, self.k), first_group
+        return self.k.rms_norm(pooled.to(torch.bfloat16), self.norm, self.eps), first_group
 
 
 class SourceWriter:
@@ -106,7 +106,7 @@ class SourceWriter:
         """(compressed entries, index keys) of the groups the chunk's real rows complete."""
         latent, first = self.compressor(x, chunk, self.layer)
         group_pos = (torch.arange(latent.size(0), device=latent.device) + first) * self.ratio
-        k = rms_norm(self.k.linear(latent, self.wk), self.k_norm, self.eps, self.k)
+        k = self.k.rms_norm(self.k.linear(latent, self.wk), self.k_norm, self.eps)
         self.rope.rotate(k, group_pos)
         self.rope.rotate(latent, group_pos)
         return fp4_fake_quant(latent, 16, e4m3_scale=True), fp4_fake_quant(k, 32, e4m3_scale=False)
@@ -197,10 +197,10 @@ class Attention:
     def projections(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qr, q, window kv) of the rows: q RoPE'd, kv RoPE'd and FP8-valued over all of its channels."""
         a = self.args
-        qr = rms_norm(self.k.linear(x, self.wq_a), self.q_norm, self.eps, self.k)
+        qr = self.k.rms_norm(self.k.linear(x, self.wq_a), self.q_norm, self.eps)
         q = self.k.linear(qr, self.wq_b).unflatten(-1, (a.n_heads, a.head_dim))
         self.rope.rotate(q, positions)
-        kv = rms_norm(self.k.linear(x, self.wkv), self.kv_norm, self.eps, self.k)
+        kv = self.k.rms_norm(self.k.linear(x, self.wkv), self.kv_norm, self.eps)
         self.rope.rotate(kv, positions)
         return qr, q, fp8_fake_quant(kv)
 

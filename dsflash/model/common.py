@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dsflash.engine.state import SequenceState
-from dsflash.kernels import Kernels
 
 
 def fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -15,13 +14,6 @@ def fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.size(0) >= rows:
         return t[:rows]
     return torch.cat([t, t[-1:].expand(rows - t.size(0), *t.shape[1:])])
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, k: Kernels) -> torch.Tensor:
-    """fp32 statistics, the weight multiplied in fp32, result in the input dtype (spec §3)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(k.mean_square(xf) + eps)
-    return (weight * y).to(x.dtype)
 
 
 @dataclass

@@ -13,9 +13,9 @@ from dsflash.config import ModelArgs
 from dsflash.engine.state import PositionRing
 from dsflash.kernels.cpu import pad_rows
 from dsflash.model.attention import Attention
-from dsflash.model.common import Chunk, rms_norm
+from dsflash.model.common import Chunk
 from dsflash.model.graphs import SegmentGraphs, serialised
-from dsflash.model.mhc import Block, collapse
+from dsflash.model.mhc import Block
 from dsflash.model.rope import Rope
 from dsflash.model.weights import WeightLoader
 from dsflash.numerics.quant import fp8_fake_quant
@@ -41,7 +41,7 @@ class DSparkAttention(Attention):
         return ring
 
     def write_context(self, state, main_x: torch.Tensor, positions: torch.Tensor, n: int) -> None:
-        kv = rms_norm(self.k.linear(main_x, self.wkv), self.kv_norm, self.eps, self.k)
+        kv = self.k.rms_norm(self.k.linear(main_x, self.wkv), self.kv_norm, self.eps)
         self.rope.rotate(kv, positions)
         self.history(state).write(positions[:n], fp8_fake_quant(kv)[:n])
 
@@ -88,7 +88,7 @@ class DSpark:
         first = int(positions[0])
         pos = torch.arange(first, first + rows.size(0), device=rows.device)
         self.stages[0].attn.rope.reserve(first + rows.size(0), rows.device)
-        main_x = rms_norm(self.k.linear(rows, self.main_proj), self.main_norm, self.args.norm_eps, self.k)
+        main_x = self.k.rms_norm(self.k.linear(rows, self.main_proj), self.main_norm, self.args.norm_eps)
         for block in self.stages:
             block.attn.write_context(state, main_x, pos, n)
         state.dspark_pos = int(positions[-1]) + 1
@@ -114,7 +114,7 @@ class DSpark:
             graphs = None
         for block in self.stages:
             h, pre = block(h, pre, chunk, graphs)
-        x = rms_norm(collapse(h, pre, self.k), self.norm, a.norm_eps, self.k)
+        x = self.k.rms_norm(self.k.collapse(h, pre), self.norm, a.norm_eps)
         logits = self.k.linear(x.float(), self.head)[:b]
         out, embeds = [anchor], []
         for i in range(b):

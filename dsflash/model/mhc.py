@@ -12,23 +12,11 @@ from functools import partial
 import torch
 
 from dsflash.config import ModelArgs
-from dsflash.kernels import Kernels
 from dsflash.model.attention import Attention
-from dsflash.model.common import Chunk, rms_norm
+from dsflash.model.common import Chunk
 from dsflash.model.graphs import SegmentGraphs
 from dsflash.model.moe import MoE
 from dsflash.model.weights import WeightLoader
-
-
-def collapse(h: torch.Tensor, pre: torch.Tensor, k: Kernels) -> torch.Tensor:
-    """Weighted sum of the streams ([N, hc, D] x [N, hc] -> [N, D]) in fp32, back in h's dtype."""
-    return k.small_sum(pre.unsqueeze(-1) * h.float(), 1).to(h.dtype)
-
-
-def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, k: Kernels) -> torch.Tensor:
-    """out_k = post_k * y + sum_j comb[j, k] * residual_j, in fp32, back in y's dtype."""
-    out = post.unsqueeze(-1) * y.unsqueeze(-2) + k.small_sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), 1)
-    return out.type_as(y)
 
 
 class MixSite:
@@ -74,15 +62,15 @@ class Block:
 
     def _attn_in(self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         attn_pre, attn_post, attn_comb = self.attn_site(h)
-        x = rms_norm(collapse(h, pre, self.k), self.attn_norm, self.eps, self.k)
+        x = self.k.rms_norm(self.k.collapse(h, pre), self.attn_norm, self.eps)
         return (x, *self.attn.projections(x, positions), attn_pre, attn_post, attn_comb)
 
     def _attn_out_ffn(self, o: torch.Tensor, h: torch.Tensor, attn_pre: torch.Tensor, attn_post: torch.Tensor,
                       attn_comb: torch.Tensor, positions: torch.Tensor, *, chunk: Chunk) -> tuple[torch.Tensor, ...]:
-        h = expand(self.attn.output(o, positions), h, attn_post, attn_comb, self.k)
+        h = self.k.expand(self.attn.output(o, positions), h, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.ffn_site(h)
-        z = self.ffn(rms_norm(collapse(h, attn_pre, self.k), self.ffn_norm, self.eps, self.k), chunk)
-        return expand(z, h, ffn_post, ffn_comb, self.k), ffn_pre
+        z = self.ffn(self.k.rms_norm(self.k.collapse(h, attn_pre), self.ffn_norm, self.eps), chunk)
+        return self.k.expand(z, h, ffn_post, ffn_comb), ffn_pre
 
 
 def _call(key, fn, *inputs):

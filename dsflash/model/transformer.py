@@ -19,11 +19,11 @@ from dsflash.config import ModelArgs
 from dsflash.engine.state import SequenceState
 from dsflash.kernels import load_kernels
 from dsflash.model.attention import Attention, SourceWriter
-from dsflash.model.common import Chunk, Selections, fit_rows, rms_norm
+from dsflash.model.common import Chunk, Selections, fit_rows
 from dsflash.model.dspark import DSpark
 from dsflash.model.engram import Engram, EngramLayout
 from dsflash.model.graphs import SegmentGraphs, serialised
-from dsflash.model.mhc import Block, collapse
+from dsflash.model.mhc import Block
 from dsflash.model.rope import Rope
 from dsflash.model.vision import Vision
 from dsflash.model.weights import WeightLoader
@@ -181,11 +181,11 @@ class Transformer:
         state.pos = end
         logits = None
         if self.has_head:
-            x = rms_norm(collapse(h, pre, self.k), self.norm, a.norm_eps, self.k)
+            x = self.k.rms_norm(self.k.collapse(h, pre), self.norm, a.norm_eps)
             logits = self.k.linear(x.float(), self.head)[:n]
         entries = None
         if self.next_source is not None:
-            x = rms_norm(collapse(h, pre, self.k), self.next_attn_norm, a.norm_eps, self.k)
+            x = self.k.rms_norm(self.k.collapse(h, pre), self.next_attn_norm, a.norm_eps)
             entries = self.next_source.entries(x, chunk)
         main_hidden = torch.cat(taps, dim=-1)[:n] if taps else None
         return ForwardOutput(logits, *(handoff or (None, None)), main_hidden, h[:n], pre[:n], entries,
