@@ -9,10 +9,10 @@ Numerics (spec §3, as dsflash/kernels/cpu.py):
   exponent-bit trick, bit-exact with numerics/quant.py), each 32-wide K block's product is one
   tensor-core dot with a fresh fp32 accumulator, scaled by a_s * b_s and added in K order to the fp32
   sum of its K range (ranges fixed by the weight's shape, quant.k_range_blocks), the range sums added in
-  order, then rounded once to bf16. With power-of-two scales the scaling is exact, so the differences
-  from the CPU are inside a block's 32-term dot (tensor-core vs CPU fp32 summation) and the ranges'
-  association of the K sum; FP4 weight codes are widened to E4M3 in registers (every E2M1 value is
-  an E4M3 value).
+  order, then rounded once to bf16, as the CPU does. With power-of-two scales the scaling is exact, so
+  a difference from the CPU can only come from inside a block's 32-term dot (tensor-core vs CPU fp32
+  summation; measured: FIDELITY.md); FP4 weight codes are widened to E4M3 in registers (every E2M1
+  value is an E4M3 value).
 - bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
   3xTF32 tensor-core products by default, IEEE fp32 FMA dots on request); output in the weight's dtype.
 - sparse_attn: one program per (query, 64 heads); online softmax over blocks of 64 indices with the
@@ -70,7 +70,7 @@ class CudaWeight(Weight):
     fp8: `values` float8_e4m3fn [out, in]. fp4: `values` uint8 [out, in/2], element 2k in the low
     nibble. bf16/fp32: `values` in that dtype [out, in]; an fp32 weight stored as bf16 in the checkpoint
     (the head, the router: widened by the model) keeps bf16 values, widened exactly tile by tile in the
-    kernel -- half the bytes, the same bits.
+    kernel -- half the bytes, the same values (another k order inside the MMA: FIDELITY.md).
     `scale` (fp8/fp4), when every scale is a normal power of two (always, for checkpoint weights):
     int32 words [ceil(in/128), ceil(out/scale_rows)], byte j of word c holding the E8M0 exponent
     (2^(byte-127)) of K block 4c+j, padded with 127; otherwise float32 [4*ceil(in/128),
@@ -591,18 +591,6 @@ def plain_k_per_split(cfg: LinearConfig, n: int, k: int) -> int:
     tiles = triton.cdiv(n, cfg.BN)
     splits = max(1, min(triton.cdiv(PLAIN_SPLIT_PROGRAMS, tiles), steps // PLAIN_SPLIT_MIN_STEPS))
     return triton.cdiv(steps, splits) * cfg.BK
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1) runs on CPU tensors: an H200's count
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
