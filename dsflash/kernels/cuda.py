@@ -226,6 +226,15 @@ def _e2m1_to_e4m3_bits(c):
 
 
 @triton.jit
+def _e2m1_to_bf16_bits(c):
+    """4-bit E2M1 codes (int32) -> bf16 bit patterns (int32): magnitude m >= 2 is 2^(e-1)(1+f/2) ->
+    (m << 6) + 0x3F00; m = 1 (0.5) -> 0x3F00; m = 0 -> 0; sign bit 3 -> bit 15."""
+    mag = c & 7
+    b = tl.where(mag >= 2, (mag << 6) + 0x3F00, tl.where(mag == 1, 0x3F00, 0))
+    return b | ((c & 8) << 12)
+
+
+@triton.jit
 def _word_scale(word, j: tl.constexpr):
     """E8M0 byte j of an int32 word -> float32 2^(byte-127)."""
     return (((word >> (8 * j)) & 0xFF) << 23).to(tl.float32, bitcast=True)
@@ -268,9 +277,9 @@ def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, F
         a_s = _word_scale(aw, j)
     if FP4:
         wb = w.to(tl.int32)
-        lo = _e2m1_to_e4m3_bits(wb & 0xF)
-        hi = _e2m1_to_e4m3_bits(wb >> 4)
-        b = tl.trans(tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.uint8).to(tl.float8e4nv, bitcast=True))
+        lo = _e2m1_to_bf16_bits(wb & 0xF)
+        hi = _e2m1_to_bf16_bits(wb >> 4)
+        b = tl.trans(tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.int16).to(tl.bfloat16, bitcast=True))
     else:
         b = w
     if SCALE_E8M0:
