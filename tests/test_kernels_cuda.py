@@ -16,6 +16,7 @@ import torch
 
 from dsflash.kernels import cpu, load_kernels
 from dsflash.numerics.quant import fp8_act_codes
+from tests.test_kernels_cpu import block_weight
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; run on the GPU machine")
 
@@ -232,6 +233,18 @@ def test_rms_norm_kernel_gives_the_composed_ops_bits():
         got = kc.rms_norm(x, w, 1e-6)
         assert torch.equal(got, cpu.rms_norm(x, w, 1e-6, mean_square=k.mean_square)), shape
         assert torch.equal(kc.rms_norm(x[:1], w, 1e-6), got[:1])
+
+
+def test_k_ranges_on_the_gpu():
+    """The sum that one K-order pass gets wrong by 15 (tests/test_kernels_cpu.py), at decode and prefill sizes."""
+    x = torch.zeros(200, 1024)
+    x[:, ::32] = 1.0
+    x[:, 0], x[:, 31 * 32] = 2.0 ** 24, -(2.0 ** 24)
+    w = kc.to_cuda_weight(block_weight(1024))
+    for m in (1, 16, 200):
+        for spread in (False, True):
+            y = kc.linear(x[:m].bfloat16().to(DEV), w, spread=spread)
+            assert torch.equal(y.float().cpu(), torch.full((m, 1), 15.0)), (m, spread)
 
 
 def test_to_cuda_weight_roundtrip():

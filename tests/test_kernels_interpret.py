@@ -87,6 +87,14 @@ for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMM
     for m in (1, 3):
         assert torch.equal(cuda.linear(x[:m], wc), full[:m]), (kind, m)
     assert torch.equal(cuda.linear(x[2:3], wc), full[2:3])
+# the K ranges: a sum that one K-order pass gets wrong by 15 (tests/test_kernels_cpu.py), in one program and spread
+from test_kernels_cpu import block_weight
+xr = torch.zeros(1, 1024)
+xr[0, ::32] = 1.0
+xr[0, 0], xr[0, 31 * 32] = 2.0 ** 24, -(2.0 ** 24)
+wr = cuda.to_cuda_weight(block_weight(1024), "cpu")
+for spread in (False, True):
+    assert float(cuda.linear(xr.bfloat16(), wr, spread=spread)[0, 0]) == 15.0, spread
 # an fp32 weight stored in bf16 (the head) is widened exactly in the kernel: here the same sums as the fp32-stored
 # weight (on the GPU the bf16 operand layout reorders each MMA's k terms: tests/test_kernels_cuda.py)
 stored = (torch.randn(40, 1024, generator=g) / 32).bfloat16()
