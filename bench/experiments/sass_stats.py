@@ -1,0 +1,73 @@
+"""Experiment (no GPU needed): compile the block-scaled GEMM kernel for sm_90 with the installed Triton and
+report, per variant, the registers per thread (`cuobjdump -res-usage`), the SASS instruction count and
+the instruction mix that decides decode speed (conversions, MMAs, async copies). Runs on any machine with
+the Triton wheel (it ships ptxas and cuobjdump); used between GPU runs to see what a kernel change does to
+the compiled code before timing it.
+
+    python bench/experiments/sass_stats.py
+"""
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dsflash.kernels import cuda as kc
+
+NOT_DIVISIBLE = {"M", "N", "KB", "chunks_per_split", "slots_per_row", "stride_xs", "stride_pk"}
+# (label, FP4, SPREAD, SLOTS, RANGES, FUSE_QUANT, config)
+VARIANTS = [
+    ("fp8 decode, K ranges spread", False, True, False, False, True, kc.linear_config("fp8", 1280, 5120, 1)),
+    ("fp4 decode slots, spread", True, True, True, False, True, kc.linear_config("fp4", 2304, 5120, 1)),
+    ("fp8 prefill, one range", False, False, False, False, False, kc.linear_config("fp8", 32768, 1280)),
+    ("fp8 prefill, several ranges", False, False, False, True, False, kc.linear_config("fp8", 5120, 8192)),
+    ("fp4 prefill, several ranges", True, False, False, True, False, kc.linear_config("fp4", 2304, 5120)),
+]
+
+
+def compile_variant(fp4: bool, spread: bool, slots: bool, ranges: bool, fuse: bool, cfg: kc.LinearConfig):
+    fn = kc._bs_gemm_kernel
+    names = fn.arg_names
+    sig = {name: "i32" for name in names}
+    sig.update({"x_ptr": "*bf16" if fuse else "*fp8e4nv", "xs_ptr": "*bf16" if fuse else "*i32",
+                "w_ptr": "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32", "y_ptr": "*bf16", "part_ptr": "*fp32",
+                "slot_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"})
+    constexprs = {"FP4": fp4, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else 32, "SCALE_E8M0": True,
+                  "SPREAD": spread, "SLOTS": slots, "BM": cfg.BM, "BN": cfg.BN, "GROUP_M": cfg.GROUP_M,
+                  "RANGES": ranges}
+    sig.update({name: "constexpr" for name in constexprs})
+    # what the JIT assumes at run time for 16-aligned pointers and strides
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, t in sig.items()
+             if t != "constexpr" and name not in NOT_DIVISIBLE}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def sass_stats(kernel) -> dict:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)), "instructions": len(lines),
+            **{op: sum(op in line for line in lines) for op in ("HMMA", "HGMMA", "F2F", "LDGSTS", "BAR")}}
+
+
+def main() -> None:
+    print(f"Triton {triton.__version__}, sm_90")
+    for label, fp4, spread, slots, ranges, fuse, cfg in VARIANTS:
+        stats = sass_stats(compile_variant(fp4, spread, slots, ranges, fuse, cfg))
+        print(f"{label:<30} BM{cfg.BM}/BN{cfg.BN}/w{cfg.num_warps}/s{cfg.num_stages}  "
+              + "  ".join(f"{k} {v}" for k, v in stats.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
