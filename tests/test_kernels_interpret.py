@@ -145,3 +145,43 @@ def test_kernels_under_the_fixed_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
     r = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+MODEL_SCRIPT = """
+import dataclasses
+import interpreter_fixes  # noqa: F401
+import torch
+import dsflash.model.transformer as transformer
+from dsflash.engine.state import SequenceState
+from dsflash.kernels import cpu, cuda, load_kernels
+from dsflash.model.load import load_model
+
+def mean_square(x):  # the CUDA backend's
+    return (cuda.row_sum(x, square=True) / x.size(-1)).unsqueeze(-1)
+
+composed = dataclasses.replace(
+    load_kernels("cpu"), small_sum=cuda.small_sum, mean_square=mean_square, row_sum=cuda.row_sum,
+    rms_norm=lambda x, w, eps: cpu.rms_norm(x, w, eps, mean_square=mean_square),
+    collapse=lambda h, pre: cpu.collapse(h, pre, small_sum=cuda.small_sum),
+    expand=lambda y, r, post, comb: cpu.expand(y, r, post, comb, small_sum=cuda.small_sum))
+fused = dataclasses.replace(composed, rms_norm=cuda.rms_norm, collapse=cuda.collapse, expand=cuda.expand)
+ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(0))
+logits = []
+for kernels in (composed, fused):
+    transformer.load_kernels = lambda device, reference=False, k=kernels: k
+    logits.append(load_model(CASE).forward(SequenceState(), ids).logits)
+assert torch.equal(logits[0], logits[1]), float((logits[0] - logits[1]).abs().max())
+print("ok")
+"""
+
+
+def test_fused_mhc_and_norm_kernels_in_the_model_under_the_interpreter(golden_cases):
+    """The CUDA backend's RMSNorm / mHC collapse / expand kernels, run by the interpreter inside a whole
+    tiny-model forward (the model's own views, strides and row padding), give the logits of the torch ops
+    they replace, on every other op of the reference backend."""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
+    script = f"CASE = {str(golden_cases[0])!r}\n" + MODEL_SCRIPT
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
