@@ -247,6 +247,22 @@ def test_k_ranges_on_the_gpu():
             assert torch.equal(y.float().cpu(), torch.full((m, 1), 15.0)), (m, spread)
 
 
+def test_fake_quant_kernels_are_bit_exact():
+    """The window KV (FP8) and compressed KV / index (FP4) fake-quantisation kernels against numerics/quant.py
+    run by torch on the same GPU tensors."""
+    from dsflash.numerics import quant
+    g = gen(15)
+    x = torch.randn(300, 4, 512, generator=g) * torch.exp2(torch.randint(-12, 12, (300, 4, 1), generator=g).float())
+    x[0, 0, :64] = 0
+    x[1, 1, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -1.75, -3.5, 6.0, -6.0, 0.0, -0.0, 1e-30,
+                                 3e38])
+    x = x.bfloat16().to(DEV)
+    assert torch.equal(kc.fp8_fake_quant(x).view(torch.int16), quant.fp8_fake_quant(x).view(torch.int16))
+    for block, e4m3 in ((16, True), (32, False)):
+        got = kc.fp4_fake_quant(x, block, e4m3_scale=e4m3).view(torch.int16)
+        assert torch.equal(got, quant.fp4_fake_quant(x, block, e4m3_scale=e4m3).view(torch.int16)), (block, e4m3)
+
+
 def test_to_cuda_weight_roundtrip():
     g = gen(7)
     w8 = rand_weight("fp8", 100, 256, g)

@@ -124,6 +124,18 @@ normed = cuda.rms_norm(xn, wn, 1e-6)
 composed = cpu.rms_norm(xn, wn, 1e-6, mean_square=lambda v: (cuda.row_sum(v, square=True) / v.size(-1)).unsqueeze(-1))
 assert normed.shape == xn.shape and (normed.float() - composed.float()).abs().max() <= 2 ** -7 * composed.abs().max()
 assert torch.equal(cuda.rms_norm(xn[1:2], wn, 1e-6), normed[1:2])
+# KV / index fake-quantisation: bit-exact with numerics/quant.py, ties, zeros and extremes included
+from dsflash.numerics import quant
+xf = torch.randn(7, 3, 512, generator=g) * torch.exp2(torch.randint(-12, 12, (7, 3, 1), generator=g).float())
+xf[0, 0, :64] = 0
+xf[1, 1, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -1.75, -3.5, 6.0, -6.0, 0.0, -0.0, 1e-30,
+                              3e38])
+xf[2, 0, :16] = -0.0
+xf = xf.bfloat16()
+assert torch.equal(cuda.fp8_fake_quant(xf).view(torch.int16), quant.fp8_fake_quant(xf).view(torch.int16))
+for block, e4m3 in ((16, True), (32, False)):
+    got = cuda.fp4_fake_quant(xf, block, e4m3_scale=e4m3).view(torch.int16)
+    assert torch.equal(got, quant.fp4_fake_quant(xf, block, e4m3_scale=e4m3).view(torch.int16)), (block, e4m3)
 # activation quantisation: bit-exact with numerics/quant.py
 xq = rand_act(5, 192, g)
 xq[0, :32] = 0
@@ -164,7 +176,8 @@ composed = dataclasses.replace(
     rms_norm=lambda x, w, eps: cpu.rms_norm(x, w, eps, mean_square=mean_square),
     collapse=lambda h, pre: cpu.collapse(h, pre, small_sum=cuda.small_sum),
     expand=lambda y, r, post, comb: cpu.expand(y, r, post, comb, small_sum=cuda.small_sum))
-fused = dataclasses.replace(composed, rms_norm=cuda.rms_norm, collapse=cuda.collapse, expand=cuda.expand)
+fused = dataclasses.replace(composed, rms_norm=cuda.rms_norm, collapse=cuda.collapse, expand=cuda.expand,
+                            fp8_fake_quant=cuda.fp8_fake_quant, fp4_fake_quant=cuda.fp4_fake_quant)
 ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(0))
 logits = []
 for kernels in (composed, fused):
@@ -175,10 +188,10 @@ print("ok")
 """
 
 
-def test_fused_mhc_and_norm_kernels_in_the_model_under_the_interpreter(golden_cases):
-    """The CUDA backend's RMSNorm / mHC collapse / expand kernels, run by the interpreter inside a whole
-    tiny-model forward (the model's own views, strides and row padding), give the logits of the torch ops
-    they replace, on every other op of the reference backend."""
+def test_fused_mhc_norm_and_quant_kernels_in_the_model_under_the_interpreter(golden_cases):
+    """The CUDA backend's RMSNorm / mHC collapse / expand / KV fake-quant kernels, run by the interpreter
+    inside a whole tiny-model forward (the model's own views, strides and row padding), give the logits of
+    the torch ops they replace, on every other op of the reference backend."""
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
     script = f"CASE = {str(golden_cases[0])!r}\n" + MODEL_SCRIPT

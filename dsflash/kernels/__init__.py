@@ -13,6 +13,7 @@ import torch
 
 from dsflash.kernels import cpu
 from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
+from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Kernels:
     small_sum: Any  # sum over a short dim
     stream_mean: Any  # mean over dim 1 (the mHC streams)
     rms_norm: Any  # (x, weight, eps) -> RMSNorm of x in x's dtype
+    fp8_fake_quant: Any  # quant.fp8_fake_quant: window KV
+    fp4_fake_quant: Any  # quant.fp4_fake_quant: compressed KV, index keys and queries
     collapse: Any  # mHC (h [N, hc, D], pre [N, hc]) -> [N, D]: the streams' weighted sum
     expand: Any  # mHC (y [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc]) -> [N, hc, D]
     weight: Any  # (kind, stored tensor, stored scale or None) -> the backend's weight on `device`
@@ -63,8 +66,8 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     if device.type == "cpu" or reference:
         return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
                        cpu.grouped_linear, cpu.expert_bank, cpu.expert_linear, cpu.ROW_TILE, cpu.index_scores,
-                       cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm, cpu.collapse,
-                       cpu.expand, _reference_weight(device))
+                       cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm,
+                       fp8_fake_quant, fp4_fake_quant, cpu.collapse, cpu.expand, _reference_weight(device))
     from dsflash.kernels import cuda
 
     def cuda_weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
@@ -87,4 +90,5 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
 
     return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, cuda.grouped_linear,
                    cuda.expert_bank, cuda.expert_linear, cuda.SLOT_MOE_ROWS, index_scores, mean_square, cuda.row_sum,
-                   cuda.small_sum, stream_mean, cuda.rms_norm, cuda.collapse, cuda.expand, cuda_weight)
+                   cuda.small_sum, stream_mean, cuda.rms_norm, cuda.fp8_fake_quant, cuda.fp4_fake_quant, cuda.collapse,
+                   cuda.expand, cuda_weight)

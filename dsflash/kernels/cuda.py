@@ -41,13 +41,16 @@ from triton.language.extra import libdevice
 
 from dsflash.kernels.cpu import Weight
 from dsflash.numerics.codecs import encode_e2m1, pack_fp4
-from dsflash.numerics.quant import ACT_BLOCK, FP8_MAX, K_RANGE_GROUP, k_range_blocks
+from dsflash.numerics.quant import ACT_BLOCK, FP4_MAX, FP8_MAX, K_RANGE_GROUP, k_range_blocks
 
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
            "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "hc_split_sinkhorn", "LinearConfig",
-           "linear_config", "collapse", "expand", "rms_norm"]
+           "linear_config", "collapse", "expand", "rms_norm", "fp8_fake_quant", "fp4_fake_quant"]
 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
+_FP4_MAX_INV = tl.constexpr(1.0 / FP4_MAX)
+_FP4_E4M3_SCALE_FLOOR = tl.constexpr(6 * 2.0 ** -9)  # quant.fp4_fake_quant's clamps of a group's amax
+_FP4_POW2_SCALE_FLOOR = tl.constexpr(6 * 2.0 ** -126)
 # M-dependent choices that never change bits (see the module docstring and the invariance tests):
 FUSE_QUANT_MAX_M = 16  # up to this many rows the GEMM quantises its own activation tile (2-3 us faster)
 NARROW_TILE_MAX_M = 16  # up to this many rows FP8/FP4 GEMMs use 16-row tiles (same bits as 64-row ones)
@@ -813,6 +816,66 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
                                                pre, post, comb, n, iters, float(eps), HC=hc, ROWS=HC_ROWS,
                                                num_warps=1)
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV / index fake-quantisation (numerics/quant.py), one kernel per call instead of ~20 torch ops
+# ---------------------------------------------------------------------------------------------
+FAKE_QUANT_ROWS = 64  # quantisation groups per program
+
+
+@triton.jit
+def _fake_quant_kernel(x_ptr, o_ptr, R, FP4: tl.constexpr, E4M3_SCALE: tl.constexpr, G: tl.constexpr,
+                       BR: tl.constexpr):
+    """Rows of G values are quantisation groups: quantise and dequantise each, as quant.fp8_fake_quant
+    (FP4 false, G = 32) or quant.fp4_fake_quant (E2M1 values, an E4M3 or a power-of-two scale)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    offs = rows[:, None] * G + tl.arange(0, G)[None, :]
+    mask = (rows < R)[:, None]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if FP4:
+        amax = tl.max(tl.abs(x), axis=1)
+        if E4M3_SCALE:  # an all-zero group keeps a non-zero scale
+            s = tl.clamp(tl.math.div_rn(tl.maximum(amax, _FP4_E4M3_SCALE_FLOOR), 6.0), -448.0, 448.0)
+            s = s.to(tl.float8e4nv).to(tl.float32)
+        else:  # 2^ceil(log2(amax / 6)) from the exponent bits, as quant.pow2_scale
+            bits = (tl.maximum(amax, _FP4_POW2_SCALE_FLOOR) * _FP4_MAX_INV).to(tl.int32, bitcast=True)
+            s = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+        v = tl.clamp(tl.math.div_rn(x, s[:, None]), -6.0, 6.0)
+        # quant.e2m1_round: the code counts the midpoints below |v|, and the ties that round up
+        mag = tl.abs(v)
+        code = ((mag > 0.25).to(tl.int32) + (mag > 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
+                + (mag > 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag > 3.5).to(tl.int32)
+                + (mag > 5.0).to(tl.int32) + (mag == 0.75).to(tl.int32) + (mag == 1.75).to(tl.int32)
+                + (mag == 3.5).to(tl.int32))
+        value = tl.where(code <= 4, code.to(tl.float32) * 0.5, tl.where(code == 5, 3.0, tl.where(code == 6, 4.0, 6.0)))
+        out = tl.where(v.to(tl.int32, bitcast=True) < 0, -value, value) * s[:, None]
+    else:
+        q, _e, s = _quant_tile(x)
+        out = q.to(tl.float32) * s[:, None]
+    tl.store(o_ptr + offs, out.to(tl.bfloat16), mask=mask)
+
+
+def _fake_quant(x: torch.Tensor, group: int, fp4: bool, e4m3_scale: bool) -> torch.Tensor:
+    assert x.dtype == torch.bfloat16 and x.size(-1) % group == 0
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows = x.numel() // group
+    if rows:
+        _fake_quant_kernel[(triton.cdiv(rows, FAKE_QUANT_ROWS),)](x, out, rows, FP4=fp4, E4M3_SCALE=e4m3_scale,
+                                                                  G=group, BR=FAKE_QUANT_ROWS, num_warps=4,
+                                                                  enable_fp_fusion=False)
+    return out
+
+
+def fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """quant.fp8_fake_quant in one kernel (bf16 [..., K], K a multiple of 32), bit for bit."""
+    return _fake_quant(x, ACT_BLOCK, False, False)
+
+
+def fp4_fake_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
+    """quant.fp4_fake_quant in one kernel, bit for bit."""
+    return _fake_quant(x, block, True, e4m3_scale)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from dsflash.config import ModelArgs
 from dsflash.model.common import Chunk
 from dsflash.model.rope import Rope
 from dsflash.model.weights import WeightLoader
-from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
 
 INDEXER_ROWS = 1024
 
@@ -109,7 +108,7 @@ class SourceWriter:
         k = self.k.rms_norm(self.k.linear(latent, self.wk), self.k_norm, self.eps)
         self.rope.rotate(k, group_pos)
         self.rope.rotate(latent, group_pos)
-        return fp4_fake_quant(latent, 16, e4m3_scale=True), fp4_fake_quant(k, 32, e4m3_scale=False)
+        return self.k.fp4_fake_quant(latent, 16, e4m3_scale=True), self.k.fp4_fake_quant(k, 32, e4m3_scale=False)
 
     def __call__(self, x: torch.Tensor, chunk: Chunk) -> None:
         append_entries(chunk.state, self.args, self.layer, *self.entries(x, chunk))
@@ -138,7 +137,7 @@ class Indexer:
         a = self.args
         q = self.k.linear(qr, self.wq_b).unflatten(-1, (a.index_n_heads, a.index_head_dim))
         rope.rotate(q, chunk.positions)
-        q = fp4_fake_quant(q, 32, e4m3_scale=False)
+        q = self.k.fp4_fake_quant(q, 32, e4m3_scale=False)
         weights = self.k.linear(x, self.weights_proj) * (a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5)
         k = min(a.index_topk, keys.size(0))
         out = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64, device=keys.device)
@@ -202,7 +201,7 @@ class Attention:
         self.rope.rotate(q, positions)
         kv = self.k.rms_norm(self.k.linear(x, self.wkv), self.kv_norm, self.eps)
         self.rope.rotate(kv, positions)
-        return qr, q, fp8_fake_quant(kv)
+        return qr, q, self.k.fp8_fake_quant(kv)
 
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped `wo_a` (bf16, no activation quantisation), then FP8 `wo_b`."""

@@ -18,7 +18,6 @@ from dsflash.model.graphs import SegmentGraphs, serialised
 from dsflash.model.mhc import Block
 from dsflash.model.rope import Rope
 from dsflash.model.weights import WeightLoader
-from dsflash.numerics.quant import fp8_fake_quant
 
 
 class DSparkAttention(Attention):
@@ -43,7 +42,7 @@ class DSparkAttention(Attention):
     def write_context(self, state, main_x: torch.Tensor, positions: torch.Tensor, n: int) -> None:
         kv = self.k.rms_norm(self.k.linear(main_x, self.wkv), self.kv_norm, self.eps)
         self.rope.rotate(kv, positions)
-        self.history(state).write(positions[:n], fp8_fake_quant(kv)[:n])
+        self.history(state).write(positions[:n], self.k.fp8_fake_quant(kv)[:n])
 
     def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         win = self.args.window_size
