@@ -222,7 +222,7 @@ def test_mhc_collapse_and_expand_kernels_give_the_composed_ops_bits():
         assert torch.equal(kc.expand(y[:1], streams[:1], post[:1], comb[:1]), mixed[:1])
 
 
-def test_rms_norm_kernel_gives_the_composed_ops_bits():
+def test_rms_norm_and_scale_kernels_give_the_composed_ops_bits():
     """RMSNorm as the fixed-order row sum of squares plus one kernel: the bits of torch's ops on the same
     mean square (Triton's rsqrt is the ftz variant of torch's instruction: equal on normal values)."""
     g = gen(14)
@@ -233,6 +233,12 @@ def test_rms_norm_kernel_gives_the_composed_ops_bits():
         got = kc.rms_norm(x, w, 1e-6)
         assert torch.equal(got, cpu.rms_norm(x, w, 1e-6, mean_square=k.mean_square)), shape
         assert torch.equal(kc.rms_norm(x[:1], w, 1e-6), got[:1])
+    # the mHC mixes times their input's inverse RMS (20480 = 4 streams x 5120)
+    x = torch.randn(37, 20480, generator=g).to(DEV)
+    mixes = torch.randn(37, 24, generator=g).to(DEV)
+    got = kc.rms_scale(mixes, x, 1e-6)
+    assert torch.equal(got, cpu.rms_scale(mixes, x, 1e-6, mean_square=k.mean_square))
+    assert torch.equal(kc.rms_scale(mixes[5:6], x[5:6], 1e-6), got[5:6])
 
 
 def test_k_ranges_on_the_gpu():

@@ -174,10 +174,12 @@ def mean_square(x):  # the CUDA backend's
 composed = dataclasses.replace(
     load_kernels("cpu"), small_sum=cuda.small_sum, mean_square=mean_square, row_sum=cuda.row_sum,
     rms_norm=lambda x, w, eps: cpu.rms_norm(x, w, eps, mean_square=mean_square),
+    rms_scale=lambda v, x, eps: cpu.rms_scale(v, x, eps, mean_square=mean_square),
     collapse=lambda h, pre: cpu.collapse(h, pre, small_sum=cuda.small_sum),
     expand=lambda y, r, post, comb: cpu.expand(y, r, post, comb, small_sum=cuda.small_sum))
-fused = dataclasses.replace(composed, rms_norm=cuda.rms_norm, collapse=cuda.collapse, expand=cuda.expand,
-                            fp8_fake_quant=cuda.fp8_fake_quant, fp4_fake_quant=cuda.fp4_fake_quant)
+fused = dataclasses.replace(composed, rms_norm=cuda.rms_norm, rms_scale=cuda.rms_scale, collapse=cuda.collapse,
+                            expand=cuda.expand, fp8_fake_quant=cuda.fp8_fake_quant,
+                            fp4_fake_quant=cuda.fp4_fake_quant)
 ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(0))
 logits = []
 for kernels in (composed, fused):
@@ -189,7 +191,7 @@ print("ok")
 
 
 def test_fused_mhc_norm_and_quant_kernels_in_the_model_under_the_interpreter(golden_cases):
-    """The CUDA backend's RMSNorm / mHC collapse / expand / KV fake-quant kernels, run by the interpreter
+    """The CUDA backend's RMSNorm / mHC mix scale, collapse, expand / KV fake-quant kernels, run by the interpreter
     inside a whole tiny-model forward (the model's own views, strides and row padding), give the logits of
     the torch ops they replace, on every other op of the reference backend."""
     tests = Path(__file__).resolve().parent

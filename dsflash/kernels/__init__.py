@@ -38,6 +38,7 @@ class Kernels:
     small_sum: Any  # sum over a short dim
     stream_mean: Any  # mean over dim 1 (the mHC streams)
     rms_norm: Any  # (x, weight, eps) -> RMSNorm of x in x's dtype
+    rms_scale: Any  # (values, x, eps) -> values * rsqrt(mean(x^2) + eps), fp32 (the mHC mixes)
     fp8_fake_quant: Any  # quant.fp8_fake_quant: window KV
     fp4_fake_quant: Any  # quant.fp4_fake_quant: compressed KV, index keys and queries
     collapse: Any  # mHC (h [N, hc, D], pre [N, hc]) -> [N, D]: the streams' weighted sum
@@ -66,7 +67,7 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     if device.type == "cpu" or reference:
         return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
                        cpu.grouped_linear, cpu.expert_bank, cpu.expert_linear, cpu.ROW_TILE, cpu.index_scores,
-                       cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm,
+                       cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm, cpu.rms_scale,
                        fp8_fake_quant, fp4_fake_quant, cpu.collapse, cpu.expand, _reference_weight(device))
     from dsflash.kernels import cuda
 
@@ -90,5 +91,5 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
 
     return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, cuda.grouped_linear,
                    cuda.expert_bank, cuda.expert_linear, cuda.SLOT_MOE_ROWS, index_scores, mean_square, cuda.row_sum,
-                   cuda.small_sum, stream_mean, cuda.rms_norm, cuda.fp8_fake_quant, cuda.fp4_fake_quant, cuda.collapse,
-                   cuda.expand, cuda_weight)
+                   cuda.small_sum, stream_mean, cuda.rms_norm, cuda.rms_scale, cuda.fp8_fake_quant,
+                   cuda.fp4_fake_quant, cuda.collapse, cuda.expand, cuda_weight)

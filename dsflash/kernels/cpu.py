@@ -149,12 +149,16 @@ def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.sum(x, dim=dim)
 
 
+def rms_scale(values: torch.Tensor, x: torch.Tensor, eps: float, mean_square=mean_square) -> torch.Tensor:
+    """values * rsqrt(mean(x^2) + eps) per row, fp32 (x fp32). `mean_square` is the backend's (the
+    composition a fused kernel reproduces)."""
+    return values * torch.rsqrt(mean_square(x) + eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mean_square=mean_square) -> torch.Tensor:
-    """fp32 statistics, the weight multiplied in fp32, result in the input dtype (spec §3). `mean_square` is
-    the backend's (the composition a fused kernel reproduces)."""
+    """fp32 statistics, the weight multiplied in fp32, result in the input dtype (spec §3)."""
     xf = x.float()
-    y = xf * torch.rsqrt(mean_square(xf) + eps)
-    return (weight * y).to(x.dtype)
+    return (weight * rms_scale(xf, xf, eps, mean_square)).to(x.dtype)
 
 
 def collapse(h: torch.Tensor, pre: torch.Tensor, small_sum=small_sum) -> torch.Tensor:

@@ -45,7 +45,8 @@ from dsflash.numerics.quant import ACT_BLOCK, FP4_MAX, FP8_MAX, K_RANGE_GROUP, k
 
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
            "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "hc_split_sinkhorn", "LinearConfig",
-           "linear_config", "collapse", "expand", "rms_norm", "fp8_fake_quant", "fp4_fake_quant"]
+           "linear_config", "collapse", "expand", "rms_norm", "rms_scale", "fp8_fake_quant",
+           "fp4_fake_quant"]
 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
 _FP4_MAX_INV = tl.constexpr(1.0 / FP4_MAX)
@@ -975,15 +976,38 @@ def row_sum(x: torch.Tensor, square: bool = False) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_scale_kernel(x_ptr, ss_ptr, w_ptr, o_ptr, D, eps, stride_xn, stride_on, BLOCK: tl.constexpr):
-    """out = (w * (x * rsqrt(ss / D + eps))) in fp32, rounded once: torch's ops, one launch."""
+def _rms_scale_kernel(v_ptr, ss_ptr, w_ptr, o_ptr, D, C, eps, stride_vn, stride_on, HAS_WEIGHT: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """out = [w *] (v * rsqrt(ss / D + eps)) in fp32, rounded once to o's dtype: torch's ops in one launch.
+    ss: the row's sum of squares over D values; v, w, out: C columns."""
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < D
+    mask = offs < C
     r = tl.rsqrt(tl.math.div_rn(tl.load(ss_ptr + n), D.to(tl.float32)) + eps)
-    x = tl.load(x_ptr + n * stride_xn + offs, mask=mask).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
-    tl.store(o_ptr + n * stride_on + offs, (w * (x * r)).to(o_ptr.dtype.element_ty), mask=mask)
+    y = tl.load(v_ptr + n * stride_vn + offs, mask=mask).to(tl.float32) * r
+    if HAS_WEIGHT:
+        y = tl.load(w_ptr + offs, mask=mask).to(tl.float32) * y
+    tl.store(o_ptr + n * stride_on + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def _rms_scaled(values: torch.Tensor, x: torch.Tensor, eps: float, weight: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """[weight *] values * rsqrt(mean(x^2) + eps) row by row, with this backend's fixed-order row sum of x's
+    squares (x fp32)."""
+    rows, c = values.shape
+    ss = row_sum(x, square=True)
+    out = torch.empty((rows, c), dtype=dtype, device=values.device)
+    if rows:
+        _rms_scale_kernel[(rows, triton.cdiv(c, 1024))](values, ss, values if weight is None else weight.contiguous(),
+                                                       out, x.size(-1), c, float(eps), values.stride(0),
+                                                       out.stride(0), HAS_WEIGHT=weight is not None, BLOCK=1024,
+                                                       num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def _fp32_rows(x: torch.Tensor) -> torch.Tensor:
+    xf = x.reshape(-1, x.size(-1)).float()
+    return xf if xf.stride(1) == 1 else xf.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -991,17 +1015,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     for the division (IEEE, as torch's), rsqrt and the two products. Triton's rsqrt is `rsqrt.approx.ftz`
     (PTX of Triton 3.6 and 3.9), torch's the same instruction without ftz: equal on the normal values a
     mean square plus eps gives."""
-    shape, d = x.shape, x.size(-1)
-    xf = x.reshape(-1, d).float()
-    if xf.stride(1) != 1:
-        xf = xf.contiguous()
-    ss = row_sum(xf, square=True)
-    out = torch.empty(xf.shape, dtype=x.dtype, device=x.device)
-    if xf.size(0):
-        _rms_scale_kernel[(xf.size(0), triton.cdiv(d, 1024))](xf, ss, weight.contiguous(), out, d, float(eps),
-                                                             xf.stride(0), out.stride(0), BLOCK=1024, num_warps=4,
-                                                             enable_fp_fusion=False)
-    return out.view(shape)
+    xf = _fp32_rows(x)
+    return _rms_scaled(xf, xf, eps, weight, x.dtype).view(x.shape)
+
+
+def rms_scale(values: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """cpu.rms_scale (the mHC mixes times their input's inverse RMS) as rms_norm does it: fp32 [N, C]."""
+    return _rms_scaled(values.float().contiguous(), _fp32_rows(x), eps, None, torch.float32)
 
 
 def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ class MixSite:
     def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = h.flatten(1).float()
         # one RMS statistic per token over all hc*D values
-        mixes = self.k.linear(x, self.fn) * torch.rsqrt(self.k.mean_square(x) + self.eps)
+        mixes = self.k.rms_scale(self.k.linear(x, self.fn), x, self.eps)
         return self.k.hc_split_sinkhorn(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)
 
 
