@@ -205,7 +205,7 @@ def test_bf16_stored_fp32_weight_widened_in_the_kernel():
         assert torch.equal(kc.linear(x[rows].to(DEV), widened), y[rows])
 
 
-def test_mhc_collapse_and_expand_kernels_give_the_composed_ops_bits():
+def test_mhc_and_moe_sum_kernels_give_the_composed_ops_bits():
     """One kernel each for the mHC stream mixing, with the bits of the torch ops they replace (this backend's
     ordered stream sum, fp32 products, one rounding), whatever the rows of the call."""
     g = gen(13)
@@ -220,6 +220,11 @@ def test_mhc_collapse_and_expand_kernels_give_the_composed_ops_bits():
         mixed = kc.expand(y, streams, post, comb)
         assert torch.equal(mixed, cpu.expand(y, streams, post, comb, small_sum=kc.small_sum)), n
         assert torch.equal(kc.expand(y[:1], streams[:1], post[:1], comb[:1]), mixed[:1])
+        scales = torch.exp2(torch.randint(-20, 20, (n, 6, 1), generator=g).float())
+        routed = torch.randn(n, 6, 5120, generator=g) * scales
+        routed[0, :, :8] = torch.tensor([2.0 ** 24, 1, 1, 1, 1, -2.0 ** 24]).unsqueeze(-1)  # slot order matters
+        routed = routed.bfloat16().to(DEV)
+        assert torch.equal(kc.moe_sum(routed, y), cpu.moe_sum(routed, y)), n
 
 
 def test_rms_norm_and_scale_kernels_give_the_composed_ops_bits():

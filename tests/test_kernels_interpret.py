@@ -117,6 +117,12 @@ y = torch.randn(6, 700, generator=g).bfloat16()
 assert torch.equal(cuda.collapse(streams, pre), cpu.collapse(streams, pre, small_sum=cuda.small_sum))
 assert torch.equal(cuda.expand(y, streams, post, comb), cpu.expand(y, streams, post, comb, small_sum=cuda.small_sum))
 assert torch.equal(cuda.collapse(streams[2:3], pre[2:3]), cuda.collapse(streams, pre)[2:3])
+# the MoE output: six routed rows in slot order from an fp32 zero, then the shared expert's (order matters
+# from three terms on)
+routed = (torch.randn(5, 6, 700, generator=g) * torch.exp2(torch.randint(-20, 20, (5, 6, 1), generator=g).float()))
+routed[0, :, :8] = torch.tensor([2.0 ** 24, 1, 1, 1, 1, -2.0 ** 24]).unsqueeze(-1)  # 0 in slot order, 4 reversed
+routed, shared = routed.bfloat16(), torch.randn(5, 700, generator=g).bfloat16()
+assert torch.equal(cuda.moe_sum(routed, shared), cpu.moe_sum(routed, shared))
 # RMSNorm: the row sum of squares, then one kernel (the interpreter's rsqrt is numpy's, so not bit-checked here)
 xn = (torch.randn(5, 3, 700, generator=g) * 3).bfloat16()
 wn = (1 + 0.1 * torch.randn(700, generator=g)).bfloat16()
@@ -178,7 +184,7 @@ composed = dataclasses.replace(
     collapse=lambda h, pre: cpu.collapse(h, pre, small_sum=cuda.small_sum),
     expand=lambda y, r, post, comb: cpu.expand(y, r, post, comb, small_sum=cuda.small_sum))
 fused = dataclasses.replace(composed, rms_norm=cuda.rms_norm, rms_scale=cuda.rms_scale, collapse=cuda.collapse,
-                            expand=cuda.expand, fp8_fake_quant=cuda.fp8_fake_quant,
+                            expand=cuda.expand, moe_sum=cuda.moe_sum, fp8_fake_quant=cuda.fp8_fake_quant,
                             fp4_fake_quant=cuda.fp4_fake_quant)
 ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(0))
 logits = []
@@ -190,10 +196,10 @@ print("ok")
 """
 
 
-def test_fused_mhc_norm_and_quant_kernels_in_the_model_under_the_interpreter(golden_cases):
-    """The CUDA backend's RMSNorm / mHC mix scale, collapse, expand / KV fake-quant kernels, run by the interpreter
-    inside a whole tiny-model forward (the model's own views, strides and row padding), give the logits of
-    the torch ops they replace, on every other op of the reference backend."""
+def test_fused_elementwise_kernels_in_the_model_under_the_interpreter(golden_cases):
+    """The CUDA backend's RMSNorm, mHC (mix scale, collapse, expand), MoE sum and KV fake-quant kernels, run by
+    the interpreter inside a whole tiny-model forward (the model's own views, strides and row padding), give
+    the logits of the torch ops they replace, on every other op of the reference backend."""
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
     script = f"CASE = {str(golden_cases[0])!r}\n" + MODEL_SCRIPT

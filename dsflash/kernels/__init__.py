@@ -43,6 +43,7 @@ class Kernels:
     fp4_fake_quant: Any  # quant.fp4_fake_quant: compressed KV, index keys and queries
     collapse: Any  # mHC (h [N, hc, D], pre [N, hc]) -> [N, D]: the streams' weighted sum
     expand: Any  # mHC (y [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc]) -> [N, hc, D]
+    moe_sum: Any  # (routed experts' rows [N, k, D], shared expert's [N, D]) -> the MoE output [N, D]
     weight: Any  # (kind, stored tensor, stored scale or None) -> the backend's weight on `device`
 
 
@@ -68,7 +69,8 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
         return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
                        cpu.grouped_linear, cpu.expert_bank, cpu.expert_linear, cpu.ROW_TILE, cpu.index_scores,
                        cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm, cpu.rms_scale,
-                       fp8_fake_quant, fp4_fake_quant, cpu.collapse, cpu.expand, _reference_weight(device))
+                       fp8_fake_quant, fp4_fake_quant, cpu.collapse, cpu.expand, cpu.moe_sum,
+                       _reference_weight(device))
     from dsflash.kernels import cuda
 
     def cuda_weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
@@ -92,4 +94,4 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, cuda.grouped_linear,
                    cuda.expert_bank, cuda.expert_linear, cuda.SLOT_MOE_ROWS, index_scores, mean_square, cuda.row_sum,
                    cuda.small_sum, stream_mean, cuda.rms_norm, cuda.rms_scale, cuda.fp8_fake_quant,
-                   cuda.fp4_fake_quant, cuda.collapse, cuda.expand, cuda_weight)
+                   cuda.fp4_fake_quant, cuda.collapse, cuda.expand, cuda.moe_sum, cuda_weight)

@@ -161,6 +161,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mean_square=mean
     return (weight * rms_scale(xf, xf, eps, mean_square)).to(x.dtype)
 
 
+def moe_sum(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's output: the routed experts' rows [N, k, D] (slots in ascending expert id) added to an fp32
+    zero in slot order, then the shared expert's [N, D]; in the shared expert's dtype."""
+    y = torch.zeros(shared.shape, dtype=torch.float32, device=shared.device)
+    for slot in range(routed.size(1)):
+        y += routed[:, slot]
+    y += shared
+    return y.to(shared.dtype)
+
+
 def collapse(h: torch.Tensor, pre: torch.Tensor, small_sum=small_sum) -> torch.Tensor:
     """mHC: the weighted sum of the streams ([N, hc, D] x [N, hc] -> [N, D]) in fp32, back in h's dtype.
     `small_sum` is the backend's sum over the streams (the composition a fused kernel reproduces)."""

@@ -45,7 +45,7 @@ from dsflash.numerics.quant import ACT_BLOCK, FP4_MAX, FP8_MAX, K_RANGE_GROUP, k
 
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
            "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "hc_split_sinkhorn", "LinearConfig",
-           "linear_config", "collapse", "expand", "rms_norm", "rms_scale", "fp8_fake_quant",
+           "linear_config", "collapse", "expand", "moe_sum", "rms_norm", "rms_scale", "fp8_fake_quant",
            "fp4_fake_quant"]
 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
@@ -947,6 +947,34 @@ def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: to
                                                        residual.stride(0), residual.stride(1), post.stride(0),
                                                        comb.stride(0), out.stride(0), out.stride(1), HC=hc,
                                                        BLOCK=MHC_BLOCK, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _moe_sum_kernel(r_ptr, s_ptr, o_ptr, D, stride_rn, stride_rk, stride_sn, stride_on, K: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc = acc + tl.load(r_ptr + n * stride_rn + k * stride_rk + offs, mask=mask).to(tl.float32)
+    acc = acc + tl.load(s_ptr + n * stride_sn + offs, mask=mask).to(tl.float32)
+    tl.store(o_ptr + n * stride_on + offs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_sum(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """cpu.moe_sum in one kernel (the same fp32 adds from zero, in slot order, then the shared expert)."""
+    n, k, d = routed.shape
+    if routed.stride(2) != 1:
+        routed = routed.contiguous()
+    if shared.stride(1) != 1:
+        shared = shared.contiguous()
+    out = torch.empty((n, d), dtype=shared.dtype, device=shared.device)
+    if n:
+        _moe_sum_kernel[(n, triton.cdiv(d, MHC_BLOCK))](routed, shared, out, d, routed.stride(0), routed.stride(1),
+                                                        shared.stride(0), out.stride(0), K=k, BLOCK=MHC_BLOCK,
+                                                        num_warps=4, enable_fp_fusion=False)
     return out
 
 

@@ -87,16 +87,15 @@ class MoE:
         if chunk is not None and chunk.trace is not None:
             chunk.trace.setdefault("moe_ids", {})[self.layer] = ids[: chunk.n]
         if x.size(0) <= self.k.slot_moe_rows:
-            y = self._routed_by_slot(x, weights, ids)
-        else:
-            y = self._routed_by_expert(x, weights, ids)
+            return self._routed_by_slot(x, weights, ids)
+        y = self._routed_by_expert(x, weights, ids)
         y += self.shared(x)
         return y.to(x.dtype)
 
     def _routed_by_slot(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every (row, slot) pair in two expert_linear calls (gate and up together, then down), with no host
-        read of the routing. Each row's slots are put in ascending expert id, the reference's summation
-        order."""
+        read of the routing, then the shared expert. Each row's slots are put in ascending expert id, the
+        reference's summation order."""
         ids, order = ids.sort(dim=-1)
         weights = weights.gather(1, order).reshape(-1, 1)
         # per row: its k gate slots (w1 of each expert), then its k up slots (w3: bank entries n + id)
@@ -104,11 +103,7 @@ class MoE:
         gate_up = gate_up.float().view(ids.size(0), 2, self.topk, -1)
         gate, up = (gate_up[:, i].reshape(ids.numel(), -1) for i in (0, 1))
         h = swiglu(gate, up, self.args.swiglu_limit, weights).to(x.dtype)
-        out = self.k.expert_linear(h, self.w2, ids, 1).view(*ids.shape, -1)
-        y = torch.zeros_like(x, dtype=torch.float32)
-        for slot in range(self.topk):
-            y += out[:, slot]
-        return y
+        return self.k.moe_sum(self.k.expert_linear(h, self.w2, ids, 1).view(*ids.shape, -1), self.shared(x))
 
     def _routed_by_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each used expert over its rows, experts in ascending id (the reference's summation order)."""
