@@ -221,21 +221,14 @@ def act_scales(words: torch.Tensor, k: int) -> torch.Tensor:
 # block-scaled FP8/FP4 GEMM
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _e2m1_to_e4m3_bits(c):
-    """4-bit E2M1 codes (int32) -> E4M3 bytes (int32): magnitude m>=2 is 2^(e-1)(1+f/2) -> (m<<2)+0x30;
-    m=1 (0.5) -> 0x30; m=0 -> 0; sign bit 3 -> bit 7."""
+def _e2m1_bits(c, MANTISSA: tl.constexpr, HALF: tl.constexpr, SIGN: tl.constexpr):
+    """4-bit E2M1 codes (int32) -> the bit patterns (int32) of the same values in a float format whose
+    mantissa starts at bit MANTISSA - 1, whose 0.5 is HALF and whose sign is bit SIGN: magnitude m >= 2 is
+    2^(e-1)(1+f/2) -> (m << MANTISSA) + HALF; m = 1 (0.5) -> HALF; m = 0 -> 0. E4M3: (2, 0x30, 7); bf16:
+    (6, 0x3F00, 15)."""
     mag = c & 7
-    b = tl.where(mag >= 2, (mag << 2) + 0x30, tl.where(mag == 1, 0x30, 0))
-    return b | ((c & 8) << 4)
-
-
-@triton.jit
-def _e2m1_to_bf16_bits(c):
-    """4-bit E2M1 codes (int32) -> bf16 bit patterns (int32): magnitude m >= 2 is 2^(e-1)(1+f/2) ->
-    (m << 6) + 0x3F00; m = 1 (0.5) -> 0x3F00; m = 0 -> 0; sign bit 3 -> bit 15."""
-    mag = c & 7
-    b = tl.where(mag >= 2, (mag << 6) + 0x3F00, tl.where(mag == 1, 0x3F00, 0))
-    return b | ((c & 8) << 12)
+    b = tl.where(mag >= 2, (mag << MANTISSA) + HALF, tl.where(mag == 1, HALF, 0))
+    return b | ((c & 8) << (SIGN - 3))
 
 
 @triton.jit
@@ -281,8 +274,8 @@ def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, F
         a_s = _word_scale(aw, j)
     if FP4:
         wb = w.to(tl.int32)
-        lo = _e2m1_to_bf16_bits(wb & 0xF)
-        hi = _e2m1_to_bf16_bits(wb >> 4)
+        lo = _e2m1_bits(wb & 0xF, 6, 0x3F00, 15)
+        hi = _e2m1_bits(wb >> 4, 6, 0x3F00, 15)
         b = tl.trans(tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.int16).to(tl.bfloat16, bitcast=True))
     else:
         b = w
@@ -444,8 +437,8 @@ def _fp4_to_fp8_kernel(w_ptr, o_ptr, total_bytes, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total_bytes
     wb = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.int32)
-    lo = _e2m1_to_e4m3_bits(wb & 0xF).to(tl.uint8)
-    hi = _e2m1_to_e4m3_bits(wb >> 4).to(tl.uint8)
+    lo = _e2m1_bits(wb & 0xF, 2, 0x30, 7).to(tl.uint8)
+    hi = _e2m1_bits(wb >> 4, 2, 0x30, 7).to(tl.uint8)
     o = tl.reshape(tl.join(lo, hi), [2 * BLOCK])
     o_offs = tl.program_id(0).to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
     tl.store(o_ptr + o_offs, o, mask=o_offs < 2 * total_bytes)
@@ -917,18 +910,20 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _expand_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, o_ptr, D, stride_yn, stride_rn, stride_rs, stride_pn,
                    stride_cn, stride_on, stride_os, HC: tl.constexpr, BLOCK: tl.constexpr):
+    # all HC output streams as one [HC, BLOCK] tile, so each residual stream is loaded once
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
+    ks = tl.arange(0, HC)
     y = tl.load(y_ptr + n * stride_yn + offs, mask=mask).to(tl.float32)
-    for k in tl.static_range(HC):
-        r = tl.load(r_ptr + n * stride_rn + offs, mask=mask).to(tl.float32)
-        mixed = tl.load(comb_ptr + n * stride_cn + k) * r
-        for j in tl.static_range(1, HC):
-            r = tl.load(r_ptr + n * stride_rn + j * stride_rs + offs, mask=mask).to(tl.float32)
-            mixed = mixed + tl.load(comb_ptr + n * stride_cn + j * HC + k) * r
-        out = tl.load(post_ptr + n * stride_pn + k) * y + mixed
-        tl.store(o_ptr + n * stride_on + k * stride_os + offs, out.to(o_ptr.dtype.element_ty), mask=mask)
+    r = tl.load(r_ptr + n * stride_rn + offs, mask=mask).to(tl.float32)
+    mixed = tl.load(comb_ptr + n * stride_cn + ks)[:, None] * r[None, :]
+    for j in tl.static_range(1, HC):
+        r = tl.load(r_ptr + n * stride_rn + j * stride_rs + offs, mask=mask).to(tl.float32)
+        mixed = mixed + tl.load(comb_ptr + n * stride_cn + j * HC + ks)[:, None] * r[None, :]
+    out = tl.load(post_ptr + n * stride_pn + ks)[:, None] * y[None, :] + mixed
+    tl.store(o_ptr + n * stride_on + ks[:, None] * stride_os + offs[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=mask[None, :])
 
 
 def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
