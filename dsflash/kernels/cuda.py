@@ -252,9 +252,9 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _load_block(x_rows, w_rows, kb, limit, mmask, nmask, FP4: tl.constexpr):
-    """K block kb's activation and weight tiles as stored (zeros from block `limit` on: past K)."""
-    kin = kb < limit
+def _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4: tl.constexpr):
+    """K block kb's activation and weight tiles as stored (zeros past the KB blocks of K)."""
+    kin = kb < KB
     a = tl.load(x_rows + kb * 32, mask=mmask[:, None] & kin, other=0.0)
     if FP4:
         w = tl.load(w_rows + kb * 16, mask=nmask[:, None] & kin, other=0)
