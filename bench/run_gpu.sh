@@ -12,7 +12,8 @@ part=${1:-all}
 step="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,2,4,5,8 --reps 5 --out $out"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 if [ "$part" = all ] || [ "$part" = tests ]; then
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py 2>&1 | tail -6
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py 2>&1 \
+    | grep -E "^E  |^tests/.*Error|FAILED|passed|failed" | tail -30
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py -s 2>&1 \
     | grep -E "tier|passed|failed|Error|assert" | tail -15
 fi

@@ -246,6 +246,20 @@ def test_rms_norm_and_scale_kernels_give_the_composed_ops_bits():
     assert torch.equal(kc.rms_scale(mixes[5:6], x[5:6], 1e-6), got[5:6])
 
 
+def test_swiglu_kernel_gives_the_composed_ops_bits():
+    """silu(gate) * up with the clamps and the routing weight in one kernel: the bits of torch's CUDA ops,
+    for the routed slots' strided [rows, k, D] views and the shared expert's [rows, D]."""
+    g = gen(17)
+    gate_up = (torch.randn(5, 2, 6, 2304, generator=g) * 4).bfloat16().to(DEV)  # beyond the clamp of 7
+    weights = torch.rand(5, 6, 1, generator=g).to(DEV)
+    got = kc.swiglu(gate_up[:, 0], gate_up[:, 1], 7.0, weights)
+    assert torch.equal(got, cpu.swiglu(gate_up[:, 0], gate_up[:, 1], 7.0, weights))
+    assert torch.equal(kc.swiglu(gate_up[2:3, 0], gate_up[2:3, 1], 7.0, weights[2:3]), got[2:3])
+    gate, up = gate_up[:, 0, 0], gate_up[:, 1, 0]
+    for limit in (7.0, 0.0):
+        assert torch.equal(kc.swiglu(gate, up, limit), cpu.swiglu(gate, up, limit)), limit
+
+
 def test_k_ranges_on_the_gpu():
     """The sum that one K-order pass gets wrong by 15 (tests/test_kernels_cpu.py), at decode and prefill sizes."""
     x = torch.zeros(200, 1024)
@@ -267,11 +281,22 @@ def test_fake_quant_kernels_are_bit_exact():
     x[0, 0, :64] = 0
     x[1, 1, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -1.75, -3.5, 6.0, -6.0, 0.0, -0.0, 1e-30,
                                  3e38])
-    x = x.bfloat16().to(DEV)
-    assert torch.equal(kc.fp8_fake_quant(x).view(torch.int16), quant.fp8_fake_quant(x).view(torch.int16))
+    x = x.bfloat16()
+    assert torch.equal(kc.fp8_fake_quant(x.to(DEV)).view(torch.int16).cpu(), quant.fp8_fake_quant(x).view(torch.int16))
     for block, e4m3 in ((16, True), (32, False)):
-        got = kc.fp4_fake_quant(x, block, e4m3_scale=e4m3).view(torch.int16)
-        assert torch.equal(got, quant.fp4_fake_quant(x, block, e4m3_scale=e4m3).view(torch.int16)), (block, e4m3)
+        got = kc.fp4_fake_quant(x.to(DEV), block, e4m3_scale=e4m3).view(torch.int16)
+        want = quant.fp4_fake_quant(x, block, e4m3_scale=e4m3).view(torch.int16)  # the CPU reference
+        assert torch.equal(got.cpu(), want), (block, e4m3)
+        assert torch.equal(quant.fp4_fake_quant(x.to(DEV), block, e4m3_scale=e4m3).view(torch.int16).cpu(), want)
+
+
+def test_exact_div_is_the_cpu_division():
+    """torch's CUDA `x / 6.0` is x * fp32(1/6) (one rounding more); numerics.exact_div divides as the CPU."""
+    from dsflash.numerics import exact_div
+    x = torch.rand(1 << 16, generator=gen(16)) * 100
+    for d in (6.0, 5120, 3.0):
+        assert torch.equal(exact_div(x.to(DEV), d).cpu(), x / d), d
+    assert not torch.equal((x.to(DEV) / 6.0).cpu(), x / 6.0)  # what exact_div is for (stays true on torch 2.11-2.13)
 
 
 def test_to_cuda_weight_roundtrip():

@@ -1,14 +1,16 @@
-"""Experiment (GPU): FP8/FP4 GEMMs with the shape-fixed K ranges (NUMERICS_VERSION 3) against the kernel
-before them (one K-order sum; its copy is passed as a module file, e.g. `git show 1027ac9:dsflash/kernels/
-cuda.py > old.py`), at decode and prefill sizes (there also other tile configs); at decode sizes also the
-bit-neutral choices (activation quantisation fused into the GEMM; K ranges spread over programs or in one),
-checked to keep the bits.
+"""Experiment (GPU): FP8/FP4 GEMMs with the shape-fixed K ranges (NUMERICS_VERSION 3) against other kernel
+modules passed as files (an older kernel, e.g. `git show 1027ac9:dsflash/kernels/cuda.py > old.py`, or a
+variant of this one; each labelled by its file name, DIFF where its bits differ from this tree's), at
+decode and prefill sizes (there also other tile configs); at decode sizes also the bit-neutral choices
+(activation quantisation fused into the GEMM; K ranges spread over programs or in one), checked to keep
+the bits.
 
-    python bench/experiments/decode_gemm.py [old.py] > $OUT/decode-gemm.txt
+    python bench/experiments/decode_gemm.py [--decode] [old.py ...] > $OUT/decode-gemm.txt   (--decode: M <= 8 only)
 """
 
 import importlib.util
 import sys
+from pathlib import Path
 
 import torch
 
@@ -27,10 +29,11 @@ def act(m: int, k: int) -> torch.Tensor:
     return (x * mag).bfloat16()
 
 
-def load_old(path: str):
-    spec = importlib.util.spec_from_file_location("old_cuda", path)
+def load_module(path: str):
+    name = Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["old_cuda"] = mod  # dataclasses look their module up
+    sys.modules[name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -40,12 +43,13 @@ def timed(fns) -> str:
 
 
 def main() -> None:
-    old = load_old(sys.argv[1]) if len(sys.argv) > 1 else None
+    others = {Path(p).stem: load_module(p) for p in sys.argv[1:] if p != "--decode"}
+    sizes = (1, 8) if "--decode" in sys.argv else (1, 8, 512, 8192)
     torch.manual_seed(0)
     for label, kind, n, k in SHAPES:
         w = random_cuda_weight(kind, n, k)
         copies = [w] + [random_cuda_weight(kind, n, k) for _ in range(max(1, (256 << 20) // weight_bytes(w)))]
-        for m in (1, 8, 512, 8192):
+        for m in sizes:
             x = act(m, k)
             ref = kc.linear(x, w)
             out = [f"default {timed([lambda w=c, x=x: kc.linear(x, w) for c in copies])}"]
@@ -60,9 +64,11 @@ def main() -> None:
                     out.append(f"BM{cfg.BM}/BN{cfg.BN}/w{cfg.num_warps}/s{cfg.num_stages} "
                                f"{timed([lambda w=c, x=x, cfg=cfg: kc.linear(x, w, config=cfg) for c in copies])}"
                                f"{'' if same else ' DIFF'}")
-            if old is not None:
-                olds = [old.CudaWeight(c.kind, c.values, c.scale, c.scale_rows) for c in copies]
-                out.append(f"before {timed([lambda w=c, x=x: old.linear(x, w) for c in olds])}")
+            for name, mod in others.items():
+                ws = [mod.CudaWeight(c.kind, c.values, c.scale, c.scale_rows) for c in copies]
+                same = torch.equal(mod.linear(x, ws[0]), ref)
+                out.append(f"{name} {timed([lambda w=c, x=x, mod=mod: mod.linear(x, w) for c in ws])}"
+                           f"{'' if same else ' DIFF'}")
             print(f"{label:<24} M={m:<5} " + " | ".join(out), flush=True)
         del copies, w
         torch.cuda.empty_cache()
@@ -81,10 +87,11 @@ def main() -> None:
                 fns = [lambda b=b, s=spread, x=x, ids=ids, r=per_row: kc.expert_linear(x, b, ids, r, spread=s)
                        for b in banks]
                 out.append(f"{name} {timed(fns)}{'' if same else ' DIFF'}")
-            if old is not None:
-                olds = [old.ExpertBank(b.kind, b.values, b.scale, b.scale_rows) for b in banks]
-                fns = [lambda b=b, x=x, ids=ids, r=per_row: old.expert_linear(x, b, ids, r) for b in olds]
-                out.append(f"before {timed(fns)}")
+            for name, mod in others.items():
+                bs = [mod.ExpertBank(b.kind, b.values, b.scale, b.scale_rows) for b in banks]
+                same = torch.equal(mod.expert_linear(x, bs[0], ids, per_row), ref)
+                fns = [lambda b=b, x=x, ids=ids, r=per_row, mod=mod: mod.expert_linear(x, b, ids, r) for b in bs]
+                out.append(f"{name} {timed(fns)}{'' if same else ' DIFF'}")
             print(f"{label:<24} rows={rows} " + " | ".join(out), flush=True)
         del banks
         torch.cuda.empty_cache()

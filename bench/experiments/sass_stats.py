@@ -4,12 +4,14 @@ the instruction mix that decides decode speed (conversions, MMAs, async copies).
 the Triton wheel (it ships ptxas and cuobjdump); used between GPU runs to see what a kernel change does to
 the compiled code before timing it.
 
-    python bench/experiments/sass_stats.py
+    python bench/experiments/sass_stats.py [variant.py]   (a kernel module copy to compile instead)
 """
 
+import importlib.util
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import triton
@@ -29,13 +31,24 @@ VARIANTS = [
 ]
 
 
+def kernel_module():
+    if len(sys.argv) < 2:
+        return kc
+    spec = importlib.util.spec_from_file_location("variant_cuda", sys.argv[1])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["variant_cuda"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def compile_variant(fp4: bool, spread: bool, slots: bool, ranges: bool, fuse: bool, cfg: kc.LinearConfig):
-    fn = kc._bs_gemm_kernel
+    fn = kernel_module()._bs_gemm_kernel
     names = fn.arg_names
     sig = {name: "i32" for name in names}
     sig.update({"x_ptr": "*bf16" if fuse else "*fp8e4nv", "xs_ptr": "*bf16" if fuse else "*i32",
                 "w_ptr": "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32", "y_ptr": "*bf16", "part_ptr": "*fp32",
                 "slot_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"})
+    sig.update({name: "*i32" for name in ("cnt_ptr",) if name in names})  # a variant's tile counters
     constexprs = {"FP4": fp4, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else 32, "SCALE_E8M0": True,
                   "SPREAD": spread, "SLOTS": slots, "BM": cfg.BM, "BN": cfg.BN, "GROUP_M": cfg.GROUP_M,
                   "RANGES": ranges}

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from dsflash.kernels import cpu
+from dsflash.numerics import exact_div
 from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
 from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
 
@@ -44,6 +45,7 @@ class Kernels:
     collapse: Any  # mHC (h [N, hc, D], pre [N, hc]) -> [N, D]: the streams' weighted sum
     expand: Any  # mHC (y [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc]) -> [N, hc, D]
     moe_sum: Any  # (routed experts' rows [N, k, D], shared expert's [N, D]) -> the MoE output [N, D]
+    swiglu: Any  # (gate, up [..., D], limit, weights [..., 1] or None) -> an expert's hidden rows
     weight: Any  # (kind, stored tensor, stored scale or None) -> the backend's weight on `device`
 
 
@@ -69,7 +71,7 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
         return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
                        cpu.grouped_linear, cpu.expert_bank, cpu.expert_linear, cpu.ROW_TILE, cpu.index_scores,
                        cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm, cpu.rms_scale,
-                       fp8_fake_quant, fp4_fake_quant, cpu.collapse, cpu.expand, cpu.moe_sum,
+                       fp8_fake_quant, fp4_fake_quant, cpu.collapse, cpu.expand, cpu.moe_sum, cpu.swiglu,
                        _reference_weight(device))
     from dsflash.kernels import cuda
 
@@ -86,12 +88,13 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
         return cuda.linear(q.reshape(n * h, d), cuda.to_cuda_weight(cpu.Weight("bf16", keys), device)).view(n, h, -1)
 
     def stream_mean(h: torch.Tensor) -> torch.Tensor:
-        return (cuda.small_sum(h.float(), 1) / h.size(1)).to(h.dtype)
+        return exact_div(cuda.small_sum(h.float(), 1), h.size(1)).to(h.dtype)
 
     def mean_square(x: torch.Tensor) -> torch.Tensor:
-        return (cuda.row_sum(x, square=True) / x.size(-1)).unsqueeze(-1)
+        return exact_div(cuda.row_sum(x, square=True), x.size(-1)).unsqueeze(-1)
 
     return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, cuda.grouped_linear,
                    cuda.expert_bank, cuda.expert_linear, cuda.SLOT_MOE_ROWS, index_scores, mean_square, cuda.row_sum,
                    cuda.small_sum, stream_mean, cuda.rms_norm, cuda.rms_scale, cuda.fp8_fake_quant,
-                   cuda.fp4_fake_quant, cuda.collapse, cuda.expand, cuda.moe_sum, cuda_weight)
+                   cuda.fp4_fake_quant, cuda.collapse, cuda.expand, cuda.moe_sum, cuda.swiglu,
+                   cuda_weight)

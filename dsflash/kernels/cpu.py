@@ -161,6 +161,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mean_square=mean
     return (weight * rms_scale(xf, xf, eps, mean_square)).to(x.dtype)
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """An expert's hidden rows: silu(gate) * up in fp32 with the V4.1 clamps (limit > 0), times the routing
+    weight when given (broadcast over the last dim), in gate's dtype. gate, up: [..., D]."""
+    g, u = gate.float(), up.float()
+    if limit > 0:
+        u = torch.clamp(u, min=-limit, max=limit)
+        g = torch.clamp(g, max=limit)
+    h = F.silu(g) * u
+    return (h if weights is None else weights * h).to(gate.dtype)
+
+
 def moe_sum(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """A MoE layer's output: the routed experts' rows [N, k, D] (slots in ascending expert id) added to an fp32
     zero in slot order, then the shared expert's [N, D]; in the shared expert's dtype."""

@@ -45,7 +45,7 @@ from dsflash.numerics.quant import ACT_BLOCK, FP4_MAX, FP8_MAX, K_RANGE_GROUP, k
 
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
            "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "hc_split_sinkhorn", "LinearConfig",
-           "linear_config", "collapse", "expand", "moe_sum", "rms_norm", "rms_scale", "fp8_fake_quant",
+           "linear_config", "collapse", "expand", "moe_sum", "swiglu", "rms_norm", "rms_scale", "fp8_fake_quant",
            "fp4_fake_quant"]
 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
@@ -970,6 +970,43 @@ def moe_sum(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         _moe_sum_kernel[(n, triton.cdiv(d, MHC_BLOCK))](routed, shared, out, d, routed.stride(0), routed.stride(1),
                                                         shared.stride(0), out.stride(0), K=k, BLOCK=MHC_BLOCK,
                                                         num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, w_ptr, o_ptr, B, D, stride_ga, stride_gb, stride_ua, stride_ub, limit,
+                   CLAMP: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r = a * B + b of out = [w_r *] silu(gate) * up with the clamps: torch's ops in fp32 (silu as its
+    CUDA kernel, x / (1 + expf(-x)), IEEE division), rounded once to out's dtype."""
+    r = tl.program_id(0)
+    a = (r // B).to(tl.int64)
+    b = (r % B).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    g = tl.load(g_ptr + a * stride_ga + b * stride_gb + offs, mask=mask).to(tl.float32)
+    u = tl.load(u_ptr + a * stride_ua + b * stride_ub + offs, mask=mask).to(tl.float32)
+    if CLAMP:
+        u = tl.clamp(u, -limit, limit)
+        g = tl.minimum(g, limit)
+    h = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)) * u
+    if HAS_WEIGHT:
+        h = tl.load(w_ptr + r) * h
+    tl.store(o_ptr + r.to(tl.int64) * D + offs, h.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """cpu.swiglu in one kernel (gate, up: [R, D] or [A, B, D] views with unit last stride; weights: one
+    fp32 per row), out contiguous in gate's dtype."""
+    assert gate.shape == up.shape and gate.stride(-1) == 1 and up.stride(-1) == 1
+    g3, u3 = (gate.unsqueeze(1), up.unsqueeze(1)) if gate.dim() == 2 else (gate, up)
+    a, b, d = g3.shape
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    w = out if weights is None else weights.float().reshape(a * b).contiguous()
+    if a * b:
+        _swiglu_kernel[(a * b, triton.cdiv(d, MHC_BLOCK))](g3, u3, w, out, b, d, g3.stride(0), g3.stride(1),
+                                                           u3.stride(0), u3.stride(1), float(limit),
+                                                           CLAMP=limit > 0, HAS_WEIGHT=weights is not None,
+                                                           BLOCK=MHC_BLOCK, num_warps=4, enable_fp_fusion=False)
     return out
 
 

@@ -13,15 +13,7 @@ from dsflash.kernels.cpu import Weight
 from dsflash.model.attention import topk_lowest_index
 from dsflash.model.common import Chunk
 from dsflash.model.weights import WeightLoader
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Tensor | None) -> torch.Tensor:
-    """silu(gate) * up in fp32 with the V4.1 clamps, times the routing weight when given."""
-    if limit > 0:
-        up = torch.clamp(up, min=-limit, max=limit)
-        gate = torch.clamp(gate, max=limit)
-    h = F.silu(gate) * up
-    return h if weights is None else weights * h
+from dsflash.numerics import exact_div
 
 
 class Expert:
@@ -35,9 +27,9 @@ class Expert:
         return cls(w.k, w.linear(prefix + "w1"), w.linear(prefix + "w2"), w.linear(prefix + "w3"), swiglu_limit)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        gate = self.k.linear(x, self.w1).float()
-        up = self.k.linear(x, self.w3).float()
-        return self.k.linear(swiglu(gate, up, self.limit, weights).to(x.dtype), self.w2)
+        gate = self.k.linear(x, self.w1)
+        up = self.k.linear(x, self.w3)
+        return self.k.linear(self.k.swiglu(gate, up, self.limit, weights), self.w2)
 
 
 class MoE:
@@ -61,7 +53,7 @@ class MoE:
     def route(self, x: torch.Tensor, chunk: Chunk | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] fp32, expert ids [N, k]); ids forced when the chunk carries selections."""
         a = self.args
-        scores = self.k.linear(x.float(), self.gate) / a.gate_temp
+        scores = exact_div(self.k.linear(x.float(), self.gate), a.gate_temp)
         if a.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif a.score_func == "sigmoid":
@@ -97,13 +89,13 @@ class MoE:
         read of the routing, then the shared expert. Each row's slots are put in ascending expert id, the
         reference's summation order."""
         ids, order = ids.sort(dim=-1)
-        weights = weights.gather(1, order).reshape(-1, 1)
+        weights = weights.gather(1, order).unsqueeze(-1)
         # per row: its k gate slots (w1 of each expert), then its k up slots (w3: bank entries n + id)
         gate_up = self.k.expert_linear(x, self.w13, torch.cat([ids, ids + self.n_experts], 1), 2 * self.topk)
-        gate_up = gate_up.float().view(ids.size(0), 2, self.topk, -1)
-        gate, up = (gate_up[:, i].reshape(ids.numel(), -1) for i in (0, 1))
-        h = swiglu(gate, up, self.args.swiglu_limit, weights).to(x.dtype)
-        return self.k.moe_sum(self.k.expert_linear(h, self.w2, ids, 1).view(*ids.shape, -1), self.shared(x))
+        gate_up = gate_up.view(ids.size(0), 2, self.topk, -1)
+        h = self.k.swiglu(gate_up[:, 0], gate_up[:, 1], self.args.swiglu_limit, weights)
+        return self.k.moe_sum(self.k.expert_linear(h.view(ids.numel(), -1), self.w2, ids, 1).view(*ids.shape, -1),
+                              self.shared(x))
 
     def _routed_by_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each used expert over its rows, experts in ascending id (the reference's summation order)."""

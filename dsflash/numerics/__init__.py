@@ -1,4 +1,14 @@
 """Numerics shared by every backend. NUMERICS_VERSION keys every cache and snapshot: bump it whenever
 any arithmetic changes (a rounding point, a summation order, an index layout)."""
 
-NUMERICS_VERSION = 3  # 3: CUDA FP8/FP4 GEMMs sum K in ranges fixed by the weight's shape (docs/numerics.md)
+import torch
+
+NUMERICS_VERSION = 4  # 4: CUDA divides by a constant as the CPU does (IEEE), docs/numerics.md
+
+
+def exact_div(x: torch.Tensor, d: float) -> torch.Tensor:
+    """x / d rounded once, as IEEE division, on every device (x float32). torch's CUDA division by a Python
+    number multiplies by the number's float32 reciprocal (ATen's BinaryDivTrueKernel.cu), a second rounding
+    the CPU's division does not make; a tensor divisor keeps the division."""
+    assert x.dtype == torch.float32, x.dtype
+    return x / torch.full((), d, dtype=torch.float32, device=x.device)

@@ -11,6 +11,8 @@ import functools
 
 import torch
 
+from dsflash.numerics import exact_div
+
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 ACT_BLOCK = 32  # one FP8 activation scale per 32 values; weights use 32x32 tiles
@@ -90,7 +92,7 @@ def fp4_fake_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tenso
     amax = xg.abs().amax(dim=-1)
     if e4m3_scale:
         # an all-zero group keeps a non-zero scale
-        s = e4m3_saturate(amax.clamp_min(6 * 2**-9) / FP4_MAX).float()
+        s = e4m3_saturate(exact_div(amax.clamp_min(6 * 2**-9), FP4_MAX)).float()
     else:
         s = pow2_scale(amax.clamp_min(6 * 2**-126), _FP4_MAX_INV)
     v = (xg / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
