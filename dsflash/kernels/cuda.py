@@ -843,7 +843,8 @@ def _fake_quant_kernel(x_ptr, o_ptr, R, FP4: tl.constexpr, E4M3_SCALE: tl.conste
                 + (mag > 5.0).to(tl.int32) + (mag == 0.75).to(tl.int32) + (mag == 1.75).to(tl.int32)
                 + (mag == 3.5).to(tl.int32))
         value = tl.where(code <= 4, code.to(tl.float32) * 0.5, tl.where(code == 5, 3.0, tl.where(code == 6, 4.0, 6.0)))
-        out = tl.where(v.to(tl.int32, bitcast=True) < 0, -value, value) * s[:, None]
+        # the sign as a factor: Triton's unary minus is 0 - x, which turns a -0 result into +0
+        out = tl.where(v.to(tl.int32, bitcast=True) < 0, -1.0, 1.0) * value * s[:, None]
     else:
         q, _e, s = _quant_tile(x)
         out = q.to(tl.float32) * s[:, None]
