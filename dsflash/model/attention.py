@@ -39,20 +39,6 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def topk_lowest_index_set(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """topk_lowest_index's indices in ascending order, without sorting the row (the indexer's rows grow
-    with the context): every value above the row's k-th largest, then the lowest-index ties of it."""
-    n = scores.size(-1)
-    positions = torch.arange(n, device=scores.device)
-    if k >= n:
-        return positions.expand(*scores.shape[:-1], n)
-    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-    above = scores > kth
-    tied = scores == kth
-    take = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
-    return torch.topk(torch.where(take, positions, n), k, dim=-1, largest=False, sorted=True).values
-
-
 def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
     """Level one of the two-level top-k (layer 20): keep the best `topk_blocks` blocks of `block`
     entries per query, always including the block of its newest visible entry. Returns a bool mask
@@ -63,7 +49,7 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     n_blocks = block_scores.size(-1)
     newest = (visible - 1) // block
     block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, torch.inf)
-    picks = topk_lowest_index_set(block_scores, min(topk_blocks, n_blocks))
+    picks = topk_lowest_index(block_scores, min(topk_blocks, n_blocks))
     kept = torch.gather(block_scores, -1, picks) > -torch.inf
     keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, picks, kept)
     return keep.repeat_interleave(block, dim=-1)[..., :width]
@@ -170,7 +156,7 @@ class Indexer:
                                                                  a.candidate_block_size)
             elif self.uses_candidates:
                 scores = scores.masked_fill(~chunk.candidates[rows], -torch.inf)
-            picks = topk_lowest_index_set(scores, k)
+            picks = topk_lowest_index(scores, k).sort(dim=-1).values
             out[rows, :k] = torch.where(picks < visible[rows], picks, -1)
         forced = chunk.select and chunk.select.rows(chunk.select.index_topk, self.layer, chunk.positions[: chunk.n])
         if forced is not None:
