@@ -5,7 +5,8 @@ decode and prefill sizes (there also other tile configs); at decode sizes also t
 (activation quantisation fused into the GEMM; K ranges spread over programs or in one), checked to keep
 the bits.
 
-    python bench/experiments/decode_gemm.py [--decode] [old.py ...] > $OUT/decode-gemm.txt   (--decode: M <= 8 only)
+    python bench/experiments/decode_gemm.py [--decode|--prefill] [old.py ...] > $OUT/decode-gemm.txt
+    (--decode: M = 1 and 8 only; --prefill: M = 512 and 8192 only)
 """
 
 import importlib.util
@@ -19,8 +20,8 @@ from dsflash.kernels import cuda as kc
 
 SHAPES = [shape for shape in LINEARS if shape[1] in ("fp8", "fp4")]
 # large-M tile configs (the range sum is a second accumulator: 64x64 tiles need ~250 registers)
-WIDE_CANDIDATES = [kc.LinearConfig(64, 32, 32, 4, 4), kc.LinearConfig(64, 32, 32, 4, 3),
-                   kc.LinearConfig(128, 32, 32, 8, 3), kc.LinearConfig(128, 64, 32, 8, 3)]
+WIDE_CANDIDATES = [kc.LinearConfig(64, 32, 32, 4, 4), kc.LinearConfig(128, 64, 32, 8, 3),
+                   kc.LinearConfig(128, 128, 32, 8, 3), kc.LinearConfig(128, 128, 32, 8, 2)]
 
 
 def act(m: int, k: int) -> torch.Tensor:
@@ -43,8 +44,8 @@ def timed(fns) -> str:
 
 
 def main() -> None:
-    others = {Path(p).stem: load_module(p) for p in sys.argv[1:] if p != "--decode"}
-    sizes = (1, 8) if "--decode" in sys.argv else (1, 8, 512, 8192)
+    others = {Path(p).stem: load_module(p) for p in sys.argv[1:] if not p.startswith("--")}
+    sizes = (1, 8) if "--decode" in sys.argv else (512, 8192) if "--prefill" in sys.argv else (1, 8, 512, 8192)
     torch.manual_seed(0)
     for label, kind, n, k in SHAPES:
         w = random_cuda_weight(kind, n, k)

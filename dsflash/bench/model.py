@@ -169,9 +169,11 @@ def reference_speedup(args: ModelArgs, device: str, layers: int, reps: int) -> d
             "chunk_speedup": times["reference"]["chunk512_ms"] / times["cuda"]["chunk512_ms"]}
 
 
-def profile_step(engine: Engine, context: int, rows: int, prefill: bool = False) -> str:
+def profile_step(engine: Engine, context: int, rows: int, prefill: bool = False, by_op: bool = False) -> str:
     """torch.profiler table of one step (box and back) after a `context`-token prompt, or with `prefill`
-    of the prompt itself (encoder-only prefill): where the time goes, per op and kernel."""
+    of the prompt itself (encoder-only prefill): where the time goes, per op and kernel. `by_op` adds each
+    torch op's CUDA time (with the kernels it launched) by input shapes, which name the op's place in the
+    model (for an eager engine: graph replays hide the ops)."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = prompt(context, engine.args.vocab_size)
@@ -187,7 +189,7 @@ def profile_step(engine: Engine, context: int, rows: int, prefill: bool = False)
             s.step(keep, new)
             s.rollback(keep)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=by_op) as prof:
         if prefill:
             s.prefill(ids)
         else:
@@ -197,7 +199,12 @@ def profile_step(engine: Engine, context: int, rows: int, prefill: bool = False)
     host = tables.table(sort_by="self_cpu_time_total", row_limit=25)
     if not torch.cuda.is_available():
         return host
-    return tables.table(sort_by="self_cuda_time_total", row_limit=30) + "\n\nBy host time:\n" + host
+    ops = ("\n\nBy op and input shapes, with the kernels it launched:\n"
+           + prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=50,
+                                                                max_name_column_width=40,
+                                                                max_shapes_column_width=70)) if by_op else ""
+    return (tables.table(sort_by="self_cuda_time_total", row_limit=30) + "\n\nBy host time:\n" + host
+            + ops)
 
 
 def bench_link(model: str, device: str, prompt_len: int, steps: int) -> dict:
@@ -316,7 +323,7 @@ def run(ns: argparse.Namespace) -> int:
         return 0
     engine = build_engine(args, ns.device, cuda_graphs=not ns.eager)
     if ns.what == "profile":
-        table = profile_step(engine, ns.context[0], ns.rows[0], ns.prefill)
+        table = profile_step(engine, ns.context[0], ns.rows[0], ns.prefill, by_op=ns.eager)
         out = Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
         what = f"the prefill of {ns.context[0]} tokens" if ns.prefill else \
