@@ -1,8 +1,10 @@
 """CUDA backend (Triton): the CPU reference's kernels with the same signatures and numerics.
 
 Exported: `linear(x, w)`, `expert_linear(x, bank, experts, slots_per_row)`, `sparse_attn(q, kv, sink, idx,
-scale)`, `hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)`, plus `Weight`, `CudaWeight`,
-`to_cuda_weight`, `expert_bank` and `quant_act`.
+scale)`, `hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)`, the fused elementwise ops (`rms_norm`,
+`rms_scale`, `collapse`, `expand`, `moe_sum`, `swiglu`, `fp8_fake_quant`, `fp4_fake_quant`: each one launch
+with the rounding points of the torch composition it replaces, IEEE divisions, fp fusion off), plus `Weight`,
+`CudaWeight`, `to_cuda_weight`, `expert_bank` and `quant_act`.
 
 Numerics (spec §3, as dsflash/kernels/cpu.py):
 - FP8/FP4 linear: the activation is quantised to E4M3 per 32 values with a power-of-two scale (the
@@ -11,8 +13,8 @@ Numerics (spec §3, as dsflash/kernels/cpu.py):
   sum of its K range (ranges fixed by the weight's shape, quant.k_range_blocks), the range sums added in
   order, then rounded once to bf16, as the CPU does. With power-of-two scales the scaling is exact, so
   a difference from the CPU can only come from inside a block's 32-term dot (tensor-core vs CPU fp32
-  summation; measured: FIDELITY.md); FP4 weight codes are widened to E4M3 in registers (every E2M1
-  value is an E4M3 value).
+  summation; measured: FIDELITY.md); FP4 weight codes become bf16 bit patterns in registers (every E2M1
+  value is a bf16 value).
 - bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
   3xTF32 tensor-core products by default, IEEE fp32 FMA dots on request); output in the weight's dtype.
 - sparse_attn: one program per (query, 64 heads); online softmax over blocks of 64 indices with the
