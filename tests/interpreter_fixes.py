@@ -5,14 +5,17 @@ half-up without carrying into the exponent, and its `tl.dot` runs numpy's matmul
 patterns of bf16 operands (integer garbage). Here conversions go through torch's casts (RNE, as the
 GPU) and dots widen their operands to fp32 first. Both are exact stand-ins for what the GPU computes
 on the values these kernels feed them (E4M3/E2M1 codes and bf16 values, whose products are exact in
-fp32); only the order of a block's 32-term sum may differ from the tensor cores'. Imported by the
-interpreter scripts of tests/test_kernels_interpret.py before any kernel runs.
+fp32); only the order of a block's 32-term sum may differ from the tensor cores'. libdevice's `exp`
+(no interpreter form: it returns None) becomes numpy's float32 exp, within an ulp of the GPU's `expf`, so
+kernels that use it are checked with a tolerance. Imported by the interpreter scripts of
+tests/test_kernels_interpret.py before any kernel runs.
 """
 
 import numpy as np
 import torch
 import triton.language as tl
 import triton.runtime.interpreter as interpreter
+from triton.language.extra import libdevice
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4nv": torch.float8_e4m3fn,
           "fp8e5": torch.float8_e5m2}
@@ -53,7 +56,12 @@ def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     return interpreter.TensorHandle(np.matmul(widen(a), widen(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
 
 
+def _exp(x, **_):
+    return tl.core.tensor(interpreter.TensorHandle(np.exp(x.handle.data.astype(np.float32)), x.handle.dtype), x.type)
+
+
 interpreter._convert_float = _convert_float
+libdevice.exp = _exp
 interpreter.InterpreterBuilder.create_masked_load = _masked_load
 interpreter.InterpreterBuilder.create_masked_store = _masked_store
 interpreter.InterpreterBuilder.create_dot = _dot

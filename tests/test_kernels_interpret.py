@@ -1,9 +1,10 @@
 """CUDA-backend kernel logic without a GPU: Triton's interpreter (TRITON_INTERPRET=1) runs the kernels
 on the CPU. The fp32 row reductions run on the interpreter as it is; the GEMMs, the activation
 quantisation and sparse attention need the fixes of tests/interpreter_fixes.py (its fp32 -> bf16/fp8
-conversions and bf16 dots are wrong as shipped). The mHC kernel is not covered: the interpreter has no
-libdevice `exp`. The GPU's own rounding is checked on the GPU machine by tests/test_kernels_cuda.py (results
-in kernels/FIDELITY.md); here the indexing, masking, split/sum and slot logic are."""
+conversions and bf16 dots are wrong as shipped, and it has no libdevice `exp`: the fixes give it numpy's,
+so the mHC split and SwiGLU kernels are checked to a tolerance). The GPU's own rounding is checked on the
+GPU machine by tests/test_kernels_cuda.py (results in kernels/FIDELITY.md); here the indexing, masking,
+split/sum and slot logic are."""
 
 import os
 import subprocess
@@ -142,6 +143,19 @@ assert torch.equal(cuda.fp8_fake_quant(xf).view(torch.int16), quant.fp8_fake_qua
 for block, e4m3 in ((16, True), (32, False)):
     got = cuda.fp4_fake_quant(xf, block, e4m3_scale=e4m3).view(torch.int16)
     assert torch.equal(got, quant.fp4_fake_quant(xf, block, e4m3_scale=e4m3).view(torch.int16)), (block, e4m3)
+# SwiGLU with the clamps and the routing weight (strided slot views), and the mHC split + Sinkhorn: libdevice's
+# exp is numpy's here, so within a bf16 / fp32 ulp
+gu = (torch.randn(3, 2, 6, 300, generator=g) * 4).bfloat16()
+wr = torch.rand(3, 6, 1, generator=g)
+for got, ref in ((cuda.swiglu(gu[:, 0], gu[:, 1], 7.0, wr), cpu.swiglu(gu[:, 0], gu[:, 1], 7.0, wr)),
+                 (cuda.swiglu(gu[:, 0, 0], gu[:, 1, 0], 0.0), cpu.swiglu(gu[:, 0, 0], gu[:, 1, 0], 0.0))):
+    assert got.shape == ref.shape and ((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()
+assert torch.equal(cuda.swiglu(gu[1:2, 0], gu[1:2, 1], 7.0, wr[1:2]), cuda.swiglu(gu[:, 0], gu[:, 1], 7.0, wr)[1:2])
+mixes = torch.randn(5, 24, generator=g)
+hc_scale, hc_base = torch.rand(3, generator=g), torch.randn(24, generator=g) * 0.1
+for got, ref in zip(cuda.hc_split_sinkhorn(mixes, hc_scale, hc_base, 4, 20, 1e-6),
+                    cpu.hc_split_sinkhorn(mixes, hc_scale, hc_base, 4, 20, 1e-6)):
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6), float((got - ref).abs().max())
 # activation quantisation: bit-exact with numerics/quant.py
 xq = rand_act(5, 192, g)
 xq[0, :32] = 0
