@@ -294,7 +294,7 @@ def test_exact_div_is_the_cpu_division():
     """torch's CUDA `x / 6.0` is x * fp32(1/6) (one rounding more); numerics.exact_div divides as the CPU."""
     from dsflash.numerics import exact_div
     x = torch.rand(1 << 16, generator=gen(16)) * 100
-    for d in (6.0, 5120, 3.0):
+    for d in (6.0, 5120, 3.0, 4, 0.5, 1.0):
         assert torch.equal(exact_div(x.to(DEV), d).cpu(), x / d), d
     assert not torch.equal((x.to(DEV) / 6.0).cpu(), x / 6.0)  # what exact_div is for (stays true on torch 2.11-2.13)
 

@@ -1,6 +1,8 @@
 """Numerics shared by every backend. NUMERICS_VERSION keys every cache and snapshot: bump it whenever
 any arithmetic changes (a rounding point, a summation order, an index layout)."""
 
+import math
+
 import torch
 
 NUMERICS_VERSION = 4  # 4: CUDA divides by a constant as the CPU does (IEEE), docs/numerics.md
@@ -9,6 +11,9 @@ NUMERICS_VERSION = 4  # 4: CUDA divides by a constant as the CPU does (IEEE), do
 def exact_div(x: torch.Tensor, d: float) -> torch.Tensor:
     """x / d rounded once, as IEEE division, on every device (x float32). torch's CUDA division by a Python
     number multiplies by the number's float32 reciprocal (ATen's BinaryDivTrueKernel.cu), a second rounding
-    the CPU's division does not make; a tensor divisor keeps the division."""
+    the CPU's division does not make; a tensor divisor keeps the division. A power of two has an exact
+    reciprocal, so there the plain division is already exact (and needs no divisor tensor)."""
     assert x.dtype == torch.float32, x.dtype
+    if abs(math.frexp(d)[0]) == 0.5:
+        return x / d
     return x / torch.full((), d, dtype=torch.float32, device=x.device)
