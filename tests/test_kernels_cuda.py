@@ -317,17 +317,18 @@ def test_to_cuda_weight_roundtrip():
 
 
 INVARIANCE_SHAPES = [("fp8", 1280, 5120), ("fp4", 2304, 5120), ("fp8", 96, 160), ("bf16", 1024, 4096),
-                     ("fp32", 384, 5120)]
+                     ("fp32", 384, 5120), ("fp32", 24, 20480)]
 
 
 @pytest.mark.parametrize("kind,n,k", INVARIANCE_SHAPES)
 def test_linear_batch_invariant(kind, n, k):
     g = gen(11)
     wc = kc.to_cuda_weight(rand_weight(kind, n, k, g))
-    x = act_for(kind, 300, k, g).to(DEV)
+    rows_all = kc.PLAIN_WIDE_MIN_M + 88  # plain GEMMs: the wide-tile, one-program-ranges route
+    x = act_for(kind, rows_all, k, g).to(DEV)
     full = kc.linear(x, wc)
-    perm = torch.randperm(300, generator=g).to(DEV)
-    for m in (1, 7, 64, 300):
+    perm = torch.randperm(rows_all, generator=g).to(DEV)
+    for m in (1, 7, 64, 300, rows_all):
         assert torch.equal(kc.linear(x[:m], wc), full[:m]), f"prefix M={m}"
         rows = perm[:m]
         assert torch.equal(kc.linear(x[rows], wc), full[rows]), f"permuted M={m}"
@@ -431,7 +432,7 @@ def test_hc_split_sinkhorn_batch_invariant():
             assert torch.equal(a, b[rows]), f"M={m}"
 
 
-@pytest.mark.parametrize("m", [1, 5, 37])
+@pytest.mark.parametrize("m", [1, 5, 37, 600])
 def test_grouped_linear_equals_per_group_calls_and_cpu(m):
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 8, 4096, generator=g).to(torch.bfloat16)

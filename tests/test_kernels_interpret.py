@@ -110,6 +110,14 @@ got = cuda.grouped_linear(xg, wg)
 for gi in range(4):
     one = cuda.linear(xg[:, gi].contiguous(), cuda.to_cuda_weight(cpu.Weight("bf16", wg[gi]), "cpu"))
     assert torch.equal(got[:, gi], one), gi
+# from PLAIN_WIDE_MIN_M rows: N-wide tiles and every K range in one program, the narrow split route's bits (bf16:
+# numpy's fp32 matmul orders fp32 products by tile width, the GPU's MMA does not)
+xw = torch.randn(cuda.PLAIN_WIDE_MIN_M + 3, 1024, generator=g).bfloat16()
+ww = cuda.to_cuda_weight(cpu.Weight("bf16", (torch.randn(40, 1024, generator=g) / 32).bfloat16()), "cpu")
+wide = cuda.linear(xw, ww)
+assert torch.equal(cuda.linear(xw[:5], ww), wide[:5]) and torch.equal(cuda.linear(xw[300:303], ww), wide[300:303])
+xgw = torch.randn(cuda.PLAIN_WIDE_MIN_M, 4, 1024, generator=g).bfloat16()
+assert torch.equal(cuda.grouped_linear(xgw[:3], wg), cuda.grouped_linear(xgw, wg)[:3])
 # mHC collapse / expand: one kernel each, the bits of the composition of this backend's ops
 streams = torch.randn(6, 4, 700, generator=g).bfloat16()
 pre, post = torch.rand(6, 4, generator=g), torch.rand(6, 4, generator=g) * 2

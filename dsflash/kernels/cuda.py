@@ -519,12 +519,13 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
 def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part_cols, stride_xm, stride_wn,
                        stride_ym, group_x, group_w, group_y,
                        PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr, RANGES: tl.constexpr):
     # program_id(1) picks one of several independent GEMMs laid side by side (grouped `wo_a`); each is
-    # computed exactly as a single call with the same config would. SPLIT: program_id(2) takes the K range
-    # [s * k_per_split, (s + 1) * k_per_split) and stores its fp32 sum to part[s, m, g * N + n] (part_cols =
-    # groups * N columns), which _ordered_sum_kernel adds in s order (the split is fixed by the weight's
-    # shape, never by M)
+    # computed exactly as a single call with the same config would. The K ranges [s * k_per_split, (s + 1) *
+    # k_per_split) are fixed by the weight's shape, never by M; each range's dots chain from a zero
+    # accumulator and the range sums add in s order. SPLIT: program_id(2) takes range s and stores its fp32
+    # sum to part[s, m, g * N + n] (part_cols = groups * N columns) for _ordered_sum_kernel. RANGES (large M):
+    # one program runs every range and adds their sums in order itself: the same bits, no partials in memory
     g = tl.program_id(1).to(tl.int64)
     x_ptr += g * group_x
     w_ptr += g * group_w
@@ -537,15 +538,26 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part
     nmask = rn < N
     xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
     wp = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
-    k_lo = tl.program_id(2) * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    k_lo = 0
+    k_hi = K
+    if SPLIT:
+        k_lo = tl.program_id(2) * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if RANGES:
+        total = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
-        kmask = (k0 + rk) < k_hi
+        kmask = (k0 + rk) < k_hi  # k_per_split is a multiple of BK: only K's end cuts a step
         a = tl.load(xp + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
         # a bf16-stored fp32 weight widens exactly here (its low TF32 part is 0: the same products)
         b = tl.load(wp + k0, mask=nmask[None, :] & kmask[:, None], other=0.0).to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=PREC)
+        if RANGES:
+            if ((k0 + BK) % k_per_split == 0) | (k0 + BK >= K):  # the range ends
+                total += acc
+                acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if RANGES:
+        acc = total
     if SPLIT:
         part = (part_ptr + tl.program_id(2).to(tl.int64) * M * part_cols + rm[:, None].to(tl.int64) * part_cols
                 + g * N + rn[None, :])
@@ -553,6 +565,32 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part
     else:
         y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def _plain_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, kind: str, groups: int, prec: str,
+                config: LinearConfig | None) -> None:
+    """y[:, g] = x[:, g] @ w[g]^T for each of `groups` bf16/fp32 GEMMs (x [M, groups * K] rows, w [groups, N,
+    K], y [M, groups * N]). The K ranges come from the weight's shape (plain_k_per_split of its
+    linear_config); from PLAIN_WIDE_MIN_M rows the tile is wider along N (fewer re-reads of x, same MMA per
+    output element) and one program adds its ranges (no [splits, M, N] partials): the same bits."""
+    m = y.size(0)
+    n, k = w.shape[-2:]
+    cfg = config or linear_config(kind, n, k)
+    k_per_split = plain_k_per_split(cfg, n, k)
+    splits = triton.cdiv(k, k_per_split)
+    wide = config is None and m >= PLAIN_WIDE_MIN_M
+    if wide:
+        cfg = LinearConfig(BM=cfg.BM, BN=min(128, max(16, triton.next_power_of_2(n))), BK=cfg.BK, num_warps=4,
+                           num_stages=3)
+    split = splits > 1 and not wide
+    part = torch.empty((splits, m, groups * n), dtype=torch.float32, device=x.device) if split else y
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), groups, splits if split else 1)
+    _plain_gemm_kernel[grid](x, w, y, part, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2), y.stride(0),
+                             k, n * k, n, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+                             SPLIT=split, RANGES=wide and splits > 1, num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages)
+    if split:
+        _ordered_sum(part, y, splits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,6 +627,7 @@ def linear_config(kind: str, n: int, k: int, m: int | None = None) -> LinearConf
 
 PLAIN_SPLIT_PROGRAMS = 256  # a narrow bf16/fp32 weight's K is split until its tiles x splits reach this
 PLAIN_SPLIT_MIN_STEPS = 4  # ... keeping at least this many BK steps per split
+PLAIN_WIDE_MIN_M = 512  # from this many rows: N-wide tiles, the K ranges in one program (same bits, tested)
 
 
 def plain_k_per_split(cfg: LinearConfig, n: int, k: int) -> int:
@@ -667,16 +706,7 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
     y = out if out is not None else torch.empty((m, n), dtype=dtype, device=x.device)
     if m == 0:
         return y
-    k_per_split = plain_k_per_split(cfg, n, k)
-    splits = triton.cdiv(k, k_per_split)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
-    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), 1, splits)
-    _plain_gemm_kernel[grid](x, w.values, y, part, m, n, k, k_per_split, n, x.stride(0), w.values.stride(0),
-                             y.stride(0), 0, 0, 0, PREC=fp32_precision if dtype == torch.float32 else "tf32",
-                             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, SPLIT=splits > 1,
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        _ordered_sum(part, y, splits)
+    _plain_gemm(x, w.values, y, w.kind, 1, fp32_precision if dtype == torch.float32 else "tf32", config)
     return y
 
 
@@ -1106,14 +1136,5 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty((m, groups, r), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return y
-    cfg = linear_config("bf16", r, d)
-    k_per_split = plain_k_per_split(cfg, r, d)  # as a single group's linear, so the bits are its bits
-    splits = triton.cdiv(d, k_per_split)
-    part = torch.empty((splits, m, groups * r), dtype=torch.float32, device=x.device) if splits > 1 else y
-    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(r, cfg.BN), groups, splits)
-    _plain_gemm_kernel[grid](x, w, y, part, m, r, d, k_per_split, groups * r, x.stride(0), w.stride(1), y.stride(0),
-                             d, r * d, r, PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
-                             SPLIT=splits > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        _ordered_sum(part, y.view(m, groups * r), splits)
+    _plain_gemm(x.view(m, groups * d), w, y.view(m, groups * r), "bf16", groups, "tf32", None)
     return y
