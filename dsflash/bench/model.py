@@ -114,6 +114,9 @@ def bench_prefill(engine: Engine, lengths: list[int], compare_full: bool) -> dic
         full = Transformer(a, engine.decoder.ckpt, [i % a.engram_compressed_vocab_size for i in range(a.vocab_size)],
                            device=dev)
     res: dict = {"tok_s": {}, "full_tok_s": {}, "decoder_rows": {}, "snapshot_bytes_per_token": {}}
+    # warm-up: a first prefill compiles the kernels of every shape class, which must not count
+    engine.session().prefill(prompt(min(lengths[0], 8192), a.vocab_size))
+    sync(dev)
     for n in lengths:
         s = engine.session()
         ids = prompt(n, a.vocab_size)
