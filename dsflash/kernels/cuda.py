@@ -29,7 +29,8 @@ instruction sequence wherever its row sits in a tile. The M-dependent choices gi
 construction and are tested to: fusing the activation quantisation into the GEMM (the quantisation is
 exact bit arithmetic); for M <= 16, 16-row tiles, and running the K ranges as separate programs whose
 sums a second kernel adds in range order (one program adds them in the same order); for M >= 128,
-widening FP4 weights to E4M3 once per call instead of per tile.
+widening FP4 weights to E4M3 once per call instead of per tile; for plain GEMMs of M >= 512, N-wide tiles
+(the same MMA per output element) with the shape-fixed K ranges added in one program.
 """
 
 from __future__ import annotations
