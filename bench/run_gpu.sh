@@ -5,6 +5,9 @@
 # bench, then the step benchmark without CUDA graphs and a profile of one graphed step (ab = the step
 # benchmark with and without CUDA graphs, and the profile). `... open` runs the measurements the open
 # questions of docs/perf-record.md need first: the prefill profile and the sparse-attention head split.
+# `... patch FILE` A/Bs a variant of dsflash/kernels/cuda.py against this tree (FILE: a whole module, or a
+# patch of cuda.py, applied with `patch`): the GEMM experiment (DIFF where the variant's bits differ) and
+# the encoder prefill with each kernel module in turn.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -25,6 +28,20 @@ if [ "$part" = open ]; then
   timeout 150 python -m dsflash.cli bench profile --prefill --preset bench --experts 48 --device cuda \
     --context 8192 --out "$out" 2>&1 | head -45
   timeout 120 python bench/experiments/attn_heads.py 2>&1 | tee "$out/attn-heads.txt"
+fi
+if [ "$part" = patch ]; then
+  variant=/tmp/variant_cuda.py
+  case "$2" in
+    *.py) cp "$2" "$variant" ;;
+    *) cp dsflash/kernels/cuda.py "$variant" && patch -s "$variant" "$2" || exit 1 ;;
+  esac
+  timeout 300 python bench/experiments/decode_gemm.py "$variant" 2>&1 | grep -v -i warn | tee "$out/decode-gemm-patch.txt"
+  prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
+  mkdir -p "$out/this" "$out/patched"
+  timeout 90 $prefill --out "$out/this" 2>&1 | tail -3
+  this=/tmp/this_cuda.py && cp dsflash/kernels/cuda.py "$this" && cp "$variant" dsflash/kernels/cuda.py
+  timeout 90 $prefill --out "$out/patched" 2>&1 | tail -3
+  cp "$this" dsflash/kernels/cuda.py
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   [ "$part" = ab ] && timeout 200 $step 2>&1 | tail -12
