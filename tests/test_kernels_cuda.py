@@ -260,6 +260,18 @@ def test_swiglu_kernel_gives_the_composed_ops_bits():
         assert torch.equal(kc.swiglu(gate, up, limit), cpu.swiglu(gate, up, limit)), limit
 
 
+def test_bf16_activations_widen_in_the_kernels():
+    """The router's and the mHC projections' bf16 input is widened inside the fp32 GEMM and the RMS kernels:
+    the bits of widening it first (narrow and wide GEMM routes)."""
+    g = gen(18)
+    wf = kc.to_cuda_weight(rand_weight("fp32", 384, 5120, g))
+    for rows in (1, 7, kc.PLAIN_WIDE_MIN_M + 8):
+        x = torch.randn(rows, 5120, generator=g).bfloat16().to(DEV)
+        assert torch.equal(kc.linear(x, wf), kc.linear(x.float(), wf)), rows
+    mixes = torch.randn(7, 24, generator=g).to(DEV)
+    assert torch.equal(kc.rms_scale(mixes, x[:7], 1e-6), kc.rms_scale(mixes, x[:7].float(), 1e-6))
+
+
 def test_k_ranges_on_the_gpu():
     """The sum that one K-order pass gets wrong by 15 (tests/test_kernels_cpu.py), at decode and prefill sizes."""
     x = torch.zeros(200, 1024)

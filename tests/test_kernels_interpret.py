@@ -118,6 +118,14 @@ wide = cuda.linear(xw, ww)
 assert torch.equal(cuda.linear(xw[:5], ww), wide[:5]) and torch.equal(cuda.linear(xw[300:303], ww), wide[300:303])
 xgw = torch.randn(cuda.PLAIN_WIDE_MIN_M, 4, 1024, generator=g).bfloat16()
 assert torch.equal(cuda.grouped_linear(xgw[:3], wg), cuda.grouped_linear(xgw, wg)[:3])
+# a bf16 activation of an fp32 weight (the router, the mHC projections) and bf16 RMS inputs widen inside the
+# kernels: the bits of widening them first
+wf = cuda.to_cuda_weight(cpu.Weight("fp32", torch.randn(40, 1024, generator=g) / 32), "cpu")
+for rows in (3, cuda.PLAIN_WIDE_MIN_M + 3):
+    xb = torch.randn(rows, 1024, generator=g).bfloat16()
+    assert torch.equal(cuda.linear(xb, wf), cuda.linear(xb.float(), wf)), rows
+mixes_in = torch.randn(4, 24, generator=g)
+assert torch.equal(cuda.rms_scale(mixes_in, xb[:4], 1e-6), cuda.rms_scale(mixes_in, xb[:4].float(), 1e-6))
 # mHC collapse / expand: one kernel each, the bits of the composition of this backend's ops
 streams = torch.randn(6, 4, 700, generator=g).bfloat16()
 pre, post = torch.rand(6, 4, generator=g), torch.rand(6, 4, generator=g) * 2

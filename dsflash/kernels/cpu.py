@@ -84,7 +84,7 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         codes, scales = fp8_act_codes(xp)
         y = _block_scaled_gemm(codes, scales, w).to(torch.bfloat16)
     else:
-        y = F.linear(xp, w.values)
+        y = F.linear(xp.to(w.values.dtype), w.values)  # a bf16 x widens exactly for an fp32 weight
     return y[:n]
 
 
@@ -150,9 +150,9 @@ def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def rms_scale(values: torch.Tensor, x: torch.Tensor, eps: float, mean_square=mean_square) -> torch.Tensor:
-    """values * rsqrt(mean(x^2) + eps) per row, fp32 (x fp32). `mean_square` is the backend's (the
-    composition a fused kernel reproduces)."""
-    return values * torch.rsqrt(mean_square(x) + eps)
+    """values * rsqrt(mean(x^2) + eps) per row, fp32 (x bf16 or fp32, its statistics in fp32). `mean_square`
+    is the backend's (the composition a fused kernel reproduces)."""
+    return values * torch.rsqrt(mean_square(x.float()) + eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mean_square=mean_square) -> torch.Tensor:

@@ -549,8 +549,9 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part
         total = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         kmask = (k0 + rk) < k_hi  # k_per_split is a multiple of BK: only K's end cuts a step
-        a = tl.load(xp + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        # a bf16-stored fp32 weight widens exactly here (its low TF32 part is 0: the same products)
+        # a bf16 x of an fp32 weight, and a bf16-stored fp32 weight, widen exactly here (the low TF32 part
+        # of a widened bf16 value is 0: the same products)
+        a = tl.load(xp + k0, mask=mmask[:, None] & kmask[None, :], other=0.0).to(y_ptr.dtype.element_ty)
         b = tl.load(wp + k0, mask=nmask[None, :] & kmask[:, None], other=0.0).to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=PREC)
         if RANGES:
@@ -703,7 +704,8 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
         _block_scaled_gemm(a, a_s, wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, spread=spread)
         return y
     dtype = torch.float32 if w.kind == "fp32" else torch.bfloat16
-    x = x.to(dtype).contiguous()
+    # a bf16 activation of an fp32 weight is widened in the kernel (exact), not copied here
+    x = (x if dtype == torch.float32 and x.dtype == torch.bfloat16 else x.to(dtype)).contiguous()
     y = out if out is not None else torch.empty((m, n), dtype=dtype, device=x.device)
     if m == 0:
         return y
@@ -1087,7 +1089,7 @@ def _rms_scale_kernel(v_ptr, ss_ptr, w_ptr, o_ptr, D, C, eps, stride_vn, stride_
 def _rms_scaled(values: torch.Tensor, x: torch.Tensor, eps: float, weight: torch.Tensor | None,
                 dtype: torch.dtype) -> torch.Tensor:
     """[weight *] values * rsqrt(mean(x^2) + eps) row by row, with this backend's fixed-order row sum of x's
-    squares (x fp32)."""
+    squares (x, values: bf16 or fp32 rows, widened in the kernels)."""
     rows, c = values.shape
     ss = row_sum(x, square=True)
     out = torch.empty((rows, c), dtype=dtype, device=values.device)
@@ -1099,9 +1101,10 @@ def _rms_scaled(values: torch.Tensor, x: torch.Tensor, eps: float, weight: torch
     return out
 
 
-def _fp32_rows(x: torch.Tensor) -> torch.Tensor:
-    xf = x.reshape(-1, x.size(-1)).float()
-    return xf if xf.stride(1) == 1 else xf.contiguous()
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, D] with unit stride along D, in its own dtype (the kernels widen bf16 exactly on load)."""
+    x2 = x.reshape(-1, x.size(-1))
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -1109,13 +1112,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     for the division (IEEE, as torch's), rsqrt and the two products. Triton's rsqrt is `rsqrt.approx.ftz`
     (PTX of Triton 3.6 and 3.9), torch's the same instruction without ftz: equal on the normal values a
     mean square plus eps gives."""
-    xf = _fp32_rows(x)
-    return _rms_scaled(xf, xf, eps, weight, x.dtype).view(x.shape)
+    xr = _rows(x)
+    return _rms_scaled(xr, xr, eps, weight, x.dtype).view(x.shape)
 
 
 def rms_scale(values: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
     """cpu.rms_scale (the mHC mixes times their input's inverse RMS) as rms_norm does it: fp32 [N, C]."""
-    return _rms_scaled(values.float().contiguous(), _fp32_rows(x), eps, None, torch.float32)
+    return _rms_scaled(values.float().contiguous(), _rows(x), eps, None, torch.float32)
 
 
 def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ class MixSite:
         self.hc, self.iters, self.hc_eps, self.eps = args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps
 
     def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = h.flatten(1).float()
+        x = h.flatten(1)  # the projection and the statistics widen to fp32 inside the kernels
         # one RMS statistic per token over all hc*D values
         mixes = self.k.rms_scale(self.k.linear(x, self.fn), x, self.eps)
         return self.k.hc_split_sinkhorn(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)

@@ -53,7 +53,7 @@ class MoE:
     def route(self, x: torch.Tensor, chunk: Chunk | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] fp32, expert ids [N, k]); ids forced when the chunk carries selections."""
         a = self.args
-        scores = exact_div(self.k.linear(x.float(), self.gate), a.gate_temp)
+        scores = exact_div(self.k.linear(x, self.gate), a.gate_temp)  # fp32 router: x widens in the GEMM
         if a.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif a.score_func == "sigmoid":
