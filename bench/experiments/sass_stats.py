@@ -4,9 +4,11 @@ the instruction mix that decides decode speed (conversions, MMAs, async copies).
 the Triton wheel (it ships ptxas and cuobjdump); used between GPU runs to see what a kernel change does to
 the compiled code before timing it.
 
-    python bench/experiments/sass_stats.py [variant.py]   (a kernel module copy to compile instead)
+    python bench/experiments/sass_stats.py [variant.py] [--ops]
+    (variant.py: a kernel module copy to compile instead; --ops: also each variant's 12 most frequent opcodes)
 """
 
+import collections
 import importlib.util
 import os
 import re
@@ -32,9 +34,10 @@ VARIANTS = [
 
 
 def kernel_module():
-    if len(sys.argv) < 2:
+    paths = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if not paths:
         return kc
-    spec = importlib.util.spec_from_file_location("variant_cuda", sys.argv[1])
+    spec = importlib.util.spec_from_file_location("variant_cuda", paths[0])
     mod = importlib.util.module_from_spec(spec)
     sys.modules["variant_cuda"] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
@@ -70,16 +73,22 @@ def sass_stats(kernel) -> dict:
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    opcodes = collections.Counter(m.group(1) for line in lines
+                                  if (m := re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)))
     return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)), "instructions": len(lines),
-            **{op: sum(op in line for line in lines) for op in ("HMMA", "HGMMA", "F2F", "LDGSTS", "BAR")}}
+            **{op: sum(op in line for line in lines) for op in ("HMMA", "HGMMA", "F2F", "LDGSTS", "BAR")},
+            "opcodes": opcodes}
 
 
 def main() -> None:
     print(f"Triton {triton.__version__}, sm_90")
     for label, fp4, spread, slots, ranges, fuse, cfg in VARIANTS:
         stats = sass_stats(compile_variant(fp4, spread, slots, ranges, fuse, cfg))
+        opcodes = stats.pop("opcodes")
         print(f"{label:<30} BM{cfg.BM}/BN{cfg.BN}/w{cfg.num_warps}/s{cfg.num_stages}  "
               + "  ".join(f"{k} {v}" for k, v in stats.items()), flush=True)
+        if "--ops" in sys.argv:
+            print("    " + "  ".join(f"{op} {n}" for op, n in opcodes.most_common(12)))
 
 
 if __name__ == "__main__":
