@@ -6,8 +6,9 @@
 # benchmark with and without CUDA graphs, and the profile). `... open` runs the measurements the open
 # questions of docs/perf-record.md need first: the prefill profile and the sparse-attention head split.
 # `... patch FILE` A/Bs a variant of dsflash/kernels/cuda.py against this tree (FILE: a whole module, or a
-# patch from the repository root, applied with `patch -p1` to take the patched cuda.py and reverted): the
-# GEMM experiment (DIFF where the variant's bits differ) and the encoder prefill with each kernel module.
+# patch from the repository root, applied with `git apply` or `patch -p1` to take the patched cuda.py, then
+# reverted): the GEMM experiment (DIFF where the variant's bits differ) and the encoder prefill with each
+# kernel module.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -33,7 +34,8 @@ if [ "$part" = patch ]; then
   variant=/tmp/variant_cuda.py
   case "$2" in
     *.py) cp "$2" "$variant" ;;
-    *) patch -p1 -s < "$2" && cp dsflash/kernels/cuda.py "$variant" && patch -R -p1 -s < "$2" || exit 1 ;;
+    *) { git apply "$2" || patch -p1 -s < "$2"; } && cp dsflash/kernels/cuda.py "$variant" \
+         && { git apply -R "$2" || patch -R -p1 -s < "$2"; } || exit 1 ;;
   esac
   timeout 300 python bench/experiments/decode_gemm.py "$variant" 2>&1 | grep -v -i warn | tee "$out/decode-gemm-patch.txt"
   prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
