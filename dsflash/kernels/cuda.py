@@ -688,10 +688,10 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
     assert x.dim() == 2 and x.size(1) == w.in_features, (tuple(x.shape), w.in_features)
     m, k = x.shape
     n = w.out_features
-    cfg = config or linear_config(w.kind, n, k, m)
     if w.kind in ("fp8", "fp4"):
         if x.dtype != torch.bfloat16:
             raise TypeError(f"{w.kind} linear takes a bf16 activation, got {x.dtype}")
+        cfg = config or linear_config(w.kind, n, k, m)
         y = out if out is not None else torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
         if m == 0:
             return y
