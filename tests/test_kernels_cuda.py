@@ -261,8 +261,9 @@ def test_swiglu_kernel_gives_the_composed_ops_bits():
 
 
 def test_bf16_activations_widen_in_the_kernels():
-    """The router's and the mHC projections' bf16 input is widened inside the fp32 GEMM and the RMS kernels:
-    the bits of widening it first (narrow and wide GEMM routes)."""
+    """The router's and the mHC projections' bf16 input: the fp32 GEMM (which widens it before its kernel:
+    3xTF32 on a register-widened operand gives other bits) and the RMS kernels (which widen it on load) give
+    the bits of an fp32 copy (narrow and wide GEMM routes)."""
     g = gen(18)
     wf = kc.to_cuda_weight(rand_weight("fp32", 384, 5120, g))
     for rows in (1, 7, kc.PLAIN_WIDE_MIN_M + 8):
@@ -477,8 +478,9 @@ def test_expert_linear_equals_one_row_calls(kind, n, k):
 
 
 @pytest.mark.parametrize("kind,n,k", [s for s in LINEAR_SHAPES if s[0] in ("fp8", "fp4")])
-def test_narrow_tiles_give_the_wide_tiles_bits(kind, n, k):
-    """Calls of <= 16 rows use 16-row tiles (mma.sync); their bits must equal the 64-row wgmma tiles'."""
+def test_narrow_and_large_tiles_give_the_wide_tiles_bits(kind, n, k):
+    """Calls of <= 16 rows use 16-row tiles (mma.sync), FP8 calls of >= LARGE_TILE_MIN_M rows 128x128 tiles;
+    their bits must equal the 64-row wgmma tiles'."""
     g = gen(n * 31 + k)
     wc = kc.to_cuda_weight(rand_weight(kind, n, k, g))
     x = rand_act(16, k, g).to(DEV)
@@ -486,3 +488,7 @@ def test_narrow_tiles_give_the_wide_tiles_bits(kind, n, k):
     assert kc.linear_config(kind, n, k, 16) != wide
     for spread in (False, None):
         assert torch.equal(kc.linear(x, wc, spread=spread), kc.linear(x, wc, config=wide, spread=False))
+    x = rand_act(kc.LARGE_TILE_MIN_M + 40, k, g).to(DEV)
+    large = kc.linear_config(kind, n, k, x.size(0))
+    assert (large != wide) == (kind == "fp8")
+    assert torch.equal(kc.linear(x, wc), kc.linear(x, wc, config=wide))

@@ -58,6 +58,7 @@ _FP4_POW2_SCALE_FLOOR = tl.constexpr(6 * 2.0 ** -126)
 # M-dependent choices that never change bits (see the module docstring and the invariance tests):
 FUSE_QUANT_MAX_M = 16  # up to this many rows the GEMM quantises its own activation tile (2-3 us faster)
 NARROW_TILE_MAX_M = 16  # up to this many rows FP8/FP4 GEMMs use 16-row tiles (same bits as 64-row ones)
+LARGE_TILE_MIN_M = 4096  # from this many rows FP8 GEMMs use 128x128 tiles (same bits as 64-row ones)
 SPREAD_MAX_M = 16  # up to this many rows a GEMM's K ranges run as separate programs (sums added in order)
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
 SLOT_MOE_ROWS = 16  # MoE chunks up to this many rows use expert_linear (one launch per projection)
@@ -227,11 +228,37 @@ def act_scales(words: torch.Tensor, k: int) -> torch.Tensor:
 def _e2m1_bits(c, MANTISSA: tl.constexpr, HALF: tl.constexpr, SIGN: tl.constexpr):
     """4-bit E2M1 codes (int32) -> the bit patterns (int32) of the same values in a float format whose
     mantissa starts at bit MANTISSA - 1, whose 0.5 is HALF and whose sign is bit SIGN: magnitude m >= 2 is
-    2^(e-1)(1+f/2) -> (m << MANTISSA) + HALF; m = 1 (0.5) -> HALF; m = 0 -> 0. E4M3: (2, 0x30, 7); bf16:
-    (6, 0x3F00, 15)."""
+    2^(e-1)(1+f/2) -> (m << MANTISSA) + HALF; m = 1 (0.5) -> HALF; m = 0 -> 0. E4M3: (2, 0x30, 7)."""
     mag = c & 7
     b = tl.where(mag >= 2, (mag << MANTISSA) + HALF, tl.where(mag == 1, HALF, 0))
     return b | ((c & 8) << (SIGN - 3))
+
+
+# Two E2M1 codes of a weight byte (low nibble first) -> their two f16 bit patterns. Every E2M1 value's f16 low
+# byte is 0, so one byte permute looks both high bytes up by the 3-bit magnitudes (table 0x46444240:3E3C3800 =
+# 6, 4, 3, 2 : 1.5, 1, 0.5, 0), the magnitudes spread to selector nibbles 1 and 3 by one multiply, the sign
+# bits to bits 15 and 31 by another (tests/interpreter_fixes.py runs the same arithmetic on the CPU and checks
+# it on all 256 bytes).
+E2M1_PAIR_F16_ASM = tl.constexpr("""{
+    .reg .b32 s, u;
+    and.b32 s, $2, 119;
+    mul.lo.u32 s, s, 272;
+    prmt.b32 u, $3, $4, s;
+    mul.lo.u32 s, $2, 16781312;
+    and.b32 s, s, 0x80008000;
+    lop3.b32 u, u, $5, s, 0xEA;
+    mov.b32 {$0, $1}, u;
+    }""")
+
+
+@triton.jit
+def _e2m1_pair_f16(wb):
+    """int32 bytes of two E2M1 codes -> (low code's, high code's) f16 bit patterns as int16."""
+    return tl.inline_asm_elementwise(
+        E2M1_PAIR_F16_ASM, "=h,=h,r,r,r,r",
+        [wb, tl.full(wb.shape, 0x3E3C3800, tl.int32), tl.full(wb.shape, 0x46444240, tl.int32),
+         tl.full(wb.shape, -16711936, tl.int32)],  # 0xFF00FF00: the patterns' high bytes
+        dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -277,19 +304,19 @@ def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, F
         a_s = _word_scale(aw, j)
     if FP4:
         wb = w.to(tl.int32)
-        lo = _e2m1_bits(wb & 0xF, 6, 0x3F00, 15)
-        hi = _e2m1_bits(wb >> 4, 6, 0x3F00, 15)
-        b = tl.trans(tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.int16).to(tl.bfloat16, bitcast=True))
+        lo, hi = _e2m1_pair_f16(wb)
+        b = tl.trans(tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.float16, bitcast=True))
     else:
         b = w
     if SCALE_E8M0:
         b_s = _word_scale(bw, j)
     else:
         b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
-    # bf16 operands hold every E4M3/E2M1 code exactly, and the bf16 MMA accumulates in fp32, so the
-    # block's 32 exact products are summed like the CPU reference's fp32 GEMM (the FP8 MMA keeps fewer
-    # accumulator bits and moved every golden battery row off the reference)
-    partial = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    # f16 operands hold every E4M3 (2^-9 ... 448) and E2M1 code exactly (E4M3 -> f16 is one hardware
+    # conversion per pair), and the f16 MMA accumulates in fp32, so the block's 32 exact products are
+    # summed like the CPU reference's fp32 GEMM (the FP8 MMA keeps fewer accumulator bits and moved every
+    # golden battery row off the reference)
+    partial = tl.dot(a.to(tl.float16), b.to(tl.float16))
     # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's (partial * a_s) * b_s,
     # exact too; the caller's add is the only rounding
     return partial * (a_s[:, None] * b_s[None, :])
@@ -549,9 +576,8 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part
         total = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         kmask = (k0 + rk) < k_hi  # k_per_split is a multiple of BK: only K's end cuts a step
-        # a bf16 x of an fp32 weight, and a bf16-stored fp32 weight, widen exactly here (the low TF32 part
-        # of a widened bf16 value is 0: the same products)
-        a = tl.load(xp + k0, mask=mmask[:, None] & kmask[None, :], other=0.0).to(y_ptr.dtype.element_ty)
+        a = tl.load(xp + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        # a bf16-stored fp32 weight widens exactly here (its low TF32 part is 0: the same products)
         b = tl.load(wp + k0, mask=nmask[None, :] & kmask[:, None], other=0.0).to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=PREC)
         if RANGES:
@@ -616,8 +642,12 @@ def linear_config(kind: str, n: int, k: int, m: int | None = None) -> LinearConf
         if m is not None and m <= NARROW_TILE_MAX_M:
             # 16-row tiles (mma.sync): 1.3-2x faster than the 64-row wgmma tiles at M <= 16
             return LinearConfig(BM=16, BN=64, BK=32, num_warps=2, num_stages=4)
-        # one warpgroup, m64n64k32 wgmmas: the best measured compromise between M=512 and M=8192
-        # (BM128/BN128 is ~20% faster on the largest fp8 layers at M=8192, 1.3-3x slower at M<=512)
+        if kind == "fp8" and m is not None and m >= LARGE_TILE_MIN_M:
+            # 128x128 tiles, two warpgroups: with f16 operands 8-27% faster than 64x64 on every fp8 layer at
+            # M=8192 (slower at M=512, and on FP4 experts widened to E4M3, whose per-32 weight scales crowd
+            # the registers: bench/results/prefill-gemm-f16-2026-11-30.txt)
+            return LinearConfig(BM=128, BN=128, BK=32, num_warps=8, num_stages=2)
+        # one warpgroup, m64n64k32 wgmmas: the best measured compromise at every other size
         return LinearConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=4)
     if kind == "bf16":
         if n >= 4096:
@@ -704,8 +734,9 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
         _block_scaled_gemm(a, a_s, wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, spread=spread)
         return y
     dtype = torch.float32 if w.kind == "fp32" else torch.bfloat16
-    # a bf16 activation of an fp32 weight is widened in the kernel (exact), not copied here
-    x = (x if dtype == torch.float32 and x.dtype == torch.bfloat16 else x.to(dtype)).contiguous()
+    # a bf16 activation of an fp32 weight is widened here: widened in the kernel, 3xTF32 gives other bits
+    # (Triton then takes another MMA path; docs/rejected-ideas.md)
+    x = x.to(dtype).contiguous()
     y = out if out is not None else torch.empty((m, n), dtype=dtype, device=x.device)
     if m == 0:
         return y
