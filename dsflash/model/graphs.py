@@ -16,9 +16,10 @@ table) hold `lock`.
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 from collections.abc import Callable, Hashable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -87,12 +88,26 @@ class SegmentGraphs:
         if pool is None:
             pool = self._pools[rows] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the server's other engine thread may run CUDA work meanwhile (another model half)
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        # thread_local: the server's other engine thread may run CUDA work meanwhile (another model half).
+        # No garbage collection inside: a collected cycle holding an earlier model's graphs frees their
+        # memory pool, a call a capture may not make (the suspected cause of one failed capture in ~20 GPU
+        # test runs: "operation failed due to a previous error during capture")
+        with _no_gc(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = fn(*static)
         entry = self._graphs[key] = _Captured(graph, static, tuple(outputs))
         self._stable.update((id(t), t) for t in (*entry.inputs, *entry.outputs))
         return entry
+
+
+@contextmanager
+def _no_gc():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def serialised(method: Callable) -> Callable:
