@@ -303,6 +303,26 @@ def test_fake_quant_kernels_are_bit_exact():
         assert torch.equal(quant.fp4_fake_quant(x.to(DEV), block, e4m3_scale=e4m3).view(torch.int16).cpu(), want)
 
 
+def test_packed_fp4_state_kernels_are_byte_exact():
+    """The compressed KV / index keys as the state holds them: the packing kernels give numerics/packing.py's
+    bytes, and read them back as the fake quantisation's bits (-0 included), whole and gathered."""
+    from dsflash.numerics import packing, quant
+    g = gen(16)
+    x = torch.randn(300, 512, generator=g) * torch.exp2(torch.randint(-12, 12, (300, 1), generator=g).float())
+    x[0, :64] = 0
+    x[1, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -1.75, -3.5, 6.0, -6.0, 0.0, -0.0, 1e-30,
+                              3e38])
+    x[2, ::3] = -0.0
+    for d, fmt in ((512, packing.ENTRY), (128, packing.INDEX_KEY)):
+        xd = x[:, :d].contiguous().bfloat16()
+        packed = kc.fp4_quant_packed(xd.to(DEV), *fmt)
+        assert torch.equal(packed.cpu(), packing.quant_packed(xd, *fmt)), fmt
+        got = kc.fp4_dequant_packed(packed, d, *fmt).view(torch.int16).cpu()
+        assert torch.equal(got, quant.fp4_fake_quant(xd, *fmt).view(torch.int16)), fmt
+        rows = torch.tensor([5, 0, 299, 5], device=DEV)
+        assert torch.equal(kc.fp4_dequant_packed(packed[rows], d, *fmt).view(torch.int16).cpu(), got[rows.cpu()])
+
+
 def test_exact_div_is_the_cpu_division():
     """torch's CUDA `x / 6.0` is x * fp32(1/6) (one rounding more); numerics.exact_div divides as the CPU."""
     from dsflash.numerics import exact_div

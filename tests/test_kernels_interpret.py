@@ -159,6 +159,14 @@ assert torch.equal(cuda.fp8_fake_quant(xf).view(torch.int16), quant.fp8_fake_qua
 for block, e4m3 in ((16, True), (32, False)):
     got = cuda.fp4_fake_quant(xf, block, e4m3_scale=e4m3).view(torch.int16)
     assert torch.equal(got, quant.fp4_fake_quant(xf, block, e4m3_scale=e4m3).view(torch.int16)), (block, e4m3)
+# the packed FP4 state: numerics/packing.py's bytes, read back as the fake quantisation's bits
+from dsflash.numerics import packing
+for d, fmt in ((512, packing.ENTRY), (128, packing.INDEX_KEY)):
+    rows = xf.view(-1, 512)[:, :d].contiguous()
+    packed = cuda.fp4_quant_packed(rows, *fmt)
+    assert torch.equal(packed, packing.quant_packed(rows, *fmt)), fmt
+    got = cuda.fp4_dequant_packed(packed, d, *fmt).view(torch.int16)
+    assert torch.equal(got, quant.fp4_fake_quant(rows, *fmt).view(torch.int16)), fmt
 # SwiGLU with the clamps and the routing weight (strided slot views), and the mHC split + Sinkhorn: libdevice's
 # exp is numpy's here, so within a bf16 / fp32 ulp
 gu = (torch.randn(3, 2, 6, 300, generator=g) * 4).bfloat16()
@@ -215,7 +223,8 @@ composed = dataclasses.replace(
     expand=lambda y, r, post, comb: cpu.expand(y, r, post, comb, small_sum=cuda.small_sum))
 fused = dataclasses.replace(composed, rms_norm=cuda.rms_norm, rms_scale=cuda.rms_scale, collapse=cuda.collapse,
                             expand=cuda.expand, moe_sum=cuda.moe_sum, fp8_fake_quant=cuda.fp8_fake_quant,
-                            fp4_fake_quant=cuda.fp4_fake_quant)
+                            fp4_fake_quant=cuda.fp4_fake_quant, fp4_quant_packed=cuda.fp4_quant_packed,
+                            fp4_dequant_packed=cuda.fp4_dequant_packed)
 ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(0))
 logits = []
 for kernels in (composed, fused):
@@ -227,7 +236,7 @@ print("ok")
 
 
 def test_fused_elementwise_kernels_in_the_model_under_the_interpreter(golden_cases):
-    """The CUDA backend's RMSNorm, mHC (mix scale, collapse, expand), MoE sum and KV fake-quant kernels, run by
+    """The CUDA backend's RMSNorm, mHC (mix scale, collapse, expand), MoE sum, KV fake-quant and packing kernels, run by
     the interpreter inside a whole tiny-model forward (the model's own views, strides and row padding), give
     the logits of the torch ops they replace, on every other op of the reference backend."""
     tests = Path(__file__).resolve().parent

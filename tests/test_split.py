@@ -20,7 +20,7 @@ from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.split.link import BoxRefused, BoxUnavailable
-from dsflash.split.protocol import Frame, FrameType, read_frame
+from dsflash.split.protocol import VERSION, Frame, FrameType, read_frame
 from tests.conftest import GOLDEN_CASES, free_port, partly_right_drafter
 
 CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
@@ -182,7 +182,7 @@ def test_malformed_oversized_and_unauthorised_frames_are_refused(tmp_path):
             assert f.type == FrameType.ERROR and f.meta["code"] == "malformed"
             assert_closed(sock)
         with raw_connect(b.port) as sock:  # a header announcing a frame over the limit
-            sock.sendall(struct.pack("<4sHBBII", b"DSFL", 1, int(FrameType.HELLO), 0, 1, 1 << 30))
+            sock.sendall(struct.pack("<4sHBBII", b"DSFL", VERSION, int(FrameType.HELLO), 0, 1, 1 << 30))
             f = read_frame(sock)
             assert f.type == FrameType.ERROR and "exceeds" in f.meta["message"]
         with raw_connect(b.port) as sock:  # wrong token

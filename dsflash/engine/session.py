@@ -45,8 +45,8 @@ class HandOff:
     start: int
     streams: torch.Tensor  # bf16 [n, hc, D]: layer d-1's output
     pre_mix: torch.Tensor  # fp32 [n, hc]
-    entries: torch.Tensor  # bf16: layer d's new compressed KV entries
-    keys: torch.Tensor  # bf16: layer d's new index keys
+    entries: torch.Tensor  # uint8: layer d's new compressed KV entries, packed (numerics/packing.py)
+    keys: torch.Tensor  # uint8: layer d's new index keys, packed
     rows: int = 0  # tokens this chunk appended
 
 

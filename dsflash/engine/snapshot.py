@@ -29,8 +29,8 @@ class SnapshotError(ValueError):
     """A snapshot is truncated, corrupted, or made by another model or numerics version."""
 
 
-# the growing caches are stored in the model's own FP4 format (lossless, see numerics/packing.py)
-_PACKED = {"compressed": "fp4_e4m3_16", "index_keys": "fp4_e8m0_32"}
+# the growing caches, held packed in the model's own FP4 format (numerics/packing.py), are stored as held
+_PACKED = {"compressed": ("fp4_e4m3_16", packing.ENTRY), "index_keys": ("fp4_e8m0_32", packing.INDEX_KEY)}
 
 
 def _state_tensors(part: str, state: SequenceState) -> dict[str, torch.Tensor]:
@@ -56,9 +56,9 @@ def encode(states: dict[str, SequenceState], tokens: list[int], model_id: str,
     packed = {}
     for key, t in tensors.items():
         fmt = _PACKED.get(key.split("/")[-1].split(".")[0]) if "/" in key else None
-        p = packing.pack(t, fmt) if fmt and t.numel() else None
-        if p is not None:
-            tensors[key], packed[key] = p, [fmt, t.size(1)]
+        if fmt:  # [format, values per row]: each row is that many values over 2, plus a scale byte per block
+            block = fmt[1][0]
+            packed[key] = [fmt[0], t.size(1) * 2 * block // (block + 2)]
     tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)
     payload = st_save({k: v.contiguous() for k, v in tensors.items()})
     header = json.dumps({
@@ -104,8 +104,13 @@ def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu"
     if hashlib.sha256(payload).hexdigest() != header["sha256"]:
         raise SnapshotError("corrupted snapshot: payload checksum mismatch")
     tensors = st_load(payload)
-    for key, (fmt, width) in header.get("packed", {}).items():
-        tensors[key] = packing.unpack(tensors[key], fmt, width)
+    packed = header.get("packed", {})
+    for key, t in tensors.items():
+        fmt = _PACKED.get(key.split("/")[-1].split(".")[0]) if "/" in key else None
+        if fmt and (key not in packed or packed[key][0] != fmt[0] or t.dtype != torch.uint8
+                    or t.size(1) != packing.packed_width(packed[key][1], fmt[1][0])):
+            raise SnapshotError(f"snapshot tensor {key} is not in the {fmt[0]} format this build holds "
+                                f"(dtype {t.dtype}, shape {tuple(t.shape)}, header {packed.get(key)})")
     ids = tensors.pop("tokens")
     states = {part: SequenceState(pos=p["pos"], dspark_pos=p["dspark_pos"], device=device)
               for part, p in header["parts"].items()}

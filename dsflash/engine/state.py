@@ -2,7 +2,8 @@
 
 - window[layer]: the layer's FP8-valued KV rows by position (the last window_size are attended).
 - compressed[src] / index_keys[src]: per KV source, the RoPE'd FP4 compressed KV and index keys, one
-  entry per completed group, in group order.
+  entry per completed group, in group order, packed in the model's format (288 B / 68 B per entry at
+  the released widths, numerics/packing.py; the attention decodes the entries it reads).
 - raw[src]: a ratio>1 source's fp32 (kv, score) rows by position, for the incomplete group.
 - engram_ids: the compressed token id of every position (Engram hashes look back three of them).
 - dspark[stage]: each DSpark stage's context KV by target position.

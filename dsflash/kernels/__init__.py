@@ -16,6 +16,7 @@ import torch
 from dsflash.kernels import cpu
 from dsflash.numerics import exact_div
 from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
+from dsflash.numerics.packing import dequant_packed, quant_packed
 from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
 
 
@@ -43,7 +44,9 @@ class Kernels:
     rms_norm: Any  # (x, weight, eps) -> RMSNorm of x in x's dtype
     rms_scale: Any  # (values, x, eps) -> values * rsqrt(mean(x^2) + eps), fp32 (the mHC mixes)
     fp8_fake_quant: Any  # quant.fp8_fake_quant: window KV
-    fp4_fake_quant: Any  # quant.fp4_fake_quant: compressed KV, index keys and queries
+    fp4_fake_quant: Any  # quant.fp4_fake_quant: index queries
+    fp4_quant_packed: Any  # packing.quant_packed: the compressed KV and index keys as the state holds them
+    fp4_dequant_packed: Any  # packing.dequant_packed: their values, read back (fp4_fake_quant's bits)
     collapse: Any  # mHC (h [N, hc, D], pre [N, hc]) -> [N, D]: the streams' weighted sum
     expand: Any  # mHC (y [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc]) -> [N, hc, D]
     moe_sum: Any  # (routed experts' rows [N, k, D], shared expert's [N, D]) -> the MoE output [N, D]
@@ -73,8 +76,8 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
         return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
                        cpu.grouped_linear, cpu.expert_bank, cpu.expert_linear, cpu.ROW_TILE, cpu.index_scores,
                        cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm, cpu.rms_scale,
-                       fp8_fake_quant, fp4_fake_quant, cpu.collapse, cpu.expand, cpu.moe_sum, cpu.swiglu,
-                       _reference_weight(device))
+                       fp8_fake_quant, fp4_fake_quant, quant_packed, dequant_packed, cpu.collapse, cpu.expand,
+                       cpu.moe_sum, cpu.swiglu, _reference_weight(device))
     from dsflash.kernels import cuda
 
     def cuda_weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
@@ -98,5 +101,5 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, cuda.grouped_linear,
                    cuda.expert_bank, cuda.expert_linear, cuda.SLOT_MOE_ROWS, index_scores, mean_square, cuda.row_sum,
                    cuda.small_sum, stream_mean, cuda.rms_norm, cuda.rms_scale, cuda.fp8_fake_quant,
-                   cuda.fp4_fake_quant, cuda.collapse, cuda.expand, cuda.moe_sum, cuda.swiglu,
-                   cuda_weight)
+                   cuda.fp4_fake_quant, cuda.fp4_quant_packed, cuda.fp4_dequant_packed, cuda.collapse, cuda.expand,
+                   cuda.moe_sum, cuda.swiglu, cuda_weight)

@@ -16,6 +16,7 @@ from dsflash.config import ModelArgs
 from dsflash.model.common import Chunk
 from dsflash.model.rope import Rope
 from dsflash.model.weights import WeightLoader
+from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
 
 INDEXER_ROWS = 1024
 
@@ -102,21 +103,23 @@ class SourceWriter:
         self.k_norm = w.tensor(prefix + "indexer.k_norm.weight")
 
     def entries(self, x: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """(compressed entries, index keys) of the groups the chunk's real rows complete."""
+        """(compressed entries, index keys) of the groups the chunk's real rows complete, packed as the
+        state holds them (numerics/packing.py)."""
         latent, first = self.compressor(x, chunk, self.layer)
         group_pos = (torch.arange(latent.size(0), device=latent.device) + first) * self.ratio
         k = self.k.rms_norm(self.k.linear(latent, self.wk), self.k_norm, self.eps)
         self.rope.rotate(k, group_pos)
         self.rope.rotate(latent, group_pos)
-        return self.k.fp4_fake_quant(latent, 16, e4m3_scale=True), self.k.fp4_fake_quant(k, 32, e4m3_scale=False)
+        return self.k.fp4_quant_packed(latent, *ENTRY), self.k.fp4_quant_packed(k, *INDEX_KEY)
 
     def __call__(self, x: torch.Tensor, chunk: Chunk) -> None:
         append_entries(chunk.state, self.args, self.layer, *self.entries(x, chunk))
 
 
 def append_entries(state, args: ModelArgs, layer: int, entries: torch.Tensor, keys: torch.Tensor) -> None:
-    state.rows(state.compressed, layer, (args.head_dim,), torch.bfloat16).append(entries)
-    state.rows(state.index_keys, layer, (args.index_head_dim,), torch.bfloat16).append(keys)
+    """Append a source's packed compressed entries and index keys (SourceWriter.entries)."""
+    state.rows(state.compressed, layer, (packed_width(args.head_dim, ENTRY[0]),), torch.uint8).append(entries)
+    state.rows(state.index_keys, layer, (packed_width(args.index_head_dim, INDEX_KEY[0]),), torch.uint8).append(keys)
 
 
 class Indexer:
@@ -132,9 +135,11 @@ class Indexer:
         self.is_candidate_source = layer == args.candidate_source_layer
         self.uses_candidates = 0 <= args.candidate_source_layer < layer
 
-    def select(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, chunk: Chunk, rope: Rope) -> torch.Tensor:
+    def select(self, x: torch.Tensor, qr: torch.Tensor, packed_keys: torch.Tensor, chunk: Chunk, rope: Rope
+               ) -> torch.Tensor:
         """[rows, index_topk] compressed entries per query, ascending, -1 padded."""
         a = self.args
+        keys = self.k.fp4_dequant_packed(packed_keys, a.index_head_dim, *INDEX_KEY)
         q = self.k.linear(qr, self.wq_b).unflatten(-1, (a.index_n_heads, a.index_head_dim))
         rope.rotate(q, chunk.positions)
         q = self.k.fp4_fake_quant(q, 32, e4m3_scale=False)
@@ -225,16 +230,27 @@ class Attention:
         idx = chunk.shared("window idx", lambda: window_indices(chunk.positions, win, p0 - win))
         if self.ratio:
             comp_idx = self._compressed(x, qr, chunk)
-            comp = state.compressed[self.kv_source].rows
-            # keyed by the picks' identity (layers reading one source share them); the entry keeps them alive
+            # keyed by the picks' identity (layers reading one source share them); the entries keep them alive
+            _, comp, local = chunk.shared(("compressed rows", id(comp_idx)), lambda: self._picked(comp_idx, chunk))
             key = ("attention idx", id(comp_idx))
-            idx = chunk.shared(key, lambda: (comp_idx, _with_compressed(idx, comp_idx, source.size(0))))[1]
+            idx = chunk.shared(key, lambda: (comp_idx, _with_compressed(idx, local, source.size(0))))[1]
             source = torch.cat([source, comp])
         o = self.k.sparse_attn(q, source, self.attn_sink, idx, a.head_dim ** -0.5)
         keep = min(n, cap)
         write = chunk.shared(("window write", cap), lambda: chunk.positions[n - keep:n] % cap)
         ring.data[write] = kv[n - keep:n]
         return o
+
+    def _picked(self, comp_idx: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the picks, the compressed entries they read as bf16 rows, the picks as indices into those rows).
+        A step picks fewer entries than a long context holds: only those are decoded, one row per pick.
+        Either way the attention reads the same values in the same order, so the same bits."""
+        packed = chunk.state.compressed[self.kv_source].rows
+        if comp_idx.numel() >= packed.size(0):
+            return comp_idx, self.k.fp4_dequant_packed(packed, self.args.head_dim, *ENTRY), comp_idx
+        rows = self.k.fp4_dequant_packed(packed[comp_idx.flatten().clamp_min(0)], self.args.head_dim, *ENTRY)
+        slots = torch.arange(comp_idx.numel(), device=comp_idx.device).view_as(comp_idx)
+        return comp_idx, rows, torch.where(comp_idx >= 0, slots, -1)
 
     def _compressed(self, x: torch.Tensor, qr: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         """Write this source's new compressed entries, then return the chunk's compressed picks."""

@@ -95,7 +95,8 @@ def _nibbles(codes: Array) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 def decode_e2m1(codes: Array) -> Array:
     """4-bit E2M1 codes (0..15, one per element) -> float32."""
-    return _like(_E2M1_T[_nibbles(codes).long()], codes)
+    c = _nibbles(codes)
+    return _like(_E2M1_T.to(c.device)[c.long()], codes)
 
 
 def decode_e4m3(codes: Array) -> Array:

@@ -84,9 +84,9 @@ def fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
     return (e4m3_saturate(xg / s).float() * s).flatten(-2).to(torch.bfloat16)
 
 
-def fp4_fake_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
-    """Q4: E2M1 values per `block`, with an E8M0 power-of-two scale (index keys and queries, block 32)
-    or an E4M3 scale (compressed KV, block 16). Returns bf16."""
+def fp4_scaled(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4's scales [..., K/block] (float32: E4M3 values, or powers of two) and the values over their
+    scale [..., K/block, block], clamped to the E2M1 range but not yet rounded."""
     assert x.dtype == torch.bfloat16
     xg = x.float().unflatten(-1, (-1, block))
     amax = xg.abs().amax(dim=-1)
@@ -95,5 +95,11 @@ def fp4_fake_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tenso
         s = e4m3_saturate(exact_div(amax.clamp_min(6 * 2**-9), FP4_MAX)).float()
     else:
         s = pow2_scale(amax.clamp_min(6 * 2**-126), _FP4_MAX_INV)
-    v = (xg / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
+    return s, (xg / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
+
+
+def fp4_fake_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
+    """Q4: E2M1 values per `block`, with an E8M0 power-of-two scale (index keys and queries, block 32)
+    or an E4M3 scale (compressed KV, block 16). Returns bf16."""
+    s, v = fp4_scaled(x, block, e4m3_scale)
     return (e2m1_round(v) * s.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)

@@ -31,7 +31,7 @@ from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.session import MAX_STEP_ROWS, LocalEncoder, default_device, engine_identity
 from dsflash.engine.state import ROLLBACK_ROWS
 from dsflash.model.load import load_model
-from dsflash.numerics import NUMERICS_VERSION, packing
+from dsflash.numerics import NUMERICS_VERSION
 from dsflash.split.protocol import (
     MAX_FRAME,
     VERSION,
@@ -46,7 +46,6 @@ from dsflash.split.protocol import (
 )
 
 MAX_CHUNK = 1 << 16
-ENTRY_FORMAT, KEY_FORMAT = "fp4_e4m3_16", "fp4_e8m0_32"
 
 
 @dataclass
@@ -222,13 +221,10 @@ class Box:
         s.tokens.extend(ids[done:done + rows])
         done += rows
         last = done == len(ids)
-        # layer d's cache rows cross the link in the model's FP4 format (356 B per token at the released
-        # shapes) when they pack losslessly, which they always do
-        entries, keys = packing.pack(hand.entries.cpu(), ENTRY_FORMAT), packing.pack(hand.keys.cpu(), KEY_FORMAT)
-        packed = entries is not None and keys is not None and hand.entries.size(0) > 0
-        if not packed:
-            entries, keys = hand.entries, hand.keys
-        meta = {"session": sid, "rows": rows, "done": done, "total": len(ids), "last": last, "packed": packed,
+        # layer d's cache rows cross the link as the state holds them, in the model's FP4 format (356 B per
+        # token at the released shapes)
+        entries, keys = hand.entries.cpu(), hand.keys.cpu()
+        meta = {"session": sid, "rows": rows, "done": done, "total": len(ids), "last": last,
                 "hand_start": hand.start, "n_hand": hand.streams.size(0), "n_entries": hand.entries.size(0)}
         conn.send(Frame(FrameType.PART, request, meta, tensors_body([entries, keys, hand.streams, hand.pre_mix])))
         if rows <= MAX_STEP_ROWS:

@@ -21,7 +21,8 @@ import torch
 
 from dsflash.config import ModelArgs
 from dsflash.engine.session import HandOff
-from dsflash.numerics import NUMERICS_VERSION, packing
+from dsflash.numerics import NUMERICS_VERSION
+from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
 from dsflash.split.protocol import (
     MAX_FRAME,
     VERSION,
@@ -206,15 +207,10 @@ class RemoteEncoder:
     def _parse(self, f: Frame) -> tuple[HandOff, int]:
         a, m = self.args, f.meta
         ne, nh = int(m["n_entries"]), int(m["n_hand"])
-        hd, kd = a.head_dim, a.index_head_dim
-        if m.get("packed"):
-            specs = [((ne, hd // 2 + hd // 16), torch.uint8), ((ne, kd // 2 + kd // 32), torch.uint8)]
-        else:
-            specs = [((ne, hd), torch.bfloat16), ((ne, kd), torch.bfloat16)]
+        specs = [((ne, packed_width(a.head_dim, ENTRY[0])), torch.uint8),
+                 ((ne, packed_width(a.index_head_dim, INDEX_KEY[0])), torch.uint8)]
         entries, keys, streams, pre = body_tensors(f.body, specs + [
             ((nh, a.hc_mult, a.dim), torch.bfloat16), ((nh, a.hc_mult), torch.float32)])
-        if m.get("packed"):
-            entries, keys = packing.unpack(entries, "fp4_e4m3_16", hd), packing.unpack(keys, "fp4_e8m0_32", kd)
         return HandOff(int(m["hand_start"]), streams, pre, entries, keys, int(m["rows"])), int(m["rows"])
 
     def append(self, ids: list[int], keep: int, chunk: int, tail: int, images: Sequence = ()) -> Iterator[HandOff]:

@@ -20,7 +20,7 @@ from enum import IntEnum
 import torch
 
 MAGIC = b"DSFL"
-VERSION = 1
+VERSION = 2  # 2: the layer-20 cache rows are always packed (no `packed` flag)
 HEADER = struct.Struct("<4sHBBII")
 MAX_FRAME = 256 << 20  # a 1M-token prompt is 4 MiB of int32; a prefill part of 8K rows ~0.3 GiB at most
 
