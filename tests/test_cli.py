@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+from dsflash.config import preset
+from dsflash.numerics.packing import packed_width
 from tests.conftest import GOLDEN_CASES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +66,11 @@ def test_bench_commands_write_results(tmp_path):
                 "prefill_lengths_tok_s", "full_tok_s", "snapshot_bytes_per_token"):
         assert key in data, key
     assert data["decoder_rows"]["100"] < 100  # the encoder-only prefill ran the decoder on the tail only
+    # the growing caches are held packed: per source, a 288/68-B-style entry and key per `ratio` tokens
+    a = preset("tiny-a")
+    want = sum((packed_width(a.head_dim, 16) + packed_width(a.index_head_dim, 32)) * (100 // a.compress_ratios[s])
+               for s in a.kv_source_layers) / 100
+    assert data["cache_bytes_per_token"]["100"] == want
     assert data["cuda_graphs"] is True
     for args, name in ((["--prefill"], "engine-profile-prefill-tiny-a-*.md"), ([], "engine-profile-tiny-a-*.md")):
         r = dsflash("bench", "profile", "--preset", "tiny-a", "--device", "cpu", "--context", "70", "--rows", "2",

@@ -123,7 +123,8 @@ def bench_prefill(engine: Engine, lengths: list[int], compare_full: bool) -> dic
     if compare_full:
         full = Transformer(a, engine.decoder.ckpt, [i % a.engram_compressed_vocab_size for i in range(a.vocab_size)],
                            device=dev)
-    res: dict = {"tok_s": {}, "full_tok_s": {}, "decoder_rows": {}, "snapshot_bytes_per_token": {}}
+    res: dict = {"tok_s": {}, "full_tok_s": {}, "decoder_rows": {}, "cache_bytes_per_token": {},
+                 "snapshot_bytes_per_token": {}}
     # warm-up: a first prefill compiles the kernels of every shape class, which must not count
     engine.session().prefill(prompt(min(lengths[0], 8192), a.vocab_size))
     sync(dev)
@@ -136,6 +137,8 @@ def bench_prefill(engine: Engine, lengths: list[int], compare_full: bool) -> dic
         sync(dev)
         res["tok_s"][n] = n / (time.perf_counter() - t0)
         res["decoder_rows"][n] = min(n, s.tail_rows())
+        # the growing caches of both halves, as held in device memory (the model's 890 B/token at full shapes)
+        res["cache_bytes_per_token"][n] = (s.state.cache_bytes() + s.encoder.state.cache_bytes()) / n
         if full is not None:
             state = SequenceState(device=dev)
             t0 = time.perf_counter()
@@ -302,11 +305,11 @@ def to_markdown(r: dict) -> str:
     if r.get("prefill_lengths_tok_s"):
         full = r.get("full_tok_s") or {}
         lines += ["", "| prompt tokens | encoder-only prefill tok/s | decoder rows | full prefill tok/s | speed-up |"
-                  " snapshot B/token |", "|---|---|---|---|---|---|"]
+                  " cache B/token | snapshot B/token |", "|---|---|---|---|---|---|---|"]
         for n, v in r["prefill_lengths_tok_s"].items():
             f = full.get(n)
             lines.append(f"| {n} | {v:,.0f} | {r['decoder_rows'][n]} | {f'{f:,.0f}' if f else '-'} | "
-                         f"{f'{v / f:.2f}x' if f else '-'} | "
+                         f"{f'{v / f:.2f}x' if f else '-'} | {r['cache_bytes_per_token'][n]:,.0f} | "
                          f"{r['snapshot_bytes_per_token'].get(n, float('nan')):,.0f} |")
     if r.get("reference_speedup"):
         s = r["reference_speedup"]

@@ -99,6 +99,10 @@ class SequenceState:
             r = table[key] = GrowingRows(shape, dtype, self.device)
         return r
 
+    def cache_bytes(self) -> int:
+        """Bytes of the caches that grow with the sequence (compressed entries, index keys)."""
+        return sum(r.rows.nbytes for table in (self.compressed, self.index_keys) for r in table.values())
+
     def truncate(self, keep: int, ratios: dict[int, int]) -> None:
         """Forget positions >= keep. `ratios` maps each KV source to its compression ratio."""
         if keep > self.pos or keep < 0:

@@ -226,16 +226,16 @@ class Attention:
         # Index tensors are alike for every layer of the chunk (all rings have one capacity; layers that
         # read one KV source share its picks): made once per chunk
         read = chunk.shared(("window read", cap), lambda: torch.arange(p0 - win, p0, device=kv.device) % cap)
-        source = torch.cat([ring.data[read], kv])
+        parts = [ring.data[read], kv]
         idx = chunk.shared("window idx", lambda: window_indices(chunk.positions, win, p0 - win))
         if self.ratio:
             comp_idx = self._compressed(x, qr, chunk)
             # keyed by the picks' identity (layers reading one source share them); the entries keep them alive
             _, comp, local = chunk.shared(("compressed rows", id(comp_idx)), lambda: self._picked(comp_idx, chunk))
             key = ("attention idx", id(comp_idx))
-            idx = chunk.shared(key, lambda: (comp_idx, _with_compressed(idx, local, source.size(0))))[1]
-            source = torch.cat([source, comp])
-        o = self.k.sparse_attn(q, source, self.attn_sink, idx, a.head_dim ** -0.5)
+            idx = chunk.shared(key, lambda: (comp_idx, _with_compressed(idx, local, win + kv.size(0))))[1]
+            parts.append(comp)
+        o = self.k.sparse_attn(q, torch.cat(parts), self.attn_sink, idx, a.head_dim ** -0.5)
         keep = min(n, cap)
         write = chunk.shared(("window write", cap), lambda: chunk.positions[n - keep:n] % cap)
         ring.data[write] = kv[n - keep:n]
