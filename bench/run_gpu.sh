@@ -8,7 +8,8 @@
 # `... patch FILE` A/Bs a variant of dsflash/kernels/cuda.py against this tree (FILE: a whole module, or a
 # patch from the repository root, applied with `git apply` or `patch -p1` to take the patched cuda.py, then
 # reverted): the GEMM experiment (DIFF where the variant's bits differ) and the encoder prefill with each
-# kernel module.
+# kernel module. `... patch-step FILE`: an engine patch (git apply): the CUDA model tests with it, and the
+# step benchmark before, with (twice) and after it, in one session (steps vary ~5 ms between machines).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -44,6 +45,17 @@ if [ "$part" = patch ]; then
   this=/tmp/this_cuda.py && cp dsflash/kernels/cuda.py "$this" && cp "$variant" dsflash/kernels/cuda.py
   timeout 90 $prefill --out "$out/patched" 2>&1 | tail -3
   cp "$this" dsflash/kernels/cuda.py
+fi
+if [ "$part" = patch-step ]; then  # a patch of the engine (not of cuda.py): model tests and steps, with and without
+  quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 --reps 7"
+  mkdir -p "$out/this" "$out/patched"
+  timeout 100 $quick --out "$out/this" 2>&1 | tail -3
+  git apply "$2" || exit 1
+  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 | tail -3
+  timeout 100 $quick --out "$out/patched" 2>&1 | tail -3
+  timeout 100 $quick --out "$out/patched" 2>&1 | tail -1
+  git apply -R "$2"
+  timeout 100 $quick --out "$out/this" 2>&1 | tail -1
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   [ "$part" = ab ] && timeout 200 $step 2>&1 | tail -12
