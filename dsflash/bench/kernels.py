@@ -25,6 +25,7 @@ import triton
 import triton.testing
 
 from dsflash.kernels import cuda as kc
+from dsflash.numerics import packing
 
 M_VALUES = (1, 5, 8, 512, 8192)
 L2_ROTATE_BYTES = 256 << 20
@@ -245,6 +246,17 @@ def bench_quant(ceil, ms_values) -> list[dict]:
             x = torch.randn(m, k, device="cuda").bfloat16()
             ms = bench_both(lambda x=x: kc.quant_act(x))
             rows.append(row("quant_act", f"K={k}", m, ms, m * k * 3 + m * k // 32, 0, ceil))
+    # the packed FP4 state: quantise-and-pack new entries / keys, and read entries back (a step's picks,
+    # a prefill's whole source)
+    for name, d, (block, e4m3) in (("entry", 512, packing.ENTRY), ("index key", 128, packing.INDEX_KEY)):
+        width = packing.packed_width(d, block)
+        for m in (*ms_values, 65536):
+            x = torch.randn(m, d, device="cuda").bfloat16()
+            packed = kc.fp4_quant_packed(x, block, e4m3)
+            ms = bench_both(lambda x=x, b=block, e=e4m3: kc.fp4_quant_packed(x, b, e))
+            rows.append(row("fp4_quant_packed", f"{name} {d}", m, ms, m * (2 * d + width), 0, ceil))
+            ms = bench_both(lambda p=packed, d=d, b=block, e=e4m3: kc.fp4_dequant_packed(p, d, b, e))
+            rows.append(row("fp4_dequant_packed", f"{name} {d}", m, ms, m * (2 * d + width), 0, ceil))
     return rows
 
 
