@@ -135,11 +135,13 @@ class Indexer:
         self.is_candidate_source = layer == args.candidate_source_layer
         self.uses_candidates = 0 <= args.candidate_source_layer < layer
 
-    def select(self, x: torch.Tensor, qr: torch.Tensor, packed_keys: torch.Tensor, chunk: Chunk, rope: Rope
-               ) -> torch.Tensor:
-        """[rows, index_topk] compressed entries per query, ascending, -1 padded."""
+    def select(self, x: torch.Tensor, qr: torch.Tensor, source: int, chunk: Chunk, rope: Rope) -> torch.Tensor:
+        """[rows, index_topk] entries of KV source `source` per query, ascending, -1 padded."""
         a = self.args
-        keys = self.k.fp4_dequant_packed(packed_keys, a.index_head_dim, *INDEX_KEY)
+        packed = chunk.state.index_keys[source].rows
+        # every index layer reading this source in this chunk scores the same keys: decoded once
+        keys = chunk.shared(("index keys", source, packed.size(0)),
+                            lambda: self.k.fp4_dequant_packed(packed, a.index_head_dim, *INDEX_KEY))
         q = self.k.linear(qr, self.wq_b).unflatten(-1, (a.index_n_heads, a.index_head_dim))
         rope.rotate(q, chunk.positions)
         q = self.k.fp4_fake_quant(q, 32, e4m3_scale=False)
@@ -246,8 +248,10 @@ class Attention:
         A step picks fewer entries than a long context holds: only those are decoded, one row per pick.
         Either way the attention reads the same values in the same order, so the same bits."""
         packed = chunk.state.compressed[self.kv_source].rows
-        if comp_idx.numel() >= packed.size(0):
-            return comp_idx, self.k.fp4_dequant_packed(packed, self.args.head_dim, *ENTRY), comp_idx
+        if comp_idx.numel() >= packed.size(0):  # the whole source, decoded once for every layer reading it
+            rows = chunk.shared(("compressed entries", self.kv_source, packed.size(0)),
+                                lambda: self.k.fp4_dequant_packed(packed, self.args.head_dim, *ENTRY))
+            return comp_idx, rows, comp_idx
         rows = self.k.fp4_dequant_packed(packed[comp_idx.flatten().clamp_min(0)], self.args.head_dim, *ENTRY)
         slots = torch.arange(comp_idx.numel(), device=comp_idx.device).view_as(comp_idx)
         return comp_idx, rows, torch.where(comp_idx >= 0, slots, -1)
@@ -261,5 +265,5 @@ class Attention:
             if state.compressed[self.kv_source].n == 0:
                 chunk.topk = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64, device=x.device)
             else:
-                chunk.topk = self.indexer.select(x, qr, state.index_keys[self.kv_source].rows, chunk, self.rope)
+                chunk.topk = self.indexer.select(x, qr, self.kv_source, chunk, self.rope)
         return chunk.topk
