@@ -39,6 +39,16 @@ def load_module(path: str):
     return mod
 
 
+def module_values(mod, kind: str, values: torch.Tensor) -> torch.Tensor:
+    """This tree's weight values in another kernel module's layout (FP4: the word layout of fp4_words, where
+    one module has it and the other not)."""
+    if kind == "fp4" and hasattr(mod, "fp4_words") and not hasattr(kc, "fp4_words"):
+        return mod.fp4_words(values)
+    if kind == "fp4" and hasattr(kc, "fp4_words") and not hasattr(mod, "fp4_words"):
+        raise SystemExit("compare a word-layout module against an older one from the older tree")
+    return values
+
+
 def timed(fns) -> str:
     return f"{bench_graph(_rotating(fns)) * 1e3:7.1f}"
 
@@ -66,7 +76,8 @@ def main() -> None:
                                f"{timed([lambda w=c, x=x, cfg=cfg: kc.linear(x, w, config=cfg) for c in copies])}"
                                f"{'' if same else ' DIFF'}")
             for name, mod in others.items():
-                ws = [mod.CudaWeight(c.kind, c.values, c.scale, c.scale_rows) for c in copies]
+                ws = [mod.CudaWeight(c.kind, module_values(mod, c.kind, c.values), c.scale, c.scale_rows)
+                      for c in copies]
                 same = torch.equal(mod.linear(x, ws[0]), ref)
                 out.append(f"{name} {timed([lambda w=c, x=x, mod=mod: mod.linear(x, w) for c in ws])}"
                            f"{'' if same else ' DIFF'}")
@@ -89,7 +100,8 @@ def main() -> None:
                        for b in banks]
                 out.append(f"{name} {timed(fns)}{'' if same else ' DIFF'}")
             for name, mod in others.items():
-                bs = [mod.ExpertBank(b.kind, b.values, b.scale, b.scale_rows) for b in banks]
+                bs = [mod.ExpertBank(b.kind, module_values(mod, b.kind, b.values), b.scale, b.scale_rows)
+                      for b in banks]
                 same = torch.equal(mod.expert_linear(x, bs[0], ids, per_row), ref)
                 fns = [lambda b=b, x=x, ids=ids, r=per_row, mod=mod: mod.expert_linear(x, b, ids, r) for b in bs]
                 out.append(f"{name} {timed(fns)}{'' if same else ' DIFF'}")
