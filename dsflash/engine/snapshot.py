@@ -33,6 +33,11 @@ class SnapshotError(ValueError):
 _PACKED = {"compressed": ("fp4_e4m3_16", packing.ENTRY), "index_keys": ("fp4_e8m0_32", packing.INDEX_KEY)}
 
 
+def _cache_format(key: str) -> tuple[str, tuple[int, bool]] | None:
+    """(format name, (block, E4M3 scale)) of a packed cache tensor's key ("part/compressed.20"), else None."""
+    return _PACKED.get(key.split("/")[-1].split(".")[0]) if "/" in key else None
+
+
 def _state_tensors(part: str, state: SequenceState) -> dict[str, torch.Tensor]:
     t: dict[str, torch.Tensor] = {f"{part}/engram_ids": state.engram_ids.rows.clone()}
     for name, table in (("window", state.window), ("raw", state.raw), ("dspark", state.dspark)):
@@ -55,10 +60,9 @@ def encode(states: dict[str, SequenceState], tokens: list[int], model_id: str,
     tensors = {k: v.cpu() for k, v in tensors.items()}
     packed = {}
     for key, t in tensors.items():
-        fmt = _PACKED.get(key.split("/")[-1].split(".")[0]) if "/" in key else None
-        if fmt:  # [format, values per row]: each row is that many values over 2, plus a scale byte per block
-            block = fmt[1][0]
-            packed[key] = [fmt[0], t.size(1) * 2 * block // (block + 2)]
+        fmt = _cache_format(key)
+        if fmt:  # [format, values per row]
+            packed[key] = [fmt[0], packing.values_per_row(t.size(1), fmt[1][0])]
     tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)
     payload = st_save({k: v.contiguous() for k, v in tensors.items()})
     header = json.dumps({
@@ -106,7 +110,7 @@ def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu"
     tensors = st_load(payload)
     packed = header.get("packed", {})
     for key, t in tensors.items():
-        fmt = _PACKED.get(key.split("/")[-1].split(".")[0]) if "/" in key else None
+        fmt = _cache_format(key)
         if fmt and (key not in packed or packed[key][0] != fmt[0] or t.dtype != torch.uint8
                     or t.size(1) != packing.packed_width(packed[key][1], fmt[1][0])):
             raise SnapshotError(f"snapshot tensor {key} is not in the {fmt[0]} format this build holds "

@@ -3,7 +3,8 @@
 Exported: `linear(x, w)`, `expert_linear(x, bank, experts, slots_per_row)`, `sparse_attn(q, kv, sink, idx,
 scale)`, `hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)`, the fused elementwise ops (`rms_norm`,
 `rms_scale`, `collapse`, `expand`, `moe_sum`, `swiglu`, `fp8_fake_quant`, `fp4_fake_quant`: each one launch
-with the rounding points of the torch composition it replaces, IEEE divisions, fp fusion off), plus `Weight`,
+with the rounding points of the torch composition it replaces, IEEE divisions, fp fusion off), the packed
+FP4 state's `fp4_quant_packed` / `fp4_dequant_packed` (numerics/packing.py's bytes), plus `Weight`,
 `CudaWeight`, `to_cuda_weight`, `expert_bank` and `quant_act`.
 
 Numerics (spec §3, as dsflash/kernels/cpu.py):
@@ -13,8 +14,8 @@ Numerics (spec §3, as dsflash/kernels/cpu.py):
   sum of its K range (ranges fixed by the weight's shape, quant.k_range_blocks), the range sums added in
   order, then rounded once to bf16, as the CPU does. With power-of-two scales the scaling is exact, so
   a difference from the CPU can only come from inside a block's 32-term dot (tensor-core vs CPU fp32
-  summation; measured: FIDELITY.md); FP4 weight codes become bf16 bit patterns in registers (every E2M1
-  value is a bf16 value).
+  summation; measured: FIDELITY.md); the MMA takes f16 operands: E4M3 codes convert exactly, FP4 weight
+  codes become f16 bit patterns in registers by byte permutes (every E2M1 value is an f16 value).
 - bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
   3xTF32 tensor-core products by default, IEEE fp32 FMA dots on request); output in the weight's dtype.
 - sparse_attn: one program per (query, 64 heads); online softmax over blocks of 64 indices with the
@@ -44,7 +45,7 @@ from triton.language.extra import libdevice
 
 from dsflash.kernels.cpu import Weight
 from dsflash.numerics.codecs import encode_e2m1, pack_fp4
-from dsflash.numerics.packing import packed_width
+from dsflash.numerics.packing import check_width, packed_width
 from dsflash.numerics.quant import ACT_BLOCK, FP4_MAX, FP8_MAX, K_RANGE_GROUP, k_range_blocks
 
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
@@ -1011,8 +1012,7 @@ def fp4_quant_packed(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Ten
 
 def fp4_dequant_packed(packed: torch.Tensor, d: int, block: int, e4m3_scale: bool) -> torch.Tensor:
     """packing.dequant_packed in one kernel (uint8 [n, d/2 + d/block] -> bf16 [n, d]), bit for bit."""
-    if packed.size(-1) != packed_width(d, block):
-        raise ValueError(f"packed FP4 rows of width {d} have {packed_width(d, block)} bytes, got {packed.size(-1)}")
+    check_width(packed, d, block)
     packed = packed.contiguous()
     n, gpe = packed.size(0), d // block
     out = torch.empty((n, d), dtype=torch.bfloat16, device=packed.device)

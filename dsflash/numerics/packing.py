@@ -33,6 +33,16 @@ def packed_width(d: int, block: int) -> int:
     return d // 2 + d // block
 
 
+def values_per_row(width: int, block: int) -> int:
+    """The d of a packed row of `width` bytes (packed_width's inverse)."""
+    return width * 2 * block // (block + 2)
+
+
+def check_width(packed: torch.Tensor, d: int, block: int) -> None:
+    if packed.size(-1) != packed_width(d, block):
+        raise ValueError(f"packed FP4 rows of width {d} have {packed_width(d, block)} bytes, got {packed.size(-1)}")
+
+
 def quant_packed(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
     """bf16 [n, d] -> uint8 [n, packed_width(d, block)]: Q4 codes and scale bytes."""
     s, v = fp4_scaled(x, block, e4m3_scale)
@@ -42,8 +52,7 @@ def quant_packed(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
 
 def dequant_packed(packed: torch.Tensor, d: int, block: int, e4m3_scale: bool) -> torch.Tensor:
     """uint8 [n, packed_width(d, block)] -> the bf16 [n, d] values (fp4_fake_quant's bits)."""
-    if packed.size(-1) != packed_width(d, block):
-        raise ValueError(f"packed FP4 rows of width {d} have {packed_width(d, block)} bytes, got {packed.size(-1)}")
+    check_width(packed, d, block)
     codes, scale_codes = packed[..., : d // 2], packed[..., d // 2:]
     scale = decode_e4m3(scale_codes) if e4m3_scale else decode_e8m0(scale_codes)
     v = decode_e2m1(unpack_fp4(codes)).unflatten(-1, (-1, block)) * scale.unsqueeze(-1)
