@@ -7,10 +7,8 @@ GPU) and dots widen their operands to fp32 first. Both are exact stand-ins for w
 on the values these kernels feed them (E4M3/E2M1 codes and bf16 values, whose products are exact in
 fp32); only the order of a block's 32-term sum may differ from the tensor cores'. libdevice's `exp`
 (no interpreter form: it returns None) becomes numpy's float32 exp, within an ulp of the GPU's `expf`, so
-kernels that use it are checked with a tolerance. Inline PTX has no interpreter form either: the CUDA
-kernels' one asm block (`cuda.E2M1_PAIR_F16_ASM`) runs as the same integer arithmetic in numpy, with its byte
-permute spelled out, checked here on all 256 bytes against the f16 values of the codes. Imported by the
-interpreter scripts of tests/test_kernels_interpret.py before any kernel runs.
+kernels that use it are checked with a tolerance. Imported by the interpreter scripts of
+tests/test_kernels_interpret.py before any kernel runs.
 """
 
 import numpy as np
@@ -58,54 +56,12 @@ def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     return interpreter.TensorHandle(np.matmul(widen(a), widen(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
 
 
-def _e2m1_pair_f16(wb, table_lo, table_hi, high_bytes):
-    """cuda.E2M1_PAIR_F16_ASM on int32 arrays: (low code's, high code's) f16 patterns as int16."""
-    wb = wb.astype(np.uint32)
-    sel = ((wb & 0x77) * 0x110) & 0xFFFFFFFF
-    table = [(int(t) >> (8 * i)) & 0xFF for t in (table_lo.flat[0], table_hi.flat[0]) for i in range(4)]
-    u = np.zeros_like(wb)
-    for i in range(4):  # prmt.b32: byte i of the result is table[nibble i of the selector] (bit 3: sign fill)
-        nib = (sel >> (4 * i)) & 0xF
-        byte = np.array(table, dtype=np.uint32)[nib & 7]
-        byte = np.where(nib & 8, np.where(byte & 0x80, 0xFF, 0), byte)
-        u |= byte.astype(np.uint32) << (8 * i)
-    signs = ((wb * 0x01001000) & 0xFFFFFFFF) & 0x80008000
-    u = (u & (int(high_bytes.flat[0]) & 0xFFFFFFFF)) | signs
-    return (u & 0xFFFF).astype(np.uint16).view(np.int16), (u >> 16).astype(np.uint16).view(np.int16)
-
-
-def _check_e2m1_pair_f16():
-    codes = np.arange(256, dtype=np.int32)
-    lo, hi = _e2m1_pair_f16(codes, np.array([0x3E3C3800]), np.array([0x46444240]), np.array([-16711936]))
-    values = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      dtype=np.float16).view(np.int16)
-    assert (lo == values[codes & 15]).all() and (hi == values[codes >> 4]).all()
-
-
-class _AsmCall:
-    def __init__(self, results):
-        self.results = results
-
-    def get_result(self, i):
-        return self.results[i]
-
-
-def _inline_asm(self, asm, constraints, values, types, is_pure, pack):
-    from dsflash.kernels import cuda
-
-    assert asm == cuda.E2M1_PAIR_F16_ASM.value, "an inline asm block without a stand-in here"
-    outs = _e2m1_pair_f16(*(v.data for v in values))
-    return _AsmCall([interpreter.TensorHandle(o, tl.int16) for o in outs])
-
-
 def _exp(x, **_):
     return tl.core.tensor(interpreter.TensorHandle(np.exp(x.handle.data.astype(np.float32)), x.handle.dtype), x.type)
 
 
 interpreter._convert_float = _convert_float
 libdevice.exp = _exp
-interpreter.InterpreterBuilder.create_inline_asm = _inline_asm
-_check_e2m1_pair_f16()
 interpreter.InterpreterBuilder.create_masked_load = _masked_load
 interpreter.InterpreterBuilder.create_masked_store = _masked_store
 interpreter.InterpreterBuilder.create_dot = _dot

@@ -245,3 +245,24 @@ def test_fused_elementwise_kernels_in_the_model_under_the_interpreter(golden_cas
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
+
+
+def test_fp4_word_layout_decodes_to_the_checkpoint_codes():
+    """fp4_words puts element 2i + h's magnitude at bit 16h + 9 - 3i and its sign at 16h + 15 - i; a
+    (sign, magnitude << 9) f16 pattern times 2^14 is the E2M1 value, -0 included."""
+    import numpy as np
+    import torch
+
+    from dsflash.kernels import cuda
+
+    packed = torch.randint(0, 256, (3, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    words = cuda.fp4_words(packed).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    codes = torch.stack([packed.long() & 15, packed.long() >> 4], -1).flatten(-2).unflatten(-1, (-1, 8))
+    for e in range(8):
+        h, i = e % 2, e // 2
+        got = ((words >> (16 * h + 9 - 3 * i)) & 7) | (((words >> (16 * h + 15 - i)) & 1) << 3)
+        assert torch.equal(got, codes[..., e]), e
+    patterns = np.array([((c >> 3) << 15) | ((c & 7) << 9) for c in range(16)], dtype=np.uint16)
+    values = patterns.view(np.float16).astype(np.float32) * 2.0**14
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
+    assert (values == np.concatenate([e2m1, -e2m1])).all() and np.signbit(values[8:]).all()

@@ -15,7 +15,8 @@ Numerics (spec §3, as dsflash/kernels/cpu.py):
   order, then rounded once to bf16, as the CPU does. With power-of-two scales the scaling is exact, so
   a difference from the CPU can only come from inside a block's 32-term dot (tensor-core vs CPU fp32
   summation; measured: FIDELITY.md); the MMA takes f16 operands: E4M3 codes convert exactly, FP4 weight
-  codes become f16 bit patterns in registers by byte permutes (every E2M1 value is an f16 value).
+  codes are stored in a word layout (`fp4_words`) that shifts and masks turn into f16 pairs of value / 2^14
+  (every E2M1 value is an f16 value; the 2^14 goes into the exact power-of-two weight scale).
 - bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
   3xTF32 tensor-core products by default, IEEE fp32 FMA dots on request); output in the weight's dtype.
 - sparse_attn: one program per (query, 64 heads); online softmax over blocks of 64 indices with the
@@ -77,8 +78,9 @@ _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
 class CudaWeight(Weight):
     """A Weight laid out for the CUDA kernels.
 
-    fp8: `values` float8_e4m3fn [out, in]. fp4: `values` uint8 [out, in/2], element 2k in the low
-    nibble. bf16/fp32: `values` in that dtype [out, in]; an fp32 weight stored as bf16 in the checkpoint
+    fp8: `values` float8_e4m3fn [out, in]. fp4: `values` uint8 [out, in/2] in the word layout of
+    `fp4_words` (each 8 elements one int32 word the kernel decodes with shifts and masks). bf16/fp32:
+    `values` in that dtype [out, in]; an fp32 weight stored as bf16 in the checkpoint
     (the head, the router: widened by the model) keeps bf16 values, widened exactly tile by tile in the
     kernel -- half the bytes, the same values (another k order inside the MMA: FIDELITY.md).
     `scale` (fp8/fp4), when every scale is a normal power of two (always, for checkpoint weights):
@@ -97,6 +99,25 @@ class CudaWeight(Weight):
     @property
     def scale_e8m0(self) -> bool:
         return self.scale is not None and self.scale.dtype == torch.int32
+
+
+# An FP4 weight's 8 elements per int32 word: element 2i + h's magnitude (3 bits) at bits 16h + 9 - 3i and
+# its sign at bit 16h + 15 - i. Shifting a word left by 3i and by i and masking gives elements 2i and 2i + 1
+# as the two f16 halves of one register, each the f16 pattern (sign, magnitude << 9) of its value / 2^14
+# (E2M1's subnormal 0.5 included: the E2M1 and f16 grids agree below and above 1 up to that factor).
+_FP4_MAG_SHIFT = [16 * (e % 2) + 9 - 3 * (e // 2) for e in range(8)]
+_FP4_SIGN_SHIFT = [16 * (e % 2) + 15 - e // 2 for e in range(8)]
+
+
+def fp4_words(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint FP4 bytes [..., K/2] (element 2k in the low nibble) -> the kernels' word layout (uint8,
+    same shape; K a multiple of 8)."""
+    b = packed.to(torch.int64)
+    codes = torch.stack([b & 15, b >> 4], -1).flatten(-2).unflatten(-1, (-1, 8))
+    mag = torch.tensor(_FP4_MAG_SHIFT, device=packed.device)
+    sign = torch.tensor(_FP4_SIGN_SHIFT, device=packed.device)
+    words = (((codes & 7) << mag) | ((codes >> 3) << sign)).sum(-1)  # disjoint bits: the sum is the OR
+    return words.to(torch.int32).contiguous().view(torch.uint8).view(packed.shape)
 
 
 def _pack_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -118,7 +139,7 @@ def weight_from_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, devic
     packed = _pack_scales(scale.to(device).float())
     if kind == "fp8":
         return CudaWeight("fp8", codes.to(device).contiguous(), packed, 32)
-    return CudaWeight("fp4", codes.to(device).view(torch.uint8).contiguous(), packed, 1)
+    return CudaWeight("fp4", fp4_words(codes.to(device).view(torch.uint8)), packed, 1)
 
 
 def to_cuda_weight(w: Weight, device: torch.device | str | None = None) -> CudaWeight:
@@ -154,7 +175,7 @@ def to_cuda_weight(w: Weight, device: torch.device | str | None = None) -> CudaW
         codes = encode_e2m1(vals)
         if not torch.equal(_E2M1[codes.long()], vals):
             raise ValueError("fp4 weight values are not all E2M1 values")
-        values = pack_fp4(codes).contiguous().to(device)
+        values = fp4_words(pack_fp4(codes).to(device))
     return CudaWeight(w.kind, values, _pack_scales(scale).to(device), rows)
 
 
@@ -236,31 +257,15 @@ def _e2m1_bits(c, MANTISSA: tl.constexpr, HALF: tl.constexpr, SIGN: tl.constexpr
     return b | ((c & 8) << (SIGN - 3))
 
 
-# Two E2M1 codes of a weight byte (low nibble first) -> their two f16 bit patterns. Every E2M1 value's f16 low
-# byte is 0, so one byte permute looks both high bytes up by the 3-bit magnitudes (table 0x46444240:3E3C3800 =
-# 6, 4, 3, 2 : 1.5, 1, 0.5, 0), the magnitudes spread to selector nibbles 1 and 3 by one multiply, the sign
-# bits to bits 15 and 31 by another (tests/interpreter_fixes.py runs the same arithmetic on the CPU and checks
-# it on all 256 bytes).
-E2M1_PAIR_F16_ASM = tl.constexpr("""{
-    .reg .b32 s, u;
-    and.b32 s, $2, 119;
-    mul.lo.u32 s, s, 272;
-    prmt.b32 u, $3, $4, s;
-    mul.lo.u32 s, $2, 16781312;
-    and.b32 s, s, 0x80008000;
-    lop3.b32 u, u, $5, s, 0xEA;
-    mov.b32 {$0, $1}, u;
-    }""")
-
-
 @triton.jit
-def _e2m1_pair_f16(wb):
-    """int32 bytes of two E2M1 codes -> (low code's, high code's) f16 bit patterns as int16."""
-    return tl.inline_asm_elementwise(
-        E2M1_PAIR_F16_ASM, "=h,=h,r,r,r,r",
-        [wb, tl.full(wb.shape, 0x3E3C3800, tl.int32), tl.full(wb.shape, 0x46444240, tl.int32),
-         tl.full(wb.shape, -16711936, tl.int32)],  # 0xFF00FF00: the patterns' high bytes
-        dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+def _fp4_word_values(w, BN: tl.constexpr):
+    """A block's FP4 words [BN, 4] (fp4_words) -> the f16 operand [32, BN]: each value / 2^14."""
+    i = tl.arange(0, 4)[None, None, :]
+    # register i of a word: elements 2i and 2i + 1 as its two f16 halves
+    r = ((w[:, :, None] << (3 * i)) & 0x0E000E00) | ((w[:, :, None] << i) & -2147450880)  # 0x80008000
+    r = tl.reshape(r, [BN, 16])
+    pairs = tl.join((r & 0xFFFF).to(tl.int16), (r >> 16).to(tl.int16))
+    return tl.trans(tl.reshape(pairs, [BN, 32]).to(tl.float16, bitcast=True))
 
 
 @triton.jit
@@ -289,7 +294,7 @@ def _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4: tl.constexpr):
     kin = kb < KB
     a = tl.load(x_rows + kb * 32, mask=mmask[:, None] & kin, other=0.0)
     if FP4:
-        w = tl.load(w_rows + kb * 16, mask=nmask[:, None] & kin, other=0)
+        w = tl.load(w_rows + kb * 4, mask=nmask[:, None] & kin, other=0)
     else:
         w = tl.load(w_rows + kb * 32, mask=nmask[None, :] & kin, other=0.0)
     return a, w
@@ -305,15 +310,15 @@ def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, F
     else:
         a_s = _word_scale(aw, j)
     if FP4:
-        wb = w.to(tl.int32)
-        lo, hi = _e2m1_pair_f16(wb)
-        b = tl.trans(tl.reshape(tl.join(lo, hi), [BN, 32]).to(tl.float16, bitcast=True))
+        b = _fp4_word_values(w, BN)
     else:
         b = w
     if SCALE_E8M0:
         b_s = _word_scale(bw, j)
     else:
         b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
+    if FP4:  # the f16 operand holds value / 2^14 (exact, and so is the MMA's sum: all scaled alike)
+        b_s = b_s * 16384.0
     # f16 operands hold every E4M3 (2^-9 ... 448) and E2M1 code exactly (E4M3 -> f16 is one hardware
     # conversion per pair), and the f16 MMA accumulates in fp32, so the block's 32 exact products are
     # summed like the CPU reference's fp32 GEMM (the FP8 MMA keeps fewer accumulator bits and moved every
@@ -356,8 +361,9 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
     nmask = rn < N
     rk = tl.arange(0, 32)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    if FP4:
-        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn + tl.arange(0, 16)[None, :]
+    if FP4:  # the block's 4 words per weight row
+        w_rows = ((w_ptr + rn[:, None].to(tl.int64) * stride_wn).to(tl.pointer_type(tl.int32))
+                  + tl.arange(0, 4)[None, :])
     else:
         w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     ws_cols = ws_ptr + rn // SCALE_ROWS
@@ -464,25 +470,26 @@ def _ordered_sum(part: torch.Tensor, y: torch.Tensor, terms: int) -> None:
 
 
 @triton.jit
-def _fp4_to_fp8_kernel(w_ptr, o_ptr, total_bytes, BLOCK: tl.constexpr):
-    """Packed E2M1 bytes -> E4M3 bytes, two per input byte (element 2k from the low nibble)."""
+def _fp4_to_fp8_kernel(w_ptr, o_ptr, total_words, BLOCK: tl.constexpr):
+    """FP4 words (fp4_words) -> E4M3 bytes in K order, eight per word."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < total_bytes
-    wb = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.int32)
-    lo = _e2m1_bits(wb & 0xF, 2, 0x30, 7).to(tl.uint8)
-    hi = _e2m1_bits(wb >> 4, 2, 0x30, 7).to(tl.uint8)
-    o = tl.reshape(tl.join(lo, hi), [2 * BLOCK])
-    o_offs = tl.program_id(0).to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
-    tl.store(o_ptr + o_offs, o, mask=o_offs < 2 * total_bytes)
+    mask = offs < total_words
+    w = tl.load(w_ptr + offs, mask=mask, other=0)
+    e = tl.arange(0, 8)
+    mag = (w[:, None] >> (16 * (e % 2) + 9 - 3 * (e // 2))[None, :]) & 7
+    sign = (w[:, None] >> (16 * (e % 2) + 15 - e // 2)[None, :]) & 1
+    o = _e2m1_bits(mag | (sign << 3), 2, 0x30, 7).to(tl.uint8)
+    tl.store(o_ptr + offs[:, None] * 8 + e[None, :], o, mask=mask[:, None])
 
 
 def fp4_to_fp8(values: torch.Tensor) -> torch.Tensor:
-    """Packed E2M1 uint8 [N, K/2] -> float8_e4m3fn [N, K] (exact: every E2M1 value is an E4M3 value)."""
+    """FP4 weight words uint8 [N, K/2] (fp4_words) -> float8_e4m3fn [N, K] (exact: every E2M1 value is an
+    E4M3 value)."""
     n, kh = values.shape
     out = torch.empty((n, 2 * kh), dtype=torch.uint8, device=values.device)
-    total = values.numel()
-    block = 2048
-    _fp4_to_fp8_kernel[(triton.cdiv(total, block),)](values, out, total, BLOCK=block, num_warps=4)
+    words = values.contiguous().view(torch.int32)
+    block = 1024
+    _fp4_to_fp8_kernel[(triton.cdiv(words.numel(), block),)](words, out, words.numel(), BLOCK=block, num_warps=4)
     return out.view(torch.float8_e4m3fn)
 
 
