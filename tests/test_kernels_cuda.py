@@ -323,6 +323,23 @@ def test_packed_fp4_state_kernels_are_byte_exact():
         assert torch.equal(kc.fp4_dequant_packed(packed[rows], d, *fmt).view(torch.int16).cpu(), got[rows.cpu()])
 
 
+def test_rope_kernel_rounds_as_the_cpu():
+    """RoPE in one kernel: the bits of the CPU composition on CPU tensors (products rounded, then added), for
+    [N, C] and [N, H, C] rows, both directions, a conjugated zero included."""
+    g = gen(19)
+    table = torch.polar(torch.ones(300, 32), torch.rand(300, 32, generator=g) * 6.3)
+    table[0] = 1
+    pos = torch.randint(0, 300, (37,), generator=g)
+    pos[0] = 0
+    for shape in ((37, 576), (37, 64, 512)):
+        x = torch.randn(*shape, generator=g).bfloat16()
+        x[0, ..., -64:] = -0.0
+        for inverse in (False, True):
+            want = cpu.rope_rotate(x.clone(), table, pos, 64, inverse)
+            got = kc.rope_rotate(x.to(DEV), table.to(DEV), pos.to(DEV), 64, inverse)
+            assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), (shape, inverse)
+
+
 def test_exact_div_is_the_cpu_division():
     """torch's CUDA `x / 6.0` is x * fp32(1/6) (one rounding more); numerics.exact_div divides as the CPU."""
     from dsflash.numerics import exact_div

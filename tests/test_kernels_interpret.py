@@ -159,6 +159,17 @@ assert torch.equal(cuda.fp8_fake_quant(xf).view(torch.int16), quant.fp8_fake_qua
 for block, e4m3 in ((16, True), (32, False)):
     got = cuda.fp4_fake_quant(xf, block, e4m3_scale=e4m3).view(torch.int16)
     assert torch.equal(got, quant.fp4_fake_quant(xf, block, e4m3_scale=e4m3).view(torch.int16)), (block, e4m3)
+# RoPE: the CPU's rounding points (products rounded, then added), [N, C] and [N, H, C], both directions, zeros
+table = torch.polar(torch.ones(40, 32), torch.rand(40, 32, generator=g) * 6.3)
+table[0] = 1  # position 0: the factor 1 + 0i, whose conjugate's -0 imaginary part must not flip a zero's sign
+for shape in ((9, 96), (5, 3, 80)):
+    xr = torch.randn(*shape, generator=g).bfloat16()
+    xr.view(-1, shape[-1])[0, -64:] = -0.0
+    pos = torch.tensor([0, 39, 7, 7, 12, 3, 0, 25, 1])[: shape[0]]
+    for inverse in (False, True):
+        want = cpu.rope_rotate(xr.clone(), table, pos, 64, inverse)
+        got = cuda.rope_rotate(xr.clone(), table, pos, 64, inverse)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (shape, inverse)
 # the packed FP4 state: numerics/packing.py's bytes, read back as the fake quantisation's bits
 from dsflash.numerics import packing
 for d, fmt in ((512, packing.ENTRY), (128, packing.INDEX_KEY)):
@@ -224,7 +235,7 @@ composed = dataclasses.replace(
 fused = dataclasses.replace(composed, rms_norm=cuda.rms_norm, rms_scale=cuda.rms_scale, collapse=cuda.collapse,
                             expand=cuda.expand, moe_sum=cuda.moe_sum, fp8_fake_quant=cuda.fp8_fake_quant,
                             fp4_fake_quant=cuda.fp4_fake_quant, fp4_quant_packed=cuda.fp4_quant_packed,
-                            fp4_dequant_packed=cuda.fp4_dequant_packed)
+                            fp4_dequant_packed=cuda.fp4_dequant_packed, rope_rotate=cuda.rope_rotate)
 ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(0))
 logits = []
 for kernels in (composed, fused):
@@ -236,9 +247,9 @@ print("ok")
 
 
 def test_fused_elementwise_kernels_in_the_model_under_the_interpreter(golden_cases):
-    """The CUDA backend's RMSNorm, mHC (mix scale, collapse, expand), MoE sum, KV fake-quant and packing kernels, run by
-    the interpreter inside a whole tiny-model forward (the model's own views, strides and row padding), give
-    the logits of the torch ops they replace, on every other op of the reference backend."""
+    """The CUDA backend's RMSNorm, mHC (mix scale, collapse, expand), MoE sum, KV fake-quant, packing and RoPE
+    kernels, run by the interpreter inside a whole tiny-model forward (the model's own views, strides and row
+    padding), give the logits of the torch ops they replace, on every other op of the reference backend."""
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
     script = f"CASE = {str(golden_cases[0])!r}\n" + MODEL_SCRIPT

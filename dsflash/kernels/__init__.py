@@ -52,6 +52,7 @@ class Kernels:
     expand: Any  # mHC (y [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc]) -> [N, hc, D]
     moe_sum: Any  # (routed experts' rows [N, k, D], shared expert's [N, D]) -> the MoE output [N, D]
     swiglu: Any  # (gate, up [..., D], limit, weights [..., 1] or None) -> an expert's hidden rows
+    rope_rotate: Any  # (x, factor table, positions, dim, inverse) -> x, its last dim channels rotated in place
     weight: Any  # (kind, stored tensor, stored scale or None) -> the backend's weight on `device`
 
 
@@ -78,7 +79,7 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
                        cpu.grouped_linear, cpu.expert_bank, cpu.expert_linear, cpu.ROW_TILE, cpu.index_scores,
                        cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm, cpu.rms_scale,
                        fp8_fake_quant, fp4_fake_quant, quant_packed, dequant_packed, cpu.collapse, cpu.expand,
-                       cpu.moe_sum, cpu.swiglu, _reference_weight(device))
+                       cpu.moe_sum, cpu.swiglu, cpu.rope_rotate, _reference_weight(device))
     from dsflash.kernels import cuda
 
     def cuda_weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
@@ -103,4 +104,4 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
                    cuda.expert_bank, cuda.expert_linear, cuda.SLOT_MOE_ROWS, index_scores, mean_square, cuda.row_sum,
                    cuda.small_sum, stream_mean, cuda.rms_norm, cuda.rms_scale, cuda.fp8_fake_quant,
                    cuda.fp4_fake_quant, cuda.fp4_quant_packed, cuda.fp4_dequant_packed, cuda.collapse, cuda.expand,
-                   cuda.moe_sum, cuda.swiglu, cuda_weight)
+                   cuda.moe_sum, cuda.swiglu, cuda.rope_rotate, cuda_weight)

@@ -161,6 +161,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mean_square=mean
     return (weight * rms_scale(xf, xf, eps, mean_square)).to(x.dtype)
 
 
+def rope_rotate(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, dim: int, inverse: bool
+                ) -> torch.Tensor:
+    """Rotate the last `dim` channels of x ([N, C] or [N, H, C], bf16) in place by the complex64 factors
+    table[positions] ([N, dim/2]; conjugated when `inverse`): interleaved pairs as complex numbers, each
+    product's two fp32 terms rounded, then added (torch's CPU complex multiply), back to x's dtype."""
+    tail = x[..., -dim:]
+    z = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)))
+    f = table[positions]
+    if inverse:
+        f = f.conj()
+    f = f.view(x.size(0), 1, -1) if x.ndim == 3 else f
+    tail.copy_(torch.view_as_real(z * f).flatten(-2))
+    return x
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Tensor | None = None) -> torch.Tensor:
     """An expert's hidden rows: silu(gate) * up in fp32 with the V4.1 clamps (limit > 0), times the routing
     weight when given (broadcast over the last dim), in gate's dtype. gate, up: [..., D]."""

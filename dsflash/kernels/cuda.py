@@ -52,7 +52,7 @@ from dsflash.numerics.quant import ACT_BLOCK, FP4_MAX, FP8_MAX, K_RANGE_GROUP, k
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
            "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "hc_split_sinkhorn", "LinearConfig",
            "linear_config", "collapse", "expand", "moe_sum", "swiglu", "rms_norm", "rms_scale", "fp8_fake_quant",
-           "fp4_fake_quant", "fp4_quant_packed", "fp4_dequant_packed"]
+           "fp4_fake_quant", "fp4_quant_packed", "fp4_dequant_packed", "rope_rotate"]
 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
 _FP4_MAX_INV = tl.constexpr(1.0 / FP4_MAX)
@@ -1176,6 +1176,45 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Te
                                                            CLAMP=limit > 0, HAS_WEIGHT=weights is not None,
                                                            BLOCK=MHC_BLOCK, num_warps=4, enable_fp_fusion=False)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE: one kernel per rotation instead of ~5 torch ops (widen, gather the factors, conjugate, complex
+# multiply, narrow back), with the CPU's rounding points: each product rounded, then the add (no FMA
+# contraction, which nvcc may apply to torch's CUDA complex multiply: its fmad default is on)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _rope_kernel(x_ptr, t_ptr, pos_ptr, R, H, stride_xn, stride_xh, OFF, INVERSE: tl.constexpr,
+                 HALF: tl.constexpr, BR: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    mask = (r < R)[:, None]
+    n = r // H
+    pos = tl.load(pos_ptr + n, mask=r < R, other=0)
+    j = tl.arange(0, HALF)[None, :]
+    xp = x_ptr + (n * stride_xn + (r % H) * stride_xh + OFF)[:, None] + 2 * j
+    tp = t_ptr + (pos * (2 * HALF))[:, None] + 2 * j
+    a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(xp + 1, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(tp, mask=mask, other=0.0)
+    d = tl.load(tp + 1, mask=mask, other=0.0)
+    if INVERSE:  # the conjugate; a factor, so +0 becomes -0 as conj() makes it (Triton's minus is 0 - x)
+        d = d * -1.0
+    tl.store(xp, (a * c - b * d).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(xp + 1, (a * d + b * c).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_rotate(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, dim: int, inverse: bool
+                ) -> torch.Tensor:
+    """cpu.rope_rotate in one kernel, bit for bit (x [N, C] or [N, H, C] with unit last stride)."""
+    x3 = x.unsqueeze(1) if x.dim() == 2 else x
+    n, h, c = x3.shape
+    assert x3.stride(2) == 1 and table.dtype == torch.complex64 and dim % 2 == 0
+    if n * h:
+        rows = 16
+        _rope_kernel[(triton.cdiv(n * h, rows),)](x3, torch.view_as_real(table), positions.contiguous(), n * h, h,
+                                                  x3.stride(0), x3.stride(1), c - dim, INVERSE=inverse,
+                                                  HALF=dim // 2, BR=rows, num_warps=2, enable_fp_fusion=False)
+    return x
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,12 +13,13 @@ import math
 import torch
 
 from dsflash.config import ModelArgs
+from dsflash.kernels import Kernels
 
 _POSITION_BLOCK = 64
 
 
 class Rope:
-    def __init__(self, args: ModelArgs, compressed: bool):
+    def __init__(self, args: ModelArgs, compressed: bool, kernels: Kernels):
         dim = args.rope_head_dim
         base = args.compress_rope_theta if compressed else args.rope_theta
         original = args.original_seq_len if compressed else 0
@@ -36,6 +37,7 @@ class Rope:
         self.dim = dim
         self._tables: dict[torch.device, torch.Tensor] = {}
         self.rebuilds = 0  # CUDA graphs read the table by address: a rebuild retires them
+        self.k = kernels
 
     def _block(self, b: int) -> torch.Tensor:
         pos = torch.arange(b * _POSITION_BLOCK, (b + 1) * _POSITION_BLOCK)
@@ -53,17 +55,6 @@ class Rope:
             self._tables[device] = torch.cat([self._block(b) for b in range(blocks)]).to(device)
             self.rebuilds += 1
 
-    def factors(self, positions: torch.Tensor) -> torch.Tensor:
-        """complex64 [N, dim/2] for int64 positions [N] (reserved beforehand)."""
-        return self._tables[positions.device][positions]
-
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last `dim` channels of x ([N, dim_total] or [N, H, dim_total]) in place."""
-        tail = x[..., -self.dim:]
-        z = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)))
-        f = self.factors(positions)
-        if inverse:
-            f = f.conj()
-        f = f.view(x.size(0), 1, -1) if x.ndim == 3 else f
-        tail.copy_(torch.view_as_real(z * f).flatten(-2))
-        return x
+        return self.k.rope_rotate(x, self._tables[positions.device], positions, self.dim, inverse)

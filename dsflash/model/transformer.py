@@ -51,7 +51,7 @@ class Transformer:
         # short forwards replay CUDA graphs of each block's static segments (the Triton backend only)
         self.graphs = SegmentGraphs() if cuda_graphs and self.k.name == "cuda" else None
         w = WeightLoader(ckpt, self.k)
-        self.ropes = (Rope(args, compressed=False), Rope(args, compressed=True))
+        self.ropes = (Rope(args, compressed=False, kernels=self.k), Rope(args, compressed=True, kernels=self.k))
         self.embed = w.tensor("embed.weight")
         # the side that embeds tokens (the box in a split) owns the vision tower and the span delimiters
         self.vision = Vision(args, w) if args.vision_n_layers > 0 and self.layers.start == 0 else None

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-NUMERICS_VERSION = 4  # 4: CUDA divides by a constant as the CPU does (IEEE), docs/numerics.md
+NUMERICS_VERSION = 5  # 5: CUDA's RoPE rounds as the CPU's (no FMA contraction), docs/numerics.md
 
 
 def exact_div(x: torch.Tensor, d: float) -> torch.Tensor:
