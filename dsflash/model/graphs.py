@@ -45,6 +45,11 @@ class SegmentGraphs:
         # the captured graphs' inputs and outputs by id: a later capture reads such a tensor in place (its
         # value is rewritten by its owner's replay earlier in the same forward) instead of copying it
         self._stable: dict[int, torch.Tensor] = {}
+        # this forward's inputs already copied into a graph's static tensor, by id (held, so no id is reused
+        # within a forward): later graphs of the forward read that static tensor instead of copying them
+        # again (the chunk's positions: one copy per forward instead of one per graph). Inputs are never
+        # modified in place between the graphs of a forward
+        self._copied: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._epoch: Hashable = None
         self.lock = threading.RLock()
 
@@ -58,6 +63,7 @@ class SegmentGraphs:
             self._warm.clear()
             self._stable.clear()
             self._epoch = epoch
+        self._copied.clear()
         return eligible and rows <= self.max_rows
 
     def run(self, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor
@@ -73,14 +79,20 @@ class SegmentGraphs:
                 static = tuple(t.clone() for t in inputs)
                 self._warm[key] = static
                 return fn(*static)
-            static = tuple(t if self._stable.get(id(t)) is t and t.stride() == s.stride() else s
-                           for t, s in zip(inputs, static, strict=True))
+            static = tuple(t if self._stable.get(id(t)) is t and t.stride() == s.stride() else
+                           self._copy_of(t, s) for t, s in zip(inputs, static, strict=True))
             entry = self._capture(key, fn, static, inputs[0].size(0))
         for dst, src in zip(entry.inputs, inputs, strict=True):
-            if dst is not src:
+            if dst is not src and self._copy_of(src, None) is not dst:
                 dst.copy_(src)
+                self._copied[id(src)] = (src, dst)
         entry.graph.replay()
         return entry.outputs
+
+    def _copy_of(self, t: torch.Tensor, default: torch.Tensor | None) -> torch.Tensor | None:
+        """The static tensor this forward already copied t into, else `default`."""
+        held = self._copied.get(id(t))
+        return held[1] if held is not None and held[0] is t and held[1].stride() == t.stride() else default
 
     def _capture(self, key: Hashable, fn: Callable, static: tuple[torch.Tensor, ...], rows: int) -> _Captured:
         # one memory pool per row count: graphs of one forward run in capture order and keep their outputs
