@@ -10,8 +10,6 @@
 # reverted): the GEMM experiment (DIFF where the variant's bits differ) and the encoder prefill with each
 # kernel module. `... patch-step FILE`: an engine patch (git apply): the CUDA model tests with it, and the
 # step benchmark before, with (twice) and after it, in one session (steps vary ~5 ms between machines).
-# `... candidates`: the offline candidates (fp4_words: the GEMM experiment against this tree; then all of
-# them applied: CUDA kernel and model tests, the step benchmark before, with and after).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -57,23 +55,6 @@ if [ "$part" = patch-step ]; then  # a patch of the engine (not of cuda.py): mod
   timeout 100 $quick --out "$out/patched" 2>&1 | tail -3
   timeout 100 $quick --out "$out/patched" 2>&1 | tail -1
   git apply -R "$2"
-  timeout 100 $quick --out "$out/this" 2>&1 | tail -1
-fi
-if [ "$part" = candidates ]; then  # the offline candidates of docs/perf-record.md's fifth pass, in one session
-  patches="bench/experiments/fp4_words.patch bench/experiments/rope_kernel.patch bench/experiments/graph_shared_inputs.patch"
-  quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 --reps 7"
-  mkdir -p "$out/this" "$out/patched"
-  git apply bench/experiments/fp4_words.patch && cp dsflash/kernels/cuda.py /tmp/fp4_words_cuda.py \
-    && git apply -R bench/experiments/fp4_words.patch || exit 1
-  timeout 150 python bench/experiments/decode_gemm.py --decode /tmp/fp4_words_cuda.py 2>&1 | grep -v -i warn \
-    | tee "$out/decode-gemm-fp4-words.txt"
-  timeout 100 $quick --out "$out/this" 2>&1 | tail -3
-  for p in $patches; do git apply "$p" || exit 1; done
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py 2>&1 | grep -E "FAILED|passed|failed" | tail -8
-  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py -s 2>&1 | grep -E "tier|passed|failed" | tail -6
-  timeout 100 $quick --out "$out/patched" 2>&1 | tail -3
-  for p in bench/experiments/graph_shared_inputs.patch bench/experiments/rope_kernel.patch \
-           bench/experiments/fp4_words.patch; do git apply -R "$p"; done
   timeout 100 $quick --out "$out/this" 2>&1 | tail -1
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then

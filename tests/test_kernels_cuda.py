@@ -413,6 +413,60 @@ def attn_inputs(n, h, d, r, k, g, scattered=False):
     return q, kv, sink, idx.to(torch.int32)
 
 
+def indexer_inputs(n, h, d, e, block, g, exact=False):
+    """Index queries, keys, head weights, visible counts and kept candidate blocks. `exact`: small integer
+    q and keys (every logit exact in bf16, so any dot order gives the same bits) and three weight values:
+    many equal scores, for the tie rule. Row visible counts include 0, a partial block and all of e."""
+    if exact:
+        q = torch.randint(-2, 3, (n, h, d), generator=g).bfloat16()
+        keys = torch.randint(-2, 3, (e, d), generator=g).bfloat16()
+        weights = torch.tensor([0.25, -0.5, 1.0])[torch.randint(0, 3, (n, h), generator=g)].bfloat16()
+    else:
+        q = (torch.randn(n, h, d, generator=g) * 2).bfloat16()
+        keys = torch.randn(e, d, generator=g).bfloat16()
+        weights = (torch.randn(n, h, generator=g) * 0.1).bfloat16()
+    visible = torch.randint(0, e + 1, (n, 1), generator=g)
+    visible[0] = e
+    if n > 2:
+        visible[1], visible[2] = 0, block + 3
+    keep = torch.rand(n, -(-e // block), generator=g) < 0.5
+    return q, keys, weights, visible, keep
+
+
+def composed_index_scores(q, keys, weights, visible, keep, block):
+    """The CUDA backend's indexer scores before the fused kernel: the bf16 GEMM of every (row, head) query
+    with the keys, then cpu.index_scores' composition with this backend's head sum."""
+    n, h, d = q.shape
+    logits = kc.linear(q.reshape(n * h, d), kc.to_cuda_weight(cpu.Weight("bf16", keys))).view(n, h, -1)
+    scores = kc.small_sum(logits.relu_() * weights.unsqueeze(-1), 1)
+    scores.masked_fill_(torch.arange(keys.size(0), device=keys.device) >= visible, -torch.inf)
+    if keep is not None:
+        scores.masked_fill_(~keep.repeat_interleave(block, dim=-1)[..., : keys.size(0)], -torch.inf)
+    return scores
+
+
+@pytest.mark.parametrize("n,e", [(5, 4000), (19, 5000), (1, 300)])  # the GEMM took BK 128 below 4096 entries
+def test_indexer_kernels_give_the_composed_ops_bits(n, e):
+    """The fused scores equal the bf16 GEMM + composition (per-head dots, heads in order), the top-k and
+    candidate blocks equal cpu.topk_indices / cpu.candidate_blocks on the same scores, each row alone."""
+    g = gen(n * 7 + e)
+    block, topk = 8, 512
+    q, keys, weights, visible, keep = (t.to(DEV) for t in indexer_inputs(n, 32, 128, e, block, g))
+    for kept in (None, keep):
+        got = kc.index_scores(q, keys, weights, visible, kept, block)
+        ref = composed_index_scores(q, keys, weights, visible, kept, block)
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (e, kept is None)
+        assert torch.equal(kc.index_scores(q[-1:], keys, weights[-1:], visible[-1:], None if kept is None else
+                                           kept[-1:], block), got[-1:])
+    scores = got
+    k = min(topk, e)
+    assert torch.equal(kc.topk_indices(scores, k, visible, topk), cpu.topk_indices(scores, k, visible, topk))
+    blocks = kc.candidate_blocks(scores, visible, 64, block)
+    assert torch.equal(blocks, cpu.candidate_blocks(scores, visible, 64, block))
+    assert torch.equal(kc.topk_indices(scores[-1:], k, visible[-1:], topk),
+                       kc.topk_indices(scores, k, visible, topk)[-1:])
+
+
 @pytest.mark.parametrize("n,h,d,r,k,scattered", [
     (19, 64, 512, 4096, 640, False),   # V4.1: 64 heads x 512, 512 top-k + 128 window
     (9, 64, 512, 1000, 160, True),

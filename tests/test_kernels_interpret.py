@@ -277,3 +277,40 @@ def test_fp4_word_layout_decodes_to_the_checkpoint_codes():
     values = patterns.view(np.float16).astype(np.float32) * 2.0**14
     e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
     assert (values == np.concatenate([e2m1, -e2m1])).all() and np.signbit(values[8:]).all()
+
+
+INDEXER_SCRIPT = """
+import interpreter_fixes  # noqa: F401  (before any kernel runs)
+import torch
+from dsflash.kernels import cpu, cuda
+from test_kernels_cuda import indexer_inputs
+
+g = torch.Generator().manual_seed(0)
+for n, e, block, topk, blocks in ((5, 300, 8, 64, 6), (3, 77, 3, 16, 4), (1, 20, 8, 32, 9)):
+    q, keys, weights, visible, keep = indexer_inputs(n, 4, 16, e, block, g, exact=True)
+    for kept in (None, keep):
+        got = cuda.index_scores(q, keys, weights, visible, kept, block)
+        ref = cpu.index_scores(q, keys, weights, visible, kept, block, small_sum=cuda.small_sum)
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (n, e, kept is None)
+    # row 0: zeros of both signs (torch's sort finds -0 and +0 equal) around a few larger scores
+    got[0] = torch.where(torch.arange(e) % 2 == 1, -0.0, 0.0)
+    got[0, e // 3:e // 3 + 5] = 1.0
+    assert len(set(got[0].tolist())) < e // 2  # many ties: the lowest index must win
+    k = min(topk, e)
+    assert torch.equal(cuda.topk_indices(got, k, visible, topk), cpu.topk_indices(got, k, visible, topk)), (n, e)
+    assert torch.equal(cuda.candidate_blocks(got, visible, blocks, block),
+                       cpu.candidate_blocks(got, visible, blocks, block)), (n, e)
+    alone = cuda.topk_indices(got[-1:], k, visible[-1:], topk)
+    assert torch.equal(alone, cuda.topk_indices(got, k, visible, topk)[-1:])
+print("ok")
+"""
+
+
+def test_indexer_kernels_under_the_fixed_interpreter():
+    """The fused indexer scores (integer inputs: exact under any dot order) equal the composition with the
+    CUDA head sum; the radix-select top-k and candidate blocks equal the CPU's sort-based picks, ties
+    (many, and -0 against +0) going to the lowest index."""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
+    r = subprocess.run([sys.executable, "-c", INDEXER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.testing
 
+from dsflash.kernels import cpu
 from dsflash.kernels import cuda as kc
+from dsflash.model.attention import INDEXER_ROWS
 from dsflash.numerics import packing
 
 M_VALUES = (1, 5, 8, 512, 8192)
@@ -276,6 +278,39 @@ def bench_sparse_attn(ceil, ms_values, h=64, d=512, k=640) -> list[dict]:
     return rows
 
 
+def bench_indexer(ceil, ms_values, h=32, d=128, topk=512, block=8, blocks=2048) -> list[dict]:
+    """An index layer's scoring and top-k over 4K (8K context, ratio 2) and 64K (128K context) entries,
+    with the composition the fused scores replaced (the bf16 GEMM then 35 elementwise launches) beside."""
+    rows = []
+    for e in (4096, 65536):
+        keys = torch.randn(e, d, device="cuda").bfloat16()
+        kw = kc.to_cuda_weight(cpu.Weight("bf16", keys))
+        for n in ms_values:
+            if n > INDEXER_ROWS:  # the model scores at most this many rows at a time
+                continue
+            q = torch.randn(n, h, d, device="cuda").bfloat16()
+            w = (torch.randn(n, h, device="cuda") * 0.1).bfloat16()
+            vis = torch.full((n, 1), e, device="cuda")
+            ms = bench_both(lambda q=q, k=keys, w=w, v=vis: kc.index_scores(q, k, w, v, None, block))
+            flops, nbytes = 2 * n * h * d * e, e * d * 2 + n * e * 2
+            rows.append(row("index_scores", f"H{h} D{d} E{e}", n, ms, nbytes, flops, ceil))
+
+            def composed(q=q, w=w, v=vis, n=n, kw=kw, e=e):
+                logits = kc.linear(q.reshape(n * h, d), kw).view(n, h, -1)
+                s = kc.small_sum(logits.relu_() * w.unsqueeze(-1), 1)
+                return s.masked_fill_(torch.arange(e, device="cuda") >= v, -torch.inf)
+            ms = bench_both(composed)
+            rows.append(row("index_scores composed", f"H{h} D{d} E{e}", n, ms, nbytes, flops, ceil))
+            scores = kc.index_scores(q, keys, w, vis, None, block)
+            ms = bench_both(lambda s=scores, v=vis: kc.topk_indices(s, topk, v, topk))
+            rows.append(row("topk_indices", f"E{e} k{topk}", n, ms, 5 * n * e * 2, 0, ceil))
+            ms = bench_both(lambda s=scores, v=vis: cpu.topk_indices(s, topk, v, topk))
+            rows.append(row("topk_indices torch sort", f"E{e} k{topk}", n, ms, n * e * 2, 0, ceil))
+            ms = bench_both(lambda s=scores, v=vis: kc.candidate_blocks(s, v, blocks, block))
+            rows.append(row("candidate_blocks", f"E{e} {blocks}x{block}", n, ms, 5 * n * e * 2, 0, ceil))
+    return rows
+
+
 def bench_hc(ceil, ms_values) -> list[dict]:
     rows = []
     for n in ms_values:
@@ -319,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--sweep", action="store_true", help="also time candidate FP8/FP4 tile configs")
-    ap.add_argument("--only", default="linear,experts,quant,attn,hc")
+    ap.add_argument("--only", default="linear,experts,quant,attn,indexer,hc")
     ap.add_argument("--m", default=",".join(map(str, M_VALUES)))
     args = ap.parse_args(argv)
     ms_values = [int(v) for v in args.m.split(",")]
@@ -336,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_quant(ceil, ms_values)
     if "attn" in only:
         rows += bench_sparse_attn(ceil, ms_values)
+    if "indexer" in only:
+        rows += bench_indexer(ceil, ms_values)
     if "hc" in only:
         rows += bench_hc(ceil, ms_values)
     date = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")

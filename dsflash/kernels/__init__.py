@@ -37,7 +37,9 @@ class Kernels:
     # MoE layers of at most this many rows run every (row, slot) pair through expert_linear (no host read
     # of the routing); larger chunks loop over the experts they use
     slot_moe_rows: int
-    index_scores: Any
+    index_scores: Any  # (q, keys, weights, visible, keep_blocks or None, block) -> the indexer's bf16 scores
+    topk_indices: Any  # (scores, k, visible, width) -> the k best entries per row, ascending, -1 padded
+    candidate_blocks: Any  # (scores, visible, topk_blocks, block) -> the kept candidate blocks, bool
     mean_square: Any  # mean(x^2) over the last dim, keepdim
     row_sum: Any  # sum over the last dim
     small_sum: Any  # sum over a short dim
@@ -77,6 +79,7 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     if device.type == "cpu" or reference:
         return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
                        cpu.grouped_linear, cpu.expert_bank, cpu.expert_linear, cpu.ROW_TILE, cpu.index_scores,
+                       cpu.topk_indices, cpu.candidate_blocks,
                        cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm, cpu.rms_scale,
                        fp8_fake_quant, fp4_fake_quant, quant_packed, dequant_packed, cpu.collapse, cpu.expand,
                        cpu.moe_sum, cpu.swiglu, cpu.rope_rotate, _reference_weight(device))
@@ -90,10 +93,6 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
         dtype = torch.float32 if kind == "fp32" else torch.bfloat16
         return cuda.to_cuda_weight(cpu.Weight(kind, stored.to(dtype)), device)
 
-    def index_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        n, h, d = q.shape
-        return cuda.linear(q.reshape(n * h, d), cuda.to_cuda_weight(cpu.Weight("bf16", keys), device)).view(n, h, -1)
-
     def stream_mean(h: torch.Tensor) -> torch.Tensor:
         return exact_div(cuda.small_sum(h.float(), 1), h.size(1)).to(h.dtype)
 
@@ -101,7 +100,8 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
         return exact_div(cuda.row_sum(x, square=True), x.size(-1)).unsqueeze(-1)
 
     return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, cuda.grouped_linear,
-                   cuda.expert_bank, cuda.expert_linear, cuda.SLOT_MOE_ROWS, index_scores, mean_square, cuda.row_sum,
+                   cuda.expert_bank, cuda.expert_linear, cuda.SLOT_MOE_ROWS, cuda.index_scores,
+                   cuda.topk_indices, cuda.candidate_blocks, mean_square, cuda.row_sum,
                    cuda.small_sum, stream_mean, cuda.rms_norm, cuda.rms_scale, cuda.fp8_fake_quant,
                    cuda.fp4_fake_quant, cuda.fp4_quant_packed, cuda.fp4_dequant_packed, cuda.collapse, cuda.expand,
                    cuda.moe_sum, cuda.swiglu, cuda.rope_rotate, cuda_weight)

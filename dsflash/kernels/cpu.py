@@ -221,9 +221,48 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.einsum("sgd,grd->sgr", x, w)
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Indexer logits in bf16: q [N, H, D], keys [T, D] -> [N, H, T]."""
-    return torch.einsum("shd,td->sht", q, keys)
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
+                 keep_blocks: torch.Tensor | None, block: int, small_sum=small_sum) -> torch.Tensor:
+    """The indexer's scores of T entries, bf16 [N, T]: each head's logit q.k in bf16 (q [N, H, D], keys
+    [T, D]), relu, times the head's weight (weights [N, H] bf16), summed over the heads (`small_sum`: the
+    backend's). Entries at or past `visible` [N, 1] are -inf, and with `keep_blocks` (bool [N, ceil(T /
+    block)], candidate_blocks) those outside the kept blocks."""
+    scores = small_sum(torch.einsum("shd,td->sht", q, keys).relu_() * weights.unsqueeze(-1), 1)
+    entries = torch.arange(keys.size(0), device=keys.device)
+    scores.masked_fill_(entries >= visible, -torch.inf)
+    if keep_blocks is not None:
+        scores.masked_fill_(~keep_blocks.repeat_interleave(block, dim=-1)[..., : keys.size(0)], -torch.inf)
+    return scores
+
+
+def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values per row; among exactly equal values the lowest index wins."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def topk_indices(scores: torch.Tensor, k: int, visible: torch.Tensor, width: int) -> torch.Tensor:
+    """The indexer's picks: the k best entries of each row (topk_lowest_index), ascending, those at or past
+    `visible` [N, 1] as -1, padded with -1 to `width` columns: int64 [N, width]."""
+    picks = topk_lowest_index(scores, k).sort(dim=-1).values
+    out = torch.full((scores.size(0), width), -1, dtype=torch.int64, device=scores.device)
+    out[:, :k] = torch.where(picks < visible, picks, -1)
+    return out
+
+
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """Level one of the two-level top-k (the candidate source layer): of each row's blocks of `block`
+    entries, keep the `topk_blocks` with the best maximum (topk_lowest_index), always the block of the
+    newest visible entry, never a block with no finite score. scores [N, T] (invisible entries -inf),
+    visible [N, 1] -> bool [N, ceil(T / block)]."""
+    width = scores.size(-1)
+    padded = F.pad(scores, (0, -width % block), value=-torch.inf)
+    block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
+    n_blocks = block_scores.size(-1)
+    newest = (visible - 1) // block
+    block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, torch.inf)
+    picks = topk_lowest_index(block_scores, min(topk_blocks, n_blocks))
+    kept = torch.gather(block_scores, -1, picks) > -torch.inf
+    return torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, picks, kept)
 
 
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,

@@ -10,7 +10,6 @@ DeepSeek's one-shot prefill whenever the prompt is at least one window and `inde
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
 from dsflash.model.common import Chunk
@@ -33,27 +32,6 @@ def _with_compressed(window_idx: torch.Tensor, comp_idx: torch.Tensor, comp_offs
     which 64-block of the online softmax an entry falls in changes the bits."""
     idx = torch.cat([window_idx, torch.where(comp_idx >= 0, comp_idx + comp_offset, -1)], dim=1)
     return torch.gather(idx, 1, torch.sort((idx < 0).to(torch.int8), dim=1, stable=True).indices)
-
-
-def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest values per row; among exactly equal values the lowest index wins."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-
-
-def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
-    """Level one of the two-level top-k (layer 20): keep the best `topk_blocks` blocks of `block`
-    entries per query, always including the block of its newest visible entry. Returns a bool mask
-    shaped like `scores` ([N, entries], invisible entries already -inf)."""
-    width = scores.size(-1)
-    padded = F.pad(scores, (0, -width % block), value=-torch.inf)
-    block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
-    n_blocks = block_scores.size(-1)
-    newest = (visible - 1) // block
-    block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, torch.inf)
-    picks = topk_lowest_index(block_scores, min(topk_blocks, n_blocks))
-    kept = torch.gather(block_scores, -1, picks) > -torch.inf
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, picks, kept)
-    return keep.repeat_interleave(block, dim=-1)[..., :width]
 
 
 class Compressor:
@@ -147,24 +125,20 @@ class Indexer:
         q = self.k.fp4_fake_quant(q, 32, e4m3_scale=False)
         weights = self.k.linear(x, self.weights_proj) * (a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5)
         k = min(a.index_topk, keys.size(0))
-        out = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64, device=keys.device)
+        out = torch.empty((chunk.rows, a.index_topk), dtype=torch.int64, device=keys.device)
         visible = ((chunk.positions + 1) // self.ratio).unsqueeze(-1)
-        entries = torch.arange(keys.size(0), device=keys.device)
         if self.is_candidate_source:
-            chunk.candidates = torch.empty(chunk.rows, keys.size(0), dtype=torch.bool, device=keys.device)
-        # the [rows, heads, entries] score tensor grows with the context: score query rows a block at a time
+            n_blocks = -(-keys.size(0) // a.candidate_block_size)
+            chunk.candidates = torch.empty(chunk.rows, n_blocks, dtype=torch.bool, device=keys.device)
+        # the score rows grow with the context: score query rows a block at a time
         for r in range(0, chunk.rows, INDEXER_ROWS):
             rows = slice(r, r + INDEXER_ROWS)
-            scores = self.k.index_scores(q[rows], keys)
-            scores = self.k.small_sum(scores.relu_() * weights[rows].unsqueeze(-1), 1)
-            scores.masked_fill_(entries >= visible[rows], -torch.inf)
+            keep = chunk.candidates[rows] if self.uses_candidates else None
+            scores = self.k.index_scores(q[rows], keys, weights[rows], visible[rows], keep, a.candidate_block_size)
             if self.is_candidate_source:
-                chunk.candidates[rows] = select_candidate_blocks(scores, visible[rows], a.candidate_topk_blocks,
+                chunk.candidates[rows] = self.k.candidate_blocks(scores, visible[rows], a.candidate_topk_blocks,
                                                                  a.candidate_block_size)
-            elif self.uses_candidates:
-                scores = scores.masked_fill(~chunk.candidates[rows], -torch.inf)
-            picks = topk_lowest_index(scores, k).sort(dim=-1).values
-            out[rows, :k] = torch.where(picks < visible[rows], picks, -1)
+            out[rows] = self.k.topk_indices(scores, k, visible[rows], a.index_topk)
         forced = chunk.select and chunk.select.rows(chunk.select.index_topk, self.layer, chunk.positions[: chunk.n])
         if forced is not None:
             out[: chunk.n] = -1

@@ -49,7 +49,7 @@ class Chunk:
     select: Selections | None = None
     image_mask: torch.Tensor | None = None  # bool [rows]
     topk: torch.Tensor | None = None  # published by the latest index source: [rows, index_topk]
-    candidates: torch.Tensor | None = None  # published by the candidate source: bool [rows, entries]
+    candidates: torch.Tensor | None = None  # published by the candidate source: bool [rows, blocks]
     trace: dict | None = None  # debugging: per-layer intermediate outputs when a dict is given
     row_tile: int = 1  # rows are padded to a multiple of this (see Transformer.forward)
     _p0: int | None = None

@@ -9,8 +9,7 @@ import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
 from dsflash.kernels import Kernels
-from dsflash.kernels.cpu import Weight
-from dsflash.model.attention import topk_lowest_index
+from dsflash.kernels.cpu import Weight, topk_lowest_index
 from dsflash.model.common import Chunk
 from dsflash.model.weights import WeightLoader
 from dsflash.numerics import exact_div
