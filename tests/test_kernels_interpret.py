@@ -314,3 +314,26 @@ def test_indexer_kernels_under_the_fixed_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
     r = subprocess.run([sys.executable, "-c", INDEXER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_indexer_kernels_compile_for_sm90():
+    """The interpreter runs kernels as Python, so it misses what only the compiler rejects: compile the
+    indexer kernels for sm_90 here (Triton ships ptxas; no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from dsflash.kernels import cuda
+
+    def check(fn, pointers, constexprs):
+        sig = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
+        src = ASTSource(fn=fn, signature=sig,
+                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+        assert compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
+
+    for cand, group in ((False, 1), (True, 8)):
+        check(cuda._topk_kernel, {"s_ptr": "*bf16", "vis_ptr": "*i64", "o_ptr": "*i8" if cand else "*i64"},
+              {"GROUP": group, "CAND": cand, "BLOCK": cuda.TOPK_BLOCK // group})
+    for keep in (False, True):
+        check(cuda._index_scores_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "vis_ptr": "*i64",
+                                          "keep_ptr": "*u8", "o_ptr": "*bf16"},
+              {"H": 32, "D": 128, "BLOCK": 8, "KEEP": keep, "R": cuda.INDEX_SCORE_ROWS, "BE": cuda.INDEX_SCORE_ENTRIES})

@@ -887,7 +887,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, vis
     grid = (triton.cdiv(n, INDEX_SCORE_ROWS), triton.cdiv(e, INDEX_SCORE_ENTRIES))
     _index_scores_kernel[grid](q, keys, weights, vis, keep, out, n, e, keep.stride(0) if keep_blocks is not None else 0,
                                H=h, D=d, BLOCK=block, KEEP=keep_blocks is not None, R=INDEX_SCORE_ROWS,
-                               BE=INDEX_SCORE_ENTRIES, num_warps=4, num_stages=2)
+                               BE=INDEX_SCORE_ENTRIES, num_warps=4, num_stages=2, enable_fp_fusion=False)
     return out
 
 
@@ -930,7 +930,7 @@ def _topk_kernel(s_ptr, vis_ptr, o_ptr, E, k, width, topk_blocks, group, GROUP: 
     need = k
     digits = tl.arange(0, 16)
     for p in tl.static_range(4):
-        shift: tl.constexpr = 12 - 4 * p
+        shift = 12 - 4 * p
         counts = tl.zeros([16], dtype=tl.int32)
         for base in range(0, items, BLOCK):
             key, valid, _ = _order_keys(s_ptr, row, base, E, group, newest, GROUP, CAND, BLOCK)
