@@ -460,9 +460,11 @@ def test_indexer_kernels_give_the_composed_ops_bits(n, e):
                                            kept[-1:], block), got[-1:])
     scores = got
     k = min(topk, e)
-    assert torch.equal(kc.topk_indices(scores, k, visible, topk), cpu.topk_indices(scores, k, visible, topk))
-    blocks = kc.candidate_blocks(scores, visible, 64, block)
-    assert torch.equal(blocks, cpu.candidate_blocks(scores, visible, 64, block))
+    for segment in (None, 1000):  # one program per row; segments merged by a second program
+        assert torch.equal(kc.topk_indices(scores, k, visible, topk, segment=segment),
+                           cpu.topk_indices(scores, k, visible, topk))
+        blocks = kc.candidate_blocks(scores, visible, 64, block, segment=segment and 100)
+        assert torch.equal(blocks, cpu.candidate_blocks(scores, visible, 64, block))
     assert torch.equal(kc.topk_indices(scores[-1:], k, visible[-1:], topk),
                        kc.topk_indices(scores, k, visible, topk)[-1:])
 

@@ -282,7 +282,7 @@ def bench_indexer(ceil, ms_values, h=32, d=128, topk=512, block=8, blocks=2048) 
     """An index layer's scoring and top-k over 4K (8K context, ratio 2) and 64K (128K context) entries,
     with the composition the fused scores replaced (the bf16 GEMM then 35 elementwise launches) beside."""
     rows = []
-    for e in (4096, 65536):
+    for e in (4096, 65536, 131072):
         keys = torch.randn(e, d, device="cuda").bfloat16()
         kw = kc.to_cuda_weight(cpu.Weight("bf16", keys))
         for n in ms_values:
@@ -304,10 +304,14 @@ def bench_indexer(ceil, ms_values, h=32, d=128, topk=512, block=8, blocks=2048) 
             scores = kc.index_scores(q, keys, w, vis, None, block)
             ms = bench_both(lambda s=scores, v=vis: kc.topk_indices(s, topk, v, topk))
             rows.append(row("topk_indices", f"E{e} k{topk}", n, ms, 5 * n * e * 2, 0, ceil))
+            ms = bench_both(lambda s=scores, v=vis, e=e: kc.topk_indices(s, topk, v, topk, segment=e))
+            rows.append(row("topk_indices one program/row", f"E{e} k{topk}", n, ms, 5 * n * e * 2, 0, ceil))
             ms = bench_both(lambda s=scores, v=vis: cpu.topk_indices(s, topk, v, topk))
             rows.append(row("topk_indices torch sort", f"E{e} k{topk}", n, ms, n * e * 2, 0, ceil))
             ms = bench_both(lambda s=scores, v=vis: kc.candidate_blocks(s, v, blocks, block))
             rows.append(row("candidate_blocks", f"E{e} {blocks}x{block}", n, ms, 5 * n * e * 2, 0, ceil))
+            ms = bench_both(lambda s=scores, v=vis: cpu.candidate_blocks(s, v, blocks, block))
+            rows.append(row("candidate_blocks torch sort", f"E{e} {blocks}x{block}", n, ms, n * e * 2, 0, ceil))
     return rows
 
 
