@@ -460,13 +460,12 @@ def test_indexer_kernels_give_the_composed_ops_bits(n, e):
                                            kept[-1:], block), got[-1:])
     scores = got
     k = min(topk, e)
-    for segment in (None, 1000):  # one program per row; segments merged by a second program
-        assert torch.equal(kc.topk_indices(scores, k, visible, topk, segment=segment),
-                           cpu.topk_indices(scores, k, visible, topk))
-        blocks = kc.candidate_blocks(scores, visible, 64, block, segment=segment and 100)
-        assert torch.equal(blocks, cpu.candidate_blocks(scores, visible, 64, block))
-    assert torch.equal(kc.topk_indices(scores[-1:], k, visible[-1:], topk),
-                       kc.topk_indices(scores, k, visible, topk)[-1:])
+    picks = kc.topk_indices(scores, k, visible, topk, kernel=True)
+    assert torch.equal(picks, cpu.topk_indices(scores, k, visible, topk))
+    blocks = kc.candidate_blocks(scores, visible, 64, block, kernel=True)
+    assert torch.equal(blocks, cpu.candidate_blocks(scores, visible, 64, block))
+    assert torch.equal(kc.topk_indices(scores[-1:], k, visible[-1:], topk, kernel=True),
+                       kc.topk_indices(scores, k, visible, topk, kernel=True)[-1:])
 
 
 @pytest.mark.parametrize("n,h,d,r,k,scattered", [

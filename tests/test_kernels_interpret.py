@@ -6,7 +6,6 @@ so the mHC split and SwiGLU kernels are checked to a tolerance). The GPU's own r
 GPU machine by tests/test_kernels_cuda.py (results in kernels/FIDELITY.md); here the indexing, masking,
 split/sum and slot logic are."""
 
-import itertools
 import os
 import subprocess
 import sys
@@ -298,14 +297,11 @@ for n, e, block, topk, blocks in ((5, 300, 8, 64, 6), (3, 77, 3, 16, 4), (1, 20,
     got[0, e // 3:e // 3 + 5] = 1.0
     assert len(set(got[0].tolist())) < e // 2  # many ties: the lowest index must win
     k = min(topk, e)
-    for segment in (None, topk + 9):  # one program per row; segments whose picks a second program merges
-        assert torch.equal(cuda.topk_indices(got, k, visible, topk, segment=segment),
-                           cpu.topk_indices(got, k, visible, topk)), (n, e, segment)
-    for segment in (None, blocks + 1):
-        assert torch.equal(cuda.candidate_blocks(got, visible, blocks, block, segment=segment),
-                           cpu.candidate_blocks(got, visible, blocks, block)), (n, e, segment)
-    alone = cuda.topk_indices(got[-1:], k, visible[-1:], topk)
-    assert torch.equal(alone, cuda.topk_indices(got, k, visible, topk)[-1:])
+    assert torch.equal(cuda.topk_indices(got, k, visible, topk, kernel=True), cpu.topk_indices(got, k, visible, topk))
+    assert torch.equal(cuda.candidate_blocks(got, visible, blocks, block, kernel=True),
+                       cpu.candidate_blocks(got, visible, blocks, block)), (n, e)
+    alone = cuda.topk_indices(got[-1:], k, visible[-1:], topk, kernel=True)
+    assert torch.equal(alone, cuda.topk_indices(got, k, visible, topk, kernel=True)[-1:])
 print("ok")
 """
 
@@ -334,10 +330,9 @@ def test_indexer_kernels_compile_for_sm90():
                         constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
         assert compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
 
-    for (cand, group), stage in itertools.product(((False, 1), (True, 8)), (0, 1, 2)):
-        check(cuda._topk_kernel, {"s_ptr": "*bf16", "vis_ptr": "*i64", "o_ptr": "*i8" if cand else "*i64",
-                                  "ck_ptr": "*i32", "ci_ptr": "*i32"},
-              {"GROUP": group, "CAND": cand, "STAGE": stage, "BLOCK": 256 // group})
+    for cand, group in ((False, 1), (True, 8)):
+        check(cuda._topk_kernel, {"s_ptr": "*bf16", "vis_ptr": "*i64", "o_ptr": "*i8" if cand else "*i64"},
+              {"GROUP": group, "CAND": cand, "BLOCK": cuda.TOPK_BLOCK // group})
     for keep in (False, True):
         check(cuda._index_scores_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "vis_ptr": "*i64",
                                           "keep_ptr": "*u8", "o_ptr": "*bf16"},

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from dsflash.kernels import cpu
 from dsflash.kernels.cpu import Weight
 from dsflash.numerics.codecs import encode_e2m1, pack_fp4
 from dsflash.numerics.packing import check_width, packed_width
@@ -831,6 +832,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
 # ---------------------------------------------------------------------------------------------
 INDEX_SCORE_ROWS = 16  # query rows per scoring program (the dot's M)
 INDEX_SCORE_ENTRIES = 64  # entries per scoring program
+TOPK_BLOCK = 1024  # entries a top-k program reads per step
 
 
 @triton.jit
@@ -891,74 +893,51 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, vis
 
 
 @triton.jit
-def _order_keys(v):
-    """fp32 values of bf16 scores -> 16-bit keys ordered like the values, as torch's sort orders them: -0
-    equals +0, NaN above +inf (key 0xFFFF: only NaNs get it)."""
-    b = v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    b = tl.where(b == 0x8000, 0, b)
-    key = tl.where((b & 0x8000) != 0, b ^ 0xFFFF, b | 0x8000)
-    return tl.where((b & 0x7FFF) > 0x7F80, 0xFFFF, key)
-
-
-KEY_NEG_INF = tl.constexpr(0x007F)  # _order_keys(-inf)
-
-
-@triton.jit
-def _topk_items(s_ptr, ck_ptr, ci_ptr, row, t, lo, hi, E, group, newest, buf_cols, GROUP: tl.constexpr,
-                CAND: tl.constexpr, MERGE: tl.constexpr):
-    """Items t (a block of positions from lo) of a row: (keys, valid, original index). An item is a score
-    (group 1) or the max of `group` consecutive scores (candidate blocks, GROUP >= group a power of two; the
-    newest block +inf); MERGE: an entry of the segments' picks buffer (key -1 = none)."""
-    i = lo + t
-    if MERGE:
-        key = tl.load(ck_ptr + row * buf_cols + i, mask=i < hi, other=-1)
-        return key, key >= 0, tl.load(ci_ptr + row * buf_cols + i, mask=i < hi, other=0)
+def _order_keys(s_ptr, row, base, E, group, newest, GROUP: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """Items base .. base + BLOCK of a row as 16-bit keys ordered like their bf16 values (-0 = +0, NaN
+    above +inf as torch's sort has it): an item is one score (group 1) or the max of `group` consecutive
+    scores (candidate blocks, GROUP >= group a power of two; the newest block +inf when CAND). Returns
+    (keys, in range, item values)."""
+    i = base + tl.arange(0, BLOCK)
     j = tl.arange(0, GROUP)
     e = i[:, None] * group + j[None, :]
     v = tl.load(s_ptr + row * E + e, mask=(e < E) & (j[None, :] < group), other=float("-inf"))
     v = tl.max(v.to(tl.float32), axis=1)
     if CAND:
         v = tl.where(i == newest, float("inf"), v)
-    return _order_keys(v), i < hi, i
+    b = v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    b = tl.where(b == 0x8000, 0, b)
+    key = tl.where((b & 0x8000) != 0, b ^ 0xFFFF, b | 0x8000)
+    key = tl.where((b & 0x7FFF) > 0x7F80, 0xFFFF, key)
+    return key, i < tl.cdiv(E, group), v
 
 
-@triton.jit(do_not_specialize=["E", "k", "seg", "buf_cols"])
-def _topk_kernel(s_ptr, vis_ptr, o_ptr, ck_ptr, ci_ptr, E, k, width, group, seg, buf_cols, GROUP: tl.constexpr,
-                 CAND: tl.constexpr, STAGE: tl.constexpr, BLOCK: tl.constexpr):
-    """The k best items of a row (the larger key; lowest index first among equal keys): a radix select of
-    the 16-bit key (four 4-bit digits from the top give the k-th best key and how many items equal to it
-    to take; per-lane digit counts, summed once per digit), then one pass in index order that emits them.
-    STAGE 0: one program per row. STAGE 1: program (row, s) takes items [s * seg, (s + 1) * seg) and
-    writes its picks, in index order, to the buffer (keys ck, indices ci; -1 keys after them; CAND: every
-    block of the segment unkept). STAGE 2: one program per row selects among the buffer's entries, which
-    hold every one of the row's k best (each is among its segment's k best) in index order: the same picks.
-    Output, CAND: the keep mask (picked and not -inf; NaN is not kept, as torch's > -inf). Else: the picks
-    ascending, those at or past `visible` as -1, then -1 up to `width`."""
+@triton.jit(do_not_specialize=["E", "k"])
+def _topk_kernel(s_ptr, vis_ptr, o_ptr, E, k, width, topk_blocks, group, GROUP: tl.constexpr,
+                 CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's k best items (lowest index first among equal keys), found by a radix select of the 16-bit
+    key (four 4-bit digits from the top: the k-th best key, and how many items equal to it to take), then
+    one pass in index order that emits them. CAND: items are candidate blocks; writes the keep mask
+    (picked and not -inf) for every block. Else: writes the picks ascending, those at or past `visible`
+    as -1, then -1 up to `width`."""
     row = tl.program_id(0).to(tl.int64)
     items = tl.cdiv(E, group)
-    lo = 0
-    hi = items
-    if STAGE == 1:
-        lo = tl.program_id(1) * seg
-        hi = tl.minimum(lo + seg, items)
-    if STAGE == 2:
-        hi = buf_cols
     vis = tl.load(vis_ptr + row)
     newest = tl.where(vis > 0, (vis - 1) // group, -1)  # (Triton's // truncates: no block when none is visible)
-    need = tl.minimum(k, hi - lo)
+    if CAND:
+        k = tl.minimum(topk_blocks, items)
     prefix = 0
     known = 0
-    t = tl.arange(0, BLOCK)
+    need = k
     digits = tl.arange(0, 16)
     for p in tl.static_range(4):
         shift = 12 - 4 * p
-        lanes = tl.zeros([BLOCK, 16], dtype=tl.int32)
-        for base in range(0, hi - lo, BLOCK):
-            key, valid, _ = _topk_items(s_ptr, ck_ptr, ci_ptr, row, base + t, lo, hi, E, group, newest, buf_cols,
-                                        GROUP, CAND, STAGE == 2)
+        counts = tl.zeros([16], dtype=tl.int32)
+        for base in range(0, items, BLOCK):
+            key, valid, _ = _order_keys(s_ptr, row, base, E, group, newest, GROUP, CAND, BLOCK)
             match = valid & ((key & known) == prefix)
-            lanes += (match[:, None] & (((key >> shift) & 15)[:, None] == digits[None, :])).to(tl.int32)
-        counts = tl.sum(lanes, axis=0)
+            hit = match[:, None] & (((key >> shift) & 15)[:, None] == digits[None, :])
+            counts += tl.sum(hit.to(tl.int32), axis=0)
         at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # items with digit >= d
         chosen = tl.max(tl.where(at_least >= need, digits, 0), axis=0)
         need -= tl.sum(tl.where(digits > chosen, counts, 0), axis=0)
@@ -966,82 +945,64 @@ def _topk_kernel(s_ptr, vis_ptr, o_ptr, ck_ptr, ci_ptr, E, k, width, group, seg,
         known |= 15 << shift
     ties = tl.full([], 0, tl.int32)
     written = tl.full([], 0, tl.int32)
-    for base in range(0, hi - lo, BLOCK):
-        key, valid, idx = _topk_items(s_ptr, ck_ptr, ci_ptr, row, base + t, lo, hi, E, group, newest, buf_cols,
-                                      GROUP, CAND, STAGE == 2)
+    for base in range(0, items, BLOCK):
+        key, valid, v = _order_keys(s_ptr, row, base, E, group, newest, GROUP, CAND, BLOCK)
+        i = base + tl.arange(0, BLOCK)
         tie = valid & (key == prefix)
         rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
         pick = (valid & (key > prefix)) | (tie & (rank < need))
-        ties += tl.sum(tie.to(tl.int32), axis=0)
-        kept = pick & (key > KEY_NEG_INF) & (key != 0xFFFF)
-        if STAGE == 1:
-            pos = written + tl.cumsum(pick.to(tl.int32), axis=0) - 1
-            out = row * buf_cols + tl.program_id(1) * k + pos
-            tl.store(ck_ptr + out, key, mask=pick)
-            tl.store(ci_ptr + out, idx, mask=pick)
-            written += tl.sum(pick.to(tl.int32), axis=0)
-            if CAND:
-                tl.store(o_ptr + row * items + idx, tl.zeros_like(idx).to(tl.int8), mask=valid)
-        elif CAND and STAGE == 0:
-            tl.store(o_ptr + row * items + idx, kept.to(tl.int8), mask=valid)
-        elif CAND:  # the segments left every block unkept
-            tl.store(o_ptr + row * items + idx, kept.to(tl.int8), mask=kept)
+        if CAND:
+            tl.store(o_ptr + row * items + i, (pick & (v > float("-inf"))).to(tl.int8), mask=valid)
         else:
-            emit = pick & (idx < vis)
-            pos = written + tl.cumsum(emit.to(tl.int32), axis=0) - 1
-            tl.store(o_ptr + row * width + pos, idx.to(tl.int64), mask=emit)
-            written += tl.sum(emit.to(tl.int32), axis=0)
-    if STAGE == 1:
-        for base in range(0, k, BLOCK):
-            j = base + t
-            tl.store(ck_ptr + row * buf_cols + tl.program_id(1) * k + j, tl.full([BLOCK], -1, tl.int32),
-                     mask=(j >= written) & (j < k))
-    elif not CAND:
+            pos = written + tl.cumsum(pick.to(tl.int32), axis=0) - 1
+            tl.store(o_ptr + row * width + pos, i.to(tl.int64), mask=pick & (i < vis))
+            written += tl.sum((pick & (i < vis)).to(tl.int32), axis=0)
+        ties += tl.sum(tie.to(tl.int32), axis=0)
+    if not CAND:
         for base in range(0, width, BLOCK):
-            j = base + t
+            j = base + tl.arange(0, BLOCK)
             tl.store(o_ptr + row * width + j, tl.full([BLOCK], -1, tl.int64), mask=(j >= written) & (j < width))
 
 
-TOPK_SEGMENT = 4096  # items per stage-1 program when a call has few rows and long ones
-TOPK_SEGMENT_MAX_ROWS = 64  # with more rows, one program per row already fills the GPU
+# One program per row reads a row five times, ~6 us per 1K scores: for a few long rows torch's sort, which
+# spreads a row over the GPU, is faster (H200: 4K scores kernel 26 us vs sort 55; 64K scores, 8 rows 381 vs
+# 104; 64K scores, 512 rows 974 vs 1,262: bench/results/kernels-indexer-2026-12-01.md). Both give the same
+# picks (selection is exact), so the launch shape never changes a bit.
+TOPK_KERNEL_MAX_SCORES = 8192
+TOPK_KERNEL_MIN_ROWS = 512
 
 
-def _topk(scores: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, k: int, width: int, block: int,
-          cand: bool, segment: int | None) -> None:
-    """Launch the top-k over [N, T] scores: one program per row, or (long rows, few of them) segments of
-    `segment` items each picking their k best into a buffer, then one program per row over the buffer."""
+def _topk_by_kernel(scores: torch.Tensor, kernel: bool | None) -> bool:
     n, e = scores.shape
-    if n == 0:
-        return
-    group = triton.next_power_of_2(block)
-    items = triton.cdiv(e, block)
-    scores, vis = scores.contiguous(), visible.reshape(n).contiguous()
-    seg = segment or (TOPK_SEGMENT if n <= TOPK_SEGMENT_MAX_ROWS else items)
-    kw = dict(GROUP=group, CAND=cand, BLOCK=max(16, 256 // group), num_warps=4)
-    if items <= 2 * seg or k >= seg:
-        _topk_kernel[(n,)](scores, vis, out, out, out, e, k, width, block, items, 0, STAGE=0, **kw)
-        return
-    parts = triton.cdiv(items, seg)
-    keys = torch.empty((n, parts * k), dtype=torch.int32, device=scores.device)
-    idx = torch.empty_like(keys)
-    _topk_kernel[(n, parts)](scores, vis, out, keys, idx, e, k, width, block, seg, parts * k, STAGE=1, **kw)
-    _topk_kernel[(n,)](scores, vis, out, keys, idx, e, k, width, block, seg, parts * k, STAGE=2, **kw)
+    return kernel if kernel is not None else e <= TOPK_KERNEL_MAX_SCORES or n >= TOPK_KERNEL_MIN_ROWS
 
 
 def topk_indices(scores: torch.Tensor, k: int, visible: torch.Tensor, width: int, *,
-                 segment: int | None = None) -> torch.Tensor:
-    """cpu.topk_indices (the same picks whatever the launch shape: `segment`, for tests, overrides it)."""
-    out = torch.empty((scores.size(0), width), dtype=torch.int64, device=scores.device)
-    _topk(scores, visible, out, k, width, 1, False, segment)
+                 kernel: bool | None = None) -> torch.Tensor:
+    """cpu.topk_indices: one program per row, or torch's sort for a few long rows (`kernel` forces either)."""
+    if not _topk_by_kernel(scores, kernel):
+        return cpu.topk_indices(scores, k, visible, width)
+    n, e = scores.shape
+    out = torch.empty((n, width), dtype=torch.int64, device=scores.device)
+    if n:
+        _topk_kernel[(n,)](scores.contiguous(), visible.reshape(n).contiguous(), out, e, k, width, 0, 1, GROUP=1,
+                           CAND=False, BLOCK=TOPK_BLOCK, num_warps=4)
     return out
 
 
 def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int, *,
-                     segment: int | None = None) -> torch.Tensor:
-    """cpu.candidate_blocks; the block maxima are taken as the blocks are read."""
+                     kernel: bool | None = None) -> torch.Tensor:
+    """cpu.candidate_blocks: one program per row taking the block maxima as it reads them, or torch's sort
+    for a few long rows (as topk_indices)."""
+    if not _topk_by_kernel(scores, kernel):
+        return cpu.candidate_blocks(scores, visible, topk_blocks, block)
     n, e = scores.shape
     out = torch.empty((n, triton.cdiv(e, block)), dtype=torch.bool, device=scores.device)
-    _topk(scores, visible, out.view(torch.int8), min(topk_blocks, triton.cdiv(e, block)), 0, block, True, segment)
+    if n:
+        group = triton.next_power_of_2(block)
+        _topk_kernel[(n,)](scores.contiguous(), visible.reshape(n).contiguous(), out.view(torch.int8), e, 0, 0,
+                           topk_blocks, block, GROUP=group, CAND=True, BLOCK=max(16, TOPK_BLOCK // group),
+                           num_warps=4)
     return out
 
 
