@@ -499,7 +499,7 @@ def test_sparse_attn_batch_invariant():
         assert torch.equal(kc.sparse_attn(q[rows], kv, sink, idx[rows], scale), full[rows]), f"M={m}"
         assert torch.equal(kc.sparse_attn(q[:m], kv, sink, idx[:m], scale), full[:m]), f"prefix M={m}"
     # a query's output channels split over programs (decode) give the unsplit kernel's bits
-    for block_o in (64, 128, 256, 512):
+    for block_o in (kc.SPARSE_ATTN_SLICE, 512):  # the split a few queries take, and none
         assert torch.equal(kc.sparse_attn(q, kv, sink, idx, scale, block_o=block_o), full), f"block_o={block_o}"
 
 
