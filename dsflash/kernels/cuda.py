@@ -331,7 +331,7 @@ def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, F
 
 
 @triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk"])
-def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, slot_ptr, M, N, KB, chunks_per_split,
+def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, N, KB, chunks_per_split,
                     stride_xm, stride_wn, stride_wsk, stride_ym, stride_xs, stride_pk, stride_we, stride_wse,
                     slots_per_row,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
@@ -342,8 +342,8 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, slot
     the weight's shape): each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
     The loads are plain, so that Triton's pipeliner streams them through shared memory (cp.async,
     num_stages deep): a register double buffer measured 2-3x slower at large M (bench/results).
-    SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n]; the tile's last program to
-    finish adds them in range order (_sum_ranges_if_last) -- the bits of one program looping over the ranges.
+    SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
+    adds in range order -- the bits of one program looping over the ranges.
     SLOTS (routed experts): program_id(2) is slot s, one output row computed as a one-row call would
     compute it, with activation row s // slots_per_row and expert slot[s] of a stacked weight bank."""
     if SLOTS:
@@ -408,49 +408,66 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, slot
             if ((c + 1) % chunks_per_split == 0) | (c + 1 == KC):  # the range ends
                 acc += total
                 total = tl.zeros([BM, BN], dtype=tl.float32)
-    # SPREAD: acc is this program's range sum
+    # SPREAD: acc is this program's range sum, stored for _ordered_sum_kernel
     mask = mmask[:, None] & nmask[None, :]
     if SPREAD:
-        part = part_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-        tile = tl.program_id(0)
-        if SLOTS:
-            tile += tl.program_id(2) * tl.num_programs(0)
-        _sum_ranges_if_last(acc, part, stride_pk, y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], mask,
-                            cnt_ptr + tile, tl.program_id(1), tl.num_programs(1))
+        part = part_ptr + tl.program_id(1) * stride_pk + rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part, acc, mask=mask)
     else:
         tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
-def _sum_ranges_if_last(acc, part, stride_s, y, mask, counter, s, splits):
-    """Store this program's range sum `acc` as range s of `splits` at part + s * stride_s; the tile's last
-    program to arrive (its counter's ticket) adds the ranges in order, ((0 + part[0]) + part[1]) + ..., in
-    fp32, stores y in y's dtype and resets the counter for the next launch. The order of the adds is fixed,
-    whichever program does them: the bits of one program looping over the ranges. The ticket's acq_rel
-    atomic orders every range's store before the last program's loads (which bypass L1)."""
-    tl.store(part + s * stride_s, acc, mask=mask)
-    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if ticket == splits - 1:
-        total = tl.zeros_like(acc)
-        for r in range(0, splits):
-            total += tl.load(part + r * stride_s, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(y, total.to(y.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+def _load_eight(p, mn, mask, kb, KB):
+    """part[kb .. kb+7] at p (rows mn apart), 0 past KB."""
+    v0 = tl.load(p, mask=mask & (kb < KB), other=0.0)
+    v1 = tl.load(p + mn, mask=mask & (kb + 1 < KB), other=0.0)
+    v2 = tl.load(p + 2 * mn, mask=mask & (kb + 2 < KB), other=0.0)
+    v3 = tl.load(p + 3 * mn, mask=mask & (kb + 3 < KB), other=0.0)
+    v4 = tl.load(p + 4 * mn, mask=mask & (kb + 4 < KB), other=0.0)
+    v5 = tl.load(p + 5 * mn, mask=mask & (kb + 5 < KB), other=0.0)
+    v6 = tl.load(p + 6 * mn, mask=mask & (kb + 6 < KB), other=0.0)
+    v7 = tl.load(p + 7 * mn, mask=mask & (kb + 7 < KB), other=0.0)
+    return v0, v1, v2, v3, v4, v5, v6, v7
 
 
-_TILE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-TILE_COUNTERS = 1 << 16  # tiles of one split GEMM launch (tile x slot); every launch leaves them all 0
+@triton.jit
+def _add_eight(acc, v0, v1, v2, v3, v4, v5, v6, v7):
+    return ((((((((acc + v0) + v1) + v2) + v3) + v4) + v5) + v6) + v7)
 
 
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per output tile of a GEMM whose K ranges run as separate programs; one
-    buffer per device, reused by every launch (in stream order; inside CUDA graphs at a fixed address)."""
-    if tiles > TILE_COUNTERS:
-        raise ValueError(f"{tiles} tiles in one split GEMM launch exceed the {TILE_COUNTERS} tile counters")
-    counters = _TILE_COUNTERS.get(device)
-    if counters is None:
-        counters = _TILE_COUNTERS[device] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
-    return counters
+@triton.jit(do_not_specialize=["M"])
+def _ordered_sum_kernel(part_ptr, y_ptr, M, N, KB, stride_ym, BLOCK: tl.constexpr):
+    """y[m, n] = ((0 + part[0, m, n]) + part[1, m, n]) + ..., fp32 adds in K order, stored in y's dtype;
+    32 loads are issued before their adds so the chain waits on one latency per 32 blocks. A block past
+    KB adds +0 to an accumulator that is never -0."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mn = M * N
+    mask = offs < mn
+    p = part_ptr + offs.to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for kb0 in range(0, KB, 32):
+        a0, a1, a2, a3, a4, a5, a6, a7 = _load_eight(p, mn, mask, kb0, KB)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _load_eight(p + 8 * mn, mn, mask, kb0 + 8, KB)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _load_eight(p + 16 * mn, mn, mask, kb0 + 16, KB)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _load_eight(p + 24 * mn, mn, mask, kb0 + 24, KB)
+        acc = _add_eight(acc, a0, a1, a2, a3, a4, a5, a6, a7)
+        acc = _add_eight(acc, b0, b1, b2, b3, b4, b5, b6, b7)
+        acc = _add_eight(acc, c0, c1, c2, c3, c4, c5, c6, c7)
+        acc = _add_eight(acc, d0, d1, d2, d3, d4, d5, d6, d7)
+        p += 32 * mn
+    m = offs // N
+    n = offs % N
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _ordered_sum(part: torch.Tensor, y: torch.Tensor, terms: int) -> None:
+    """y[m, n] = the in-order fp32 sum of part[0..terms-1, m, n] (part contiguous [terms, M, N]). The sum is
+    a chain of dependent loads, so small outputs get many small programs (the bits never depend on it)."""
+    m, n = y.shape
+    block, warps = (64, 2) if m * n <= 1 << 17 else (256, 4)
+    _ordered_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, terms, y.stride(0), BLOCK=block,
+                                                      num_warps=warps)
 
 
 @triton.jit
@@ -537,7 +554,7 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
 # plain bf16 / fp32 GEMM
 # ---------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["M"])
-def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, k_per_split, part_cols, stride_xm, stride_wn,
+def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part_cols, stride_xm, stride_wn,
                        stride_ym, group_x, group_w, group_y,
                        PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        GROUP_M: tl.constexpr, SPLIT: tl.constexpr, RANGES: tl.constexpr):
@@ -545,8 +562,7 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, k_per_sp
     # computed exactly as a single call with the same config would. The K ranges [s * k_per_split, (s + 1) *
     # k_per_split) are fixed by the weight's shape, never by M; each range's dots chain from a zero
     # accumulator and the range sums add in s order. SPLIT: program_id(2) takes range s and stores its fp32
-    # sum to part[s, m, g * N + n] (part_cols = groups * N columns), the tile's last program adds them in range
-    # order (_sum_ranges_if_last). RANGES (large M):
+    # sum to part[s, m, g * N + n] (part_cols = groups * N columns) for _ordered_sum_kernel. RANGES (large M):
     # one program runs every range and adds their sums in order itself: the same bits, no partials in memory
     g = tl.program_id(1).to(tl.int64)
     x_ptr += g * group_x
@@ -581,10 +597,9 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, k_per_sp
     if RANGES:
         acc = total
     if SPLIT:
-        part = part_ptr + rm[:, None].to(tl.int64) * part_cols + g * N + rn[None, :]
-        _sum_ranges_if_last(acc, part, M.to(tl.int64) * part_cols,
-                            y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], mmask[:, None] & nmask[None, :],
-                            cnt_ptr + g * tl.num_programs(0) + tl.program_id(0), tl.program_id(2), tl.num_programs(2))
+        part = (part_ptr + tl.program_id(2).to(tl.int64) * M * part_cols + rm[:, None].to(tl.int64) * part_cols
+                + g * N + rn[None, :])
+        tl.store(part, acc, mask=mmask[:, None] & nmask[None, :])
     else:
         y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
@@ -608,11 +623,12 @@ def _plain_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, kind: str, gr
     split = splits > 1 and not wide
     part = torch.empty((splits, m, groups * n), dtype=torch.float32, device=x.device) if split else y
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), groups, splits if split else 1)
-    counters = _tile_counters(x.device, grid[0] * groups) if split else y
-    _plain_gemm_kernel[grid](x, w, y, part, counters, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2),
-                             y.stride(0), k, n * k, n, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+    _plain_gemm_kernel[grid](x, w, y, part, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2), y.stride(0),
+                             k, n * k, n, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
                              SPLIT=split, RANGES=wide and splits > 1, num_warps=cfg.num_warps,
                              num_stages=cfg.num_stages)
+    if split:
+        _ordered_sum(part, y, splits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -669,7 +685,7 @@ def plain_k_per_split(cfg: LinearConfig, n: int, k: int) -> int:
 def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
                        fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
                        slots: torch.Tensor | None = None, slots_per_row: int = 1) -> None:
-    """Launch the block-scaled GEMM into y (the K ranges as separate programs when `spread`).
+    """Launch the block-scaled GEMM into y (and the sum of the K ranges when they run as separate programs).
     With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]."""
     n, k = y.size(1), a.size(1)
     kb = k // ACT_BLOCK
@@ -684,14 +700,15 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
     spread = spread and splits > 1
     part = torch.empty((splits, rows, n), dtype=torch.float32, device=a.device) if spread else y
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), splits if spread else 1, rows if stacked else 1)
-    counters = _tile_counters(a.device, grid[0] * grid[2]) if spread else y
-    _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, counters, slots if stacked else y, m, n, kb, cps,
+    _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if stacked else y, m, n, kb, cps,
                           a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0),
                           a_s.stride(0) if not fuse else m, rows * n,
                           wv.stride(0) if stacked else 0, w.scale.stride(0) if stacked else 0, slots_per_row,
                           FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows, SCALE_E8M0=w.scale_e8m0,
                           SPREAD=spread, SLOTS=stacked, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M,
                           RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if spread:
+        _ordered_sum(part, y, splits)
 
 
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
