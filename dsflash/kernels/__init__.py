@@ -1,7 +1,7 @@
 """Kernel backends behind one interface (`Kernels`): the GEMMs (`linear`, `grouped_linear`, `expert_linear`),
-`sparse_attn`, `hc_split_sinkhorn`, the fixed-order sums, the elementwise ops a layer runs on every row
-(RMSNorm, the mHC mix scale, collapse and expansion, SwiGLU, the MoE sum, the KV fake-quantisation), the
-packed FP4 state's quantise-and-pack and read-back, and
+`sparse_attn`, `hc_split_sinkhorn`, the indexer's scores, top-k and candidate blocks, the fixed-order sums,
+the elementwise ops a layer runs on every row (RMSNorm, the mHC mix scale, collapse and expansion, SwiGLU,
+the MoE sum, RoPE, the KV fake-quantisation), the packed FP4 state's quantise-and-pack and read-back, and
 `weight` (a checkpoint weight in the form the backend's GEMM takes). The backend is chosen once, when a model is
 built for a device: CPU tensors take the reference backend (kernels/cpu.py, the oracle); CUDA tensors
 take the Triton backend (kernels/cuda.py), or the reference ops run on the GPU with `reference=True`

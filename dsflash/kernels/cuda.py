@@ -19,8 +19,12 @@ Numerics (spec §3, as dsflash/kernels/cpu.py):
   (every E2M1 value is an f16 value; the 2^14 goes into the exact power-of-two weight scale).
 - bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
   3xTF32 tensor-core products by default, IEEE fp32 FMA dots on request); output in the weight's dtype.
-- sparse_attn: one program per (query, 64 heads); online softmax over blocks of 64 indices with the
-  probabilities rounded to bf16 before the PV product, fp32 running max/denominator, sink added last.
+- sparse_attn: one program per (query, 64 heads, output channels); online softmax over blocks of 64
+  indices with the probabilities rounded to bf16 before the PV product, fp32 running max/denominator,
+  sink added last. Each program computes every score; up to 64 queries split the 512 output channels 4 ways.
+- indexer: the scores in one kernel (per-head dots, the composition's bf16 rounding points, the heads added
+  in order, the masks); top-k and candidate blocks by a radix select of 16-bit order keys, one program per
+  row (lowest index first among equal scores), or torch's sort for a few long rows (the same picks).
 - hc_split_sinkhorn: fp32, one row's 24 mixes through the whole split and 20 normalisations in one
   pass; a one-warp program takes a fixed tile of 4 rows that never interact.
 
@@ -30,7 +34,8 @@ of M), there is no autotuning and no atomics, and each output element is compute
 instruction sequence wherever its row sits in a tile. The M-dependent choices give identical bits by
 construction and are tested to: fusing the activation quantisation into the GEMM (the quantisation is
 exact bit arithmetic); for M <= 16, 16-row tiles, and running the K ranges as separate programs whose
-sums a second kernel adds in range order (one program adds them in the same order); for M >= 128,
+sums a second kernel adds in range order (one program adds them in the same order); for M <= 64, the
+attention's output channels over several programs (each computes the same scores); for M >= 128,
 widening FP4 weights to E4M3 once per call instead of per tile; for plain GEMMs of M >= 512, N-wide tiles
 (the same MMA per output element) with the shape-fixed K ranges added in one program.
 """
