@@ -68,6 +68,9 @@ _FP4_POW2_SCALE_FLOOR = tl.constexpr(6 * 2.0 ** -126)
 FUSE_QUANT_MAX_M = 16  # up to this many rows the GEMM quantises its own activation tile (2-3 us faster)
 NARROW_TILE_MAX_M = 16  # up to this many rows FP8/FP4 GEMMs use 16-row tiles (same bits as 64-row ones)
 LARGE_TILE_MIN_M = 4096  # from this many rows FP8 GEMMs use 128x128 tiles (same bits as 64-row ones)
+# Triton 3.6 contracts a * b + c into an FMA by default and 3.10 will not: every launch names its choice, so a
+# Triton upgrade cannot change a kernel's bits (kernels that must round each product pass False)
+FP_FUSION = True
 SPREAD_MAX_M = 16  # up to this many rows a GEMM's K ranges run as separate programs (sums added in order)
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
 SLOT_MOE_ROWS = 16  # MoE chunks up to this many rows use expert_linear (one launch per projection)
@@ -239,7 +242,8 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         bkb = 8
         grid = (triton.cdiv(m, 32), triton.cdiv(kb, bkb))
-        _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=32, BLOCK_KB=bkb, num_warps=4)
+        _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=32, BLOCK_KB=bkb, num_warps=4,
+                                enable_fp_fusion=FP_FUSION)
     return q, e.view(torch.int32)[..., 0]
 
 
@@ -472,7 +476,7 @@ def _ordered_sum(part: torch.Tensor, y: torch.Tensor, terms: int) -> None:
     m, n = y.shape
     block, warps = (64, 2) if m * n <= 1 << 17 else (256, 4)
     _ordered_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, terms, y.stride(0), BLOCK=block,
-                                                      num_warps=warps)
+                                                      num_warps=warps, enable_fp_fusion=FP_FUSION)
 
 
 @triton.jit
@@ -495,7 +499,8 @@ def fp4_to_fp8(values: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, 2 * kh), dtype=torch.uint8, device=values.device)
     words = values.contiguous().view(torch.int32)
     block = 1024
-    _fp4_to_fp8_kernel[(triton.cdiv(words.numel(), block),)](words, out, words.numel(), BLOCK=block, num_warps=4)
+    _fp4_to_fp8_kernel[(triton.cdiv(words.numel(), block),)](words, out, words.numel(), BLOCK=block, num_warps=4,
+                                                             enable_fp_fusion=FP_FUSION)
     return out.view(torch.float8_e4m3fn)
 
 
@@ -631,7 +636,7 @@ def _plain_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, kind: str, gr
     _plain_gemm_kernel[grid](x, w, y, part, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2), y.stride(0),
                              k, n * k, n, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
                              SPLIT=split, RANGES=wide and splits > 1, num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages)
+                             num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
     if split:
         _ordered_sum(part, y, splits)
 
@@ -711,7 +716,8 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
                           wv.stride(0) if stacked else 0, w.scale.stride(0) if stacked else 0, slots_per_row,
                           FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows, SCALE_E8M0=w.scale_e8m0,
                           SPREAD=spread, SLOTS=stacked, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M,
-                          RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                          RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                          enable_fp_fusion=FP_FUSION)
     if spread:
         _ordered_sum(part, y, splits)
 
@@ -845,7 +851,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     _sparse_attn_kernel[grid](q, kv, sink, idx, o, h, d, idx.size(1), float(scale),
                               q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1),
                               BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_I=SPARSE_ATTN_BLOCK, BLOCK_O=block_o,
-                              num_warps=warps, num_stages=2)
+                              num_warps=warps, num_stages=2, enable_fp_fusion=FP_FUSION)
     return o
 
 
@@ -1008,7 +1014,7 @@ def topk_indices(scores: torch.Tensor, k: int, visible: torch.Tensor, width: int
     out = torch.empty((n, width), dtype=torch.int64, device=scores.device)
     if n:
         _topk_kernel[(n,)](scores.contiguous(), visible.reshape(n).contiguous(), out, e, k, width, 0, 1, GROUP=1,
-                           CAND=False, BLOCK=TOPK_BLOCK, num_warps=4)
+                           CAND=False, BLOCK=TOPK_BLOCK, num_warps=4, enable_fp_fusion=FP_FUSION)
     return out
 
 
@@ -1024,7 +1030,7 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: i
         group = triton.next_power_of_2(block)
         _topk_kernel[(n,)](scores.contiguous(), visible.reshape(n).contiguous(), out.view(torch.int8), e, 0, 0,
                            topk_blocks, block, GROUP=group, CAND=True, BLOCK=max(16, TOPK_BLOCK // group),
-                           num_warps=4)
+                           num_warps=4, enable_fp_fusion=FP_FUSION)
     return out
 
 
@@ -1085,7 +1091,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     if n:
         _hc_kernel[(triton.cdiv(n, HC_ROWS),)](m, scale.float().contiguous(), base.float().contiguous(),
                                                pre, post, comb, n, iters, float(eps), HC=hc, ROWS=HC_ROWS,
-                                               num_warps=1)
+                                               num_warps=1, enable_fp_fusion=FP_FUSION)
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
@@ -1440,7 +1446,8 @@ def row_sum(x: torch.Tensor, square: bool = False) -> torch.Tensor:
     x2 = x.reshape(-1, x.size(-1)).contiguous()
     y = torch.empty(x2.size(0), dtype=torch.float32, device=x.device)
     if x2.size(0):
-        _row_sum_kernel[(x2.size(0),)](x2, y, x2.size(1), x2.stride(0), SQUARE=square, BLOCK=256)
+        _row_sum_kernel[(x2.size(0),)](x2, y, x2.size(1), x2.stride(0), SQUARE=square, BLOCK=256,
+                                       enable_fp_fusion=FP_FUSION)
     return y.view(shape)
 
 
