@@ -10,6 +10,8 @@
 # reverted): the GEMM experiment (DIFF where the variant's bits differ) and the encoder prefill with each
 # kernel module. `... patch-step FILE`: an engine patch (git apply): the CUDA model tests with it, and the
 # step benchmark before, with (twice) and after it, in one session (steps vary ~5 ms between machines).
+# `... candidates`: the offline candidate (compressor_engram_kernels.patch): its kernel tests first, then all CUDA
+# kernel and model tests with it applied, the step benchmark before, with and after.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -56,6 +58,18 @@ if [ "$part" = patch-step ]; then  # a patch of the engine (not of cuda.py): mod
   timeout 100 $quick --out "$out/patched" 2>&1 | tail -1
   git apply -R "$2"
   timeout 100 $quick --out "$out/this" 2>&1 | tail -1
+fi
+if [ "$part" = candidates ]; then  # the offline candidate of docs/perf-record.md's sixth pass
+  p=bench/experiments/compressor_engram_kernels.patch
+  quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 --reps 7"
+  mkdir -p "$out/this" "$out/patched"
+  timeout 100 $quick --out "$out/this" 2>&1 | tail -2
+  git apply "$p" || exit 1
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py 2>&1 | grep -E "^E  |FAILED|passed|failed" | tail -12
+  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py -s 2>&1 | grep -E "tier|passed|failed" | tail -6
+  timeout 100 $quick --out "$out/patched" 2>&1 | tail -2
+  git apply -R "$p"
+  timeout 100 $quick --out "$out/this" 2>&1 | tail -2
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   [ "$part" = ab ] && timeout 200 $step 2>&1 | tail -12
