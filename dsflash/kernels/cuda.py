@@ -58,7 +58,8 @@ from dsflash.numerics.quant import ACT_BLOCK, FP4_MAX, FP8_MAX, K_RANGE_GROUP, k
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
            "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "hc_split_sinkhorn", "LinearConfig",
            "linear_config", "collapse", "expand", "moe_sum", "swiglu", "rms_norm", "rms_scale", "fp8_fake_quant",
-           "fp4_fake_quant", "fp4_quant_packed", "fp4_dequant_packed", "rope_rotate"]
+           "fp4_fake_quant", "fp4_quant_packed", "fp4_dequant_packed", "rope_rotate", "index_scores", "topk_indices",
+           "candidate_blocks"]
 
 _FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
 _FP4_MAX_INV = tl.constexpr(1.0 / FP4_MAX)
