@@ -52,6 +52,29 @@ def timed(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
     return statistics.median(out)
 
 
+def timed_rounds(fns: dict[object, Callable[[], None]], device: torch.device, reps: int,
+                 warmup_s: float) -> dict[object, float]:
+    """Median wall ms of each fn, device work included, timed in `reps` rounds that each run every fn once:
+    a machine that speeds up during the run (a freshly started one measured up to 5 ms slower per step at
+    first) then shifts every fn alike, and differences between them (the back step) stay fair. Untimed
+    rounds first: two (the first call compiles, the second captures the CUDA graphs), then more until
+    `warmup_s` seconds have passed."""
+    start, rounds = time.perf_counter(), 0
+    while rounds < 2 or time.perf_counter() - start < warmup_s:
+        for fn in fns.values():
+            fn()
+        rounds += 1
+    times: dict[object, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append((time.perf_counter() - t0) * 1000)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def build_engine(args: ModelArgs, device: str, reference: bool = False, cuda_graphs: bool = True) -> Engine:
     from dsflash.bench.synthetic import SyntheticCheckpoint
 
@@ -86,7 +109,7 @@ def _step(s: Session, keep: int) -> Callable[[], None]:
     return step
 
 
-def bench_steps(engine: Engine, contexts: list[int], rows: list[int], reps: int) -> dict:
+def bench_steps(engine: Engine, contexts: list[int], rows: list[int], reps: int, warmup_s: float = 0.0) -> dict:
     a, dev = engine.args, engine.decoder.device
     out = {"box_step_ms": {}, "back_step_ms": {}, "draft_ms": {}, "prefill_tok_s": {}}
     for ctx in contexts:
@@ -101,12 +124,7 @@ def bench_steps(engine: Engine, contexts: list[int], rows: list[int], reps: int)
         fns["step"] = _step(s, keep)
         if engine.decoder.dspark is not None:
             fns["draft"] = lambda s=s: s.draft(7)
-        # every shape compiled and captured before any is timed (the first context's first timing ran
-        # ~4 ms slow with only its own warm-up)
-        for fn in fns.values():
-            fn()
-            fn()
-        ms = {name: timed(fn, dev, reps, warmup=0) for name, fn in fns.items()}
+        ms = timed_rounds(fns, dev, reps, warmup_s)
         out["box_step_ms"][ctx] = {n: ms[n] for n in rows}
         # a whole step minus its encoder part: layers [d, n) and the head
         out["back_step_ms"][ctx] = ms["step"] - ms.get(1, 0.0)
@@ -349,7 +367,7 @@ def run(ns: argparse.Namespace) -> int:
         print(table)
         return 0
     if ns.what in ("step", "all"):
-        r.update(bench_steps(engine, ns.context, ns.rows, ns.reps))
+        r.update(bench_steps(engine, ns.context, ns.rows, ns.reps, ns.warmup_s))
     if ns.what in ("prefill", "all"):
         pre = bench_prefill(engine, ns.lengths, ns.compare_full)
         r["prefill_lengths_tok_s"] = pre.pop("tok_s")
@@ -375,6 +393,8 @@ def add_parser(sub: argparse._SubParsersAction, what: str) -> None:
     p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=list(range(1, 9)))
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768])
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup-s", type=float, default=3.0,
+                   help="bench step: untimed rounds of every step shape for this long before timing")
     p.add_argument("--compare-full", action="store_true",
                    help="also time a full prefill (decoder on every row) and report snapshot bytes per token")
     p.add_argument("--reference-layers", type=int, default=0,
