@@ -942,8 +942,8 @@ def _order_keys(s_ptr, row, base, E, group, newest, GROUP: tl.constexpr, CAND: t
 
 
 @triton.jit(do_not_specialize=["E", "k"])
-def _topk_kernel(s_ptr, vis_ptr, o_ptr, E, k, width, topk_blocks, group, GROUP: tl.constexpr,
-                 CAND: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_kernel(s_ptr, vis_ptr, o_ptr, E, k, width, group, GROUP: tl.constexpr, CAND: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """One row's k best items (lowest index first among equal keys), found by a radix select of the 16-bit
     key (four 4-bit digits from the top: the k-th best key, and how many items equal to it to take), then
     one pass in index order that emits them. CAND: items are candidate blocks; writes the keep mask
@@ -953,8 +953,6 @@ def _topk_kernel(s_ptr, vis_ptr, o_ptr, E, k, width, topk_blocks, group, GROUP: 
     items = tl.cdiv(E, group)
     vis = tl.load(vis_ptr + row)
     newest = tl.where(vis > 0, (vis - 1) // group, -1)  # (Triton's // truncates: no block when none is visible)
-    if CAND:
-        k = tl.minimum(topk_blocks, items)
     prefix = 0
     known = 0
     need = k
@@ -1006,16 +1004,25 @@ def _topk_by_kernel(scores: torch.Tensor, kernel: bool | None) -> bool:
     return kernel if kernel is not None else e <= TOPK_KERNEL_MAX_SCORES or n >= TOPK_KERNEL_MIN_ROWS
 
 
+def _topk(scores: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, k: int, width: int, block: int,
+          cand: bool) -> None:
+    """One _topk_kernel program per row: the picks to out [N, width], or (`cand`) the keep mask of the
+    candidate blocks of `block` scores to out [N, ceil(T / block)]."""
+    n, e = scores.shape
+    if n:
+        group = triton.next_power_of_2(block)
+        _topk_kernel[(n,)](scores.contiguous(), visible.reshape(n).contiguous(), out, e, k, width, block,
+                           GROUP=group, CAND=cand, BLOCK=max(16, TOPK_BLOCK // group), num_warps=4,
+                           enable_fp_fusion=FP_FUSION)
+
+
 def topk_indices(scores: torch.Tensor, k: int, visible: torch.Tensor, width: int, *,
                  kernel: bool | None = None) -> torch.Tensor:
     """cpu.topk_indices: one program per row, or torch's sort for a few long rows (`kernel` forces either)."""
     if not _topk_by_kernel(scores, kernel):
         return cpu.topk_indices(scores, k, visible, width)
-    n, e = scores.shape
-    out = torch.empty((n, width), dtype=torch.int64, device=scores.device)
-    if n:
-        _topk_kernel[(n,)](scores.contiguous(), visible.reshape(n).contiguous(), out, e, k, width, 0, 1, GROUP=1,
-                           CAND=False, BLOCK=TOPK_BLOCK, num_warps=4, enable_fp_fusion=FP_FUSION)
+    out = torch.empty((scores.size(0), width), dtype=torch.int64, device=scores.device)
+    _topk(scores, visible, out, k, width, 1, False)
     return out
 
 
@@ -1025,13 +1032,9 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: i
     for a few long rows (as topk_indices)."""
     if not _topk_by_kernel(scores, kernel):
         return cpu.candidate_blocks(scores, visible, topk_blocks, block)
-    n, e = scores.shape
-    out = torch.empty((n, triton.cdiv(e, block)), dtype=torch.bool, device=scores.device)
-    if n:
-        group = triton.next_power_of_2(block)
-        _topk_kernel[(n,)](scores.contiguous(), visible.reshape(n).contiguous(), out.view(torch.int8), e, 0, 0,
-                           topk_blocks, block, GROUP=group, CAND=True, BLOCK=max(16, TOPK_BLOCK // group),
-                           num_warps=4, enable_fp_fusion=FP_FUSION)
+    n_blocks = triton.cdiv(scores.size(1), block)
+    out = torch.empty((scores.size(0), n_blocks), dtype=torch.bool, device=scores.device)
+    _topk(scores, visible, out.view(torch.int8), min(topk_blocks, n_blocks), 0, block, True)
     return out
 
 
