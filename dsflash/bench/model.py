@@ -38,29 +38,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
-    """Median wall time of fn() in ms, device work included."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        out.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(out)
-
-
 def timed_rounds(fns: dict[object, Callable[[], None]], device: torch.device, reps: int,
-                 warmup_s: float) -> dict[object, float]:
+                 warmup_s: float = 0.0, warmup: int = 2) -> dict[object, float]:
     """Median wall ms of each fn, device work included, timed in `reps` rounds that each run every fn once:
     a machine that speeds up during the run (a freshly started one measured up to 5 ms slower per step at
     first) then shifts every fn alike, and differences between them (the back step) stay fair. Untimed
-    rounds first: two (the first call compiles, the second captures the CUDA graphs), then more until
+    rounds first: `warmup` (the first call compiles, the second captures the CUDA graphs), then more until
     `warmup_s` seconds have passed."""
     start, rounds = time.perf_counter(), 0
-    while rounds < 2 or time.perf_counter() - start < warmup_s:
+    while rounds < warmup or time.perf_counter() - start < warmup_s:
         for fn in fns.values():
             fn()
         rounds += 1
@@ -188,7 +174,8 @@ def _slice_times(args: ModelArgs, device: str, layers: int, reference: bool, rep
     def chunk() -> None:
         model.forward(SequenceState(device=dev), ids[:512])
 
-    return {"step_ms": timed(step, dev, reps), "chunk512_ms": timed(chunk, dev, max(2, reps // 4), 1)}
+    return {"step_ms": timed_rounds({0: step}, dev, reps)[0],
+            "chunk512_ms": timed_rounds({0: chunk}, dev, max(2, reps // 4), warmup=1)[0]}
 
 
 def reference_speedup(args: ModelArgs, device: str, layers: int, reps: int) -> dict:
