@@ -21,6 +21,7 @@ from tests.test_kernels_cpu import block_weight
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; run on the GPU machine")
 
 if torch.cuda.is_available():
+    from dsflash.bench.kernels import composed_index_scores
     from dsflash.kernels import cuda as kc
 
 DEV = "cuda"
@@ -433,18 +434,6 @@ def indexer_inputs(n, h, d, e, block, g, exact=False):
     return q, keys, weights, visible, keep
 
 
-def composed_index_scores(q, keys, weights, visible, keep, block):
-    """The CUDA backend's indexer scores before the fused kernel: the bf16 GEMM of every (row, head) query
-    with the keys, then cpu.index_scores' composition with this backend's head sum."""
-    n, h, d = q.shape
-    logits = kc.linear(q.reshape(n * h, d), kc.to_cuda_weight(cpu.Weight("bf16", keys))).view(n, h, -1)
-    scores = kc.small_sum(logits.relu_() * weights.unsqueeze(-1), 1)
-    scores.masked_fill_(torch.arange(keys.size(0), device=keys.device) >= visible, -torch.inf)
-    if keep is not None:
-        scores.masked_fill_(~keep.repeat_interleave(block, dim=-1)[..., : keys.size(0)], -torch.inf)
-    return scores
-
-
 @pytest.mark.parametrize("n,e", [(5, 4000), (19, 5000), (1, 300)])  # the GEMM took BK 128 below 4096 entries
 def test_indexer_kernels_give_the_composed_ops_bits(n, e):
     """The fused scores equal the bf16 GEMM + composition (per-head dots, heads in order), the top-k and
@@ -454,7 +443,7 @@ def test_indexer_kernels_give_the_composed_ops_bits(n, e):
     q, keys, weights, visible, keep = (t.to(DEV) for t in indexer_inputs(n, 32, 128, e, block, g))
     for kept in (None, keep):
         got = kc.index_scores(q, keys, weights, visible, kept, block)
-        ref = composed_index_scores(q, keys, weights, visible, kept, block)
+        ref = composed_index_scores(q, kc.to_cuda_weight(cpu.Weight("bf16", keys)), weights, visible, kept, block)
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (e, kept is None)
         assert torch.equal(kc.index_scores(q[-1:], keys, weights[-1:], visible[-1:], None if kept is None else
                                            kept[-1:], block), got[-1:])

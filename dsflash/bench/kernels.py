@@ -278,6 +278,18 @@ def bench_sparse_attn(ceil, ms_values, h=64, d=512, k=640) -> list[dict]:
     return rows
 
 
+def composed_index_scores(q, keys, weights, visible, keep, block):
+    """The CUDA backend's indexer scores before the fused kernel: the bf16 GEMM of every (row, head) query
+    with the keys, then cpu.index_scores' composition with this backend's head sum (35 launches)."""
+    n, h, d = q.shape
+    logits = kc.linear(q.reshape(n * h, d), keys).view(n, h, -1)
+    scores = kc.small_sum(logits.relu_() * weights.unsqueeze(-1), 1)
+    scores.masked_fill_(torch.arange(logits.size(-1), device=q.device) >= visible, -torch.inf)
+    if keep is not None:
+        scores.masked_fill_(~keep.repeat_interleave(block, dim=-1)[..., : logits.size(-1)], -torch.inf)
+    return scores
+
+
 def bench_indexer(ceil, ms_values, h=32, d=128, topk=512, block=8, blocks=2048) -> list[dict]:
     """An index layer's scoring and top-k over 4K (8K context, ratio 2) and 64K (128K context) entries,
     with the composition the fused scores replaced (the bf16 GEMM then 35 elementwise launches) beside."""
@@ -294,12 +306,7 @@ def bench_indexer(ceil, ms_values, h=32, d=128, topk=512, block=8, blocks=2048) 
             ms = bench_both(lambda q=q, k=keys, w=w, v=vis: kc.index_scores(q, k, w, v, None, block))
             flops, nbytes = 2 * n * h * d * e, e * d * 2 + n * e * 2
             rows.append(row("index_scores", f"H{h} D{d} E{e}", n, ms, nbytes, flops, ceil))
-
-            def composed(q=q, w=w, v=vis, n=n, kw=kw, e=e):
-                logits = kc.linear(q.reshape(n * h, d), kw).view(n, h, -1)
-                s = kc.small_sum(logits.relu_() * w.unsqueeze(-1), 1)
-                return s.masked_fill_(torch.arange(e, device="cuda") >= v, -torch.inf)
-            ms = bench_both(composed)
+            ms = bench_both(lambda q=q, kw=kw, w=w, v=vis: composed_index_scores(q, kw, w, v, None, block))
             rows.append(row("index_scores composed", f"H{h} D{d} E{e}", n, ms, nbytes, flops, ceil))
             scores = kc.index_scores(q, keys, w, vis, None, block)
             ms = bench_both(lambda s=scores, v=vis: kc.topk_indices(s, topk, v, topk, kernel=True))
