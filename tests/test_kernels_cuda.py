@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dsflash.kernels import cpu, load_kernels
+from dsflash.numerics import exact_div
 from dsflash.numerics.quant import fp8_act_codes
 from tests.test_kernels_cpu import block_weight
 
@@ -261,6 +262,49 @@ def test_swiglu_kernel_gives_the_composed_ops_bits():
         assert torch.equal(kc.swiglu(gate, up, limit), cpu.swiglu(gate, up, limit)), limit
 
 
+def test_softmax_pool_kernel_gives_the_composed_ops_bits():
+    """The compressor's pooling (softmax over a group's 2 rows, products, sum) in one kernel: the bits of
+    torch's CUDA ops on the compressor's strided [G, 2, D] views, each group alone as in a batch."""
+    g = gen(19)
+    rows = (torch.randn(37, 2, 2, 512, generator=g) * 3).to(DEV)  # [groups, ratio, (kv, score), D]
+    kv, score = rows[:, :, 0], rows[:, :, 1]
+    got = kc.softmax_pool(kv, score)
+    assert torch.equal(got, cpu.softmax_pool(kv, score))
+    assert torch.equal(kc.softmax_pool(kv[5:6], score[5:6]), got[5:6])
+    assert measure("softmax_pool", got, cpu.softmax_pool(kv.cpu(), score.cpu()))[0] < 1e-2  # vs the CPU: expf
+
+
+def engram_inputs(n, hc, d, rows, de, cols, g):
+    table = (torch.randn(rows, de, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.randint(110, 135, (rows, de // 32), dtype=torch.uint8, generator=g)  # E8M0: 2^-17 .. 2^7
+    ids = torch.randint(0, rows, (n, cols), generator=g)
+    h = (torch.randn(n, hc, d, generator=g) * 2).bfloat16()
+    kv = torch.randn(n, (hc + 1) * d, generator=g).bfloat16()
+    qk = torch.randn(hc, d, generator=g).bfloat16().float() * torch.randn(hc, d, generator=g).bfloat16().float()
+    mask = torch.rand(n, generator=g) < 0.3
+    key, value = kv[:, : hc * d].unflatten(-1, (hc, d)), kv[:, hc * d:]
+    return table, scale.view(torch.float8_e8m0fnu), ids, h, key, value, qk, mask
+
+
+def test_engram_kernels_give_the_composed_ops_bits():
+    """Engram's row gather + dequantisation and its gate in one kernel each: the bits of torch's CUDA ops
+    (the gate's with this backend's row sums), each token alone as in a batch."""
+    g = gen(23)
+    table, scale, ids, h, key, value, qk, mask = (t.to(DEV) for t in engram_inputs(7, 4, 5120, 300, 256, 6, g))
+    got = kc.engram_rows(table, scale, ids)
+    ref = cpu.engram_rows(table, scale, ids)
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+    def mean_square(x):
+        return exact_div(kc.row_sum(x, square=True), x.size(-1)).unsqueeze(-1)
+    for image in (None, mask):
+        out = kc.engram_gate(h, key, value, qk, 1e-6, image)
+        assert torch.equal(out, cpu.engram_gate(h, key, value, qk, 1e-6, image, mean_square=mean_square,
+                                                row_sum=kc.row_sum))
+        assert torch.equal(kc.engram_gate(h[3:4], key[3:4], value[3:4], qk, 1e-6, None if image is None else
+                                          image[3:4]), out[3:4])
+
+
 def test_bf16_activations_widen_in_the_kernels():
     """The router's and the mHC projections' bf16 input: the fp32 GEMM (which widens it before its kernel:
     3xTF32 on a register-widened operand gives other bits) and the RMS kernels (which widen it on load) give
@@ -462,6 +506,8 @@ def test_indexer_kernels_give_the_composed_ops_bits(n, e):
     (9, 64, 512, 1000, 160, True),
     (13, 8, 64, 300, 100, True),       # small model sizes, K not a multiple of 64
 ])
+
+
 def test_sparse_attn_matches_cpu(n, h, d, r, k, scattered):
     g = gen(n * 1000 + k)
     q, kv, sink, idx = attn_inputs(n, h, d, r, k, g, scattered)

@@ -197,6 +197,20 @@ xq[0, :32] = 0
 codes, words = cuda.quant_act(xq)
 ref_codes, ref_scales = fp8_act_codes(xq)
 assert torch.equal(codes.float(), ref_codes) and torch.equal(cuda.act_scales(words, 192), ref_scales)
+# the compressor's pooling: numpy's exp stands in for expf, so within rounding of the CPU's softmax
+rows = torch.randn(9, 2, 2, 64, generator=g) * 3
+got = cuda.softmax_pool(rows[:, :, 0], rows[:, :, 1])
+assert rel(got, cpu.softmax_pool(rows[:, :, 0], rows[:, :, 1])) < 1e-2
+assert torch.equal(cuda.softmax_pool(rows[3:4, :, 0], rows[3:4, :, 1]), got[3:4])
+# Engram: the row gather exact; the gate within rounding (numpy's exp, sqrt and rsqrt stand in)
+from test_kernels_cuda import engram_inputs
+table, scale, ids, h, key, value, qk, mask = engram_inputs(3, 4, 300, 40, 64, 3, g)
+assert torch.equal(cuda.engram_rows(table, scale, ids).view(torch.int16),
+                   cpu.engram_rows(table, scale, ids).view(torch.int16))
+out = cuda.engram_gate(h, key, value, qk, 1e-6, mask)
+ms = lambda x: (cuda.row_sum(x, square=True) / x.size(-1)).unsqueeze(-1)  # noqa: E731
+assert rel(out, cpu.engram_gate(h, key, value, qk, 1e-6, mask, mean_square=ms, row_sum=cuda.row_sum)) < 1e-2
+assert torch.equal(cuda.engram_gate(h[1:2], key[1:2], value[1:2], qk, 1e-6, mask[1:2]), out[1:2])
 # sparse attention: the online softmax over 64-index blocks as the CPU's, and a query's bits alone
 q, kv, sink, idx = attn_inputs(6, 16, 64, 300, 160, g)
 got = cuda.sparse_attn(q, kv, sink, idx, 64 ** -0.5)
@@ -316,9 +330,10 @@ def test_indexer_kernels_under_the_fixed_interpreter():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
-def test_indexer_kernels_compile_for_sm90():
+def test_new_kernels_compile_for_sm90():
     """The interpreter runs kernels as Python, so it misses what only the compiler rejects: compile the
-    indexer kernels for sm_90 here (Triton ships ptxas; no GPU needed)."""
+    kernels not yet run on a GPU machine when written (the indexer's, the compressor's pooling, Engram's) for
+    sm_90 here (Triton ships ptxas; no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -333,6 +348,15 @@ def test_indexer_kernels_compile_for_sm90():
     for cand, group in ((False, 1), (True, 8)):
         check(cuda._topk_kernel, {"s_ptr": "*bf16", "vis_ptr": "*i64", "o_ptr": "*i8" if cand else "*i64"},
               {"GROUP": group, "CAND": cand, "BLOCK": cuda.TOPK_BLOCK // group})
+    check(cuda._softmax_pool_kernel, {"kv_ptr": "*fp32", "s_ptr": "*fp32", "o_ptr": "*bf16"},
+          {"R": 2, "BLOCK": cuda.MHC_BLOCK})
+    check(cuda._engram_rows_kernel, {"t_ptr": "*fp8e4nv", "s_ptr": "*u8", "id_ptr": "*i64", "o_ptr": "*bf16"},
+          {"BLOCK": 1024})
+    for masked in (False, True):
+        check(cuda._engram_gate_kernel, {"h_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qk_ptr": "*fp32",
+                                         "m_ptr": "*u8", "o_ptr": "*bf16", "d": "fp32", "eps": "fp32",
+                                         "scale": "fp32", "floor": "fp32"},
+              {"MASK": masked, "BLOCK": cuda.ENGRAM_BLOCK})
     for keep in (False, True):
         check(cuda._index_scores_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "vis_ptr": "*i64",
                                           "keep_ptr": "*u8", "o_ptr": "*bf16"},

@@ -1,7 +1,8 @@
 """Kernel backends behind one interface (`Kernels`): the GEMMs (`linear`, `grouped_linear`, `expert_linear`),
 `sparse_attn`, `hc_split_sinkhorn`, the indexer's scores, top-k and candidate blocks, the fixed-order sums,
 the elementwise ops a layer runs on every row (RMSNorm, the mHC mix scale, collapse and expansion, SwiGLU,
-the MoE sum, RoPE, the KV fake-quantisation), the packed FP4 state's quantise-and-pack and read-back, and
+the MoE sum, RoPE, the compressor's pooling, Engram's row gather and gate, the KV fake-quantisation),
+the packed FP4 state's quantise-and-pack and read-back, and
 `weight` (a checkpoint weight in the form the backend's GEMM takes). The backend is chosen once, when a model is
 built for a device: CPU tensors take the reference backend (kernels/cpu.py, the oracle); CUDA tensors
 take the Triton backend (kernels/cuda.py), or the reference ops run on the GPU with `reference=True`
@@ -54,6 +55,9 @@ class Kernels:
     expand: Any  # mHC (y [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc]) -> [N, hc, D]
     moe_sum: Any  # (routed experts' rows [N, k, D], shared expert's [N, D]) -> the MoE output [N, D]
     swiglu: Any  # (gate, up [..., D], limit, weights [..., 1] or None) -> an expert's hidden rows
+    softmax_pool: Any  # (kv, score [G, ratio, D] fp32) -> the compressor's pooled groups, bf16 [G, D]
+    engram_rows: Any  # (FP8 table, its scales, ids) -> Engram's hashed rows, bf16
+    engram_gate: Any  # (h [N, hc, D], key [N, hc, D], value [N, D], qk_weight, eps, image mask) -> h + gated value
     rope_rotate: Any  # (x, factor table, positions, dim, inverse) -> x, its last dim channels rotated in place
     weight: Any  # (kind, stored tensor, stored scale or None) -> the backend's weight on `device`
 
@@ -82,7 +86,8 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
                        cpu.topk_indices, cpu.candidate_blocks,
                        cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm, cpu.rms_scale,
                        fp8_fake_quant, fp4_fake_quant, quant_packed, dequant_packed, cpu.collapse, cpu.expand,
-                       cpu.moe_sum, cpu.swiglu, cpu.rope_rotate, _reference_weight(device))
+                       cpu.moe_sum, cpu.swiglu, cpu.softmax_pool, cpu.engram_rows, cpu.engram_gate,
+                       cpu.rope_rotate, _reference_weight(device))
     from dsflash.kernels import cuda
 
     def cuda_weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
@@ -104,4 +109,5 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
                    cuda.topk_indices, cuda.candidate_blocks, mean_square, cuda.row_sum,
                    cuda.small_sum, stream_mean, cuda.rms_norm, cuda.rms_scale, cuda.fp8_fake_quant,
                    cuda.fp4_fake_quant, cuda.fp4_quant_packed, cuda.fp4_dequant_packed, cuda.collapse, cuda.expand,
-                   cuda.moe_sum, cuda.swiglu, cuda.rope_rotate, cuda_weight)
+                   cuda.moe_sum, cuda.swiglu, cuda.softmax_pool, cuda.engram_rows, cuda.engram_gate,
+                   cuda.rope_rotate, cuda_weight)

@@ -187,6 +187,35 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Te
     return (h if weights is None else weights * h).to(gate.dtype)
 
 
+def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """The compressor's pooling of a group's `ratio` rows: kv [G, ratio, D] weighted by the per-channel
+    softmax over the group of score [G, ratio, D] (fp32), summed over the group, in bf16 [G, D]."""
+    return (kv * score.softmax(dim=1)).sum(dim=1).to(torch.bfloat16)
+
+
+def engram_rows(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Engram's hashed rows: table rows (FP8 [rows, De]) times their per-32 scales ([rows, De / 32]),
+    gathered by ids [...] -> bf16 [..., De]."""
+    values = table[ids].float()
+    scales = scale[ids].float()
+    return (values.unflatten(-1, (-1, 32)) * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+
+
+def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qk_weight: torch.Tensor, eps: float,
+                image_mask: torch.Tensor | None, mean_square=mean_square, row_sum=row_sum) -> torch.Tensor:
+    """Engram's gated add to the streams (spec §8): per (token, stream) the RMS-normalised dot of the stream
+    h [N, hc, D] with its key [N, hc, D] (weighted by qk_weight [hc, D]), a signed square root through a
+    sigmoid, times the value [N, D] added to the stream; image positions get no Engram. fp32, h's dtype out.
+    `mean_square` and `row_sum` are the backend's (the composition a fused kernel reproduces)."""
+    hf, kf, d = h.float(), key.float(), h.size(-1)
+    rstd = torch.rsqrt(mean_square(hf)[..., 0] + eps) * torch.rsqrt(mean_square(kf)[..., 0] + eps)
+    dot = row_sum(hf * qk_weight * kf) * rstd * d ** -0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    if image_mask is not None:
+        gate = gate.masked_fill(image_mask.unsqueeze(-1), 0)
+    return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
+
+
 def moe_sum(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """A MoE layer's output: the routed experts' rows [N, k, D] (slots in ascending expert id) added to an fp32
     zero in slot order, then the shared expert's [N, D]; in the shared expert's dtype."""

@@ -1390,6 +1390,130 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Te
     return out
 
 
+@triton.jit
+def _softmax_pool_kernel(kv_ptr, s_ptr, o_ptr, D, stride_kg, stride_kj, stride_sg, stride_sj,
+                         R: tl.constexpr, BLOCK: tl.constexpr):
+    """torch's CUDA ops, rounding for rounding: the softmax over the group (max from -inf, the exponentials'
+    sum from 0 in row order, each probability exp(s - max) / sum with expf and an IEEE division), then the
+    products with kv summed from 0 in row order (the order torch's sum takes for ratio 2)."""
+    g = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    for j in tl.static_range(R):
+        m = tl.maximum(m, tl.load(s_ptr + g * stride_sg + j * stride_sj + offs, mask=mask, other=0.0))
+    den = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(R):
+        den += libdevice.exp(tl.load(s_ptr + g * stride_sg + j * stride_sj + offs, mask=mask, other=0.0) - m)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(R):
+        p = tl.math.div_rn(libdevice.exp(tl.load(s_ptr + g * stride_sg + j * stride_sj + offs, mask=mask,
+                                                 other=0.0) - m), den)
+        acc += tl.load(kv_ptr + g * stride_kg + j * stride_kj + offs, mask=mask, other=0.0) * p
+    tl.store(o_ptr + g * D + offs, acc.to(tl.bfloat16), mask=mask)
+
+
+def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """cpu.softmax_pool in one kernel (kv, score: fp32 [G, ratio, D] views with unit last stride)."""
+    assert kv.shape == score.shape and kv.stride(-1) == 1 and score.stride(-1) == 1
+    g, r, d = kv.shape
+    out = torch.empty((g, d), dtype=torch.bfloat16, device=kv.device)
+    if g:
+        _softmax_pool_kernel[(g, triton.cdiv(d, MHC_BLOCK))](kv, score, out, d, kv.stride(0), kv.stride(1),
+                                                            score.stride(0), score.stride(1), R=r, BLOCK=MHC_BLOCK,
+                                                            num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Engram: the hashed rows' gather + dequantisation, and the gated add to the streams
+# ---------------------------------------------------------------------------------------------
+ENGRAM_BLOCK = 256  # row_sum's block: the gate's row sums reduce in its order
+
+
+@triton.jit
+def _engram_rows_kernel(t_ptr, s_ptr, id_ptr, o_ptr, DE, BLOCK: tl.constexpr):
+    """Row ids[r] of the FP8 table times its E8M0 scales (one per 32), rounded once to bf16."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < DE
+    row = tl.load(id_ptr + r)
+    v = tl.load(t_ptr + row * DE + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(s_ptr + row * (DE // 32) + offs // 32, mask=mask, other=127).to(tl.int32)
+    # E8M0 byte -> 2^(b - 127) as torch converts it: 0 -> 2^-127 (subnormal), 255 -> NaN
+    bits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
+    tl.store(o_ptr + r * DE + offs, (v * bits.to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+
+
+def engram_rows(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """cpu.engram_rows in one kernel (table float8_e4m3fn [rows, De], scale E8M0 [rows, De / 32])."""
+    if table.dtype != torch.float8_e4m3fn or scale.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"Engram rows take an E4M3 table and E8M0 scales, got {table.dtype} and {scale.dtype}")
+    de = table.size(-1)
+    out = torch.empty((*ids.shape, de), dtype=torch.bfloat16, device=table.device)
+    flat = ids.reshape(-1).contiguous()
+    if flat.numel():
+        _engram_rows_kernel[(flat.numel(), triton.cdiv(de, 1024))](table.contiguous(),
+                                                                   scale.contiguous().view(torch.uint8), flat, out,
+                                                                   de, BLOCK=1024, num_warps=4,
+                                                                   enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _engram_gate_kernel(h_ptr, k_ptr, v_ptr, qk_ptr, m_ptr, o_ptr, HC, D, stride_hn, stride_hs, stride_kn,
+                        stride_ks, stride_vn, d, eps, scale, floor, MASK: tl.constexpr, BLOCK: tl.constexpr):
+    """One (token, stream): cpu.engram_gate with the CUDA backend's row sums (BLOCK-wide lanes, the square
+    sums as the FMAs its compiled row_sum uses, the product sum of the separately rounded products), IEEE
+    divisions, torch's sigmoid 1 / (1 + expf(-x)); then the stream plus gate * value in bf16."""
+    n = (tl.program_id(0) // HC).to(tl.int64)
+    st = tl.program_id(0) % HC
+    h_row = h_ptr + n * stride_hn + st * stride_hs
+    k_row = k_ptr + n * stride_kn + st * stride_ks
+    acc_h = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_k = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_d = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, D, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < D
+        hv = tl.load(h_row + offs, mask=mask, other=0.0).to(tl.float32)
+        kv = tl.load(k_row + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(qk_ptr + st * D + offs, mask=mask, other=0.0)
+        acc_h = tl.fma(hv, hv, acc_h)
+        acc_k = tl.fma(kv, kv, acc_k)
+        acc_d += (hv * q) * kv
+    rstd = (tl.rsqrt(tl.math.div_rn(tl.sum(acc_h, axis=0), d) + eps)
+            * tl.rsqrt(tl.math.div_rn(tl.sum(acc_k, axis=0), d) + eps))
+    dot = (tl.sum(acc_d, axis=0) * rstd) * scale
+    root = tl.sqrt_rn(tl.maximum(tl.abs(dot), floor))
+    signed = tl.where((dot.to(tl.int32, bitcast=True) & -2147483648) != 0, -root, root)  # copysign
+    gate = _sigmoid(signed)
+    if MASK:
+        gate = tl.where(tl.load(m_ptr + n) != 0, 0.0, gate)
+    for start in range(0, D, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < D
+        hv = tl.load(h_row + offs, mask=mask, other=0.0).to(tl.float32)
+        vv = tl.load(v_ptr + n * stride_vn + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_ptr + (n * HC + st) * D + offs, (hv + gate * vv).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qk_weight: torch.Tensor, eps: float,
+                image_mask: torch.Tensor | None) -> torch.Tensor:
+    """cpu.engram_gate with this backend's mean square and row sum, one program per (token, stream)
+    (h [N, hc, D], key [N, hc, D], value [N, D]: views with unit last stride)."""
+    n, hc, d = h.shape
+    assert key.shape == h.shape and value.shape == (n, d) and h.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+    out = torch.empty((n, hc, d), dtype=h.dtype, device=h.device)
+    mask = image_mask.contiguous().view(torch.uint8) if image_mask is not None else out
+    if n:
+        _engram_gate_kernel[(n * hc,)](h, key, value, qk_weight.float().contiguous(), mask, out, hc, d,
+                                       h.stride(0), h.stride(1), key.stride(0), key.stride(1), value.stride(0),
+                                       float(d), float(eps), float(d ** -0.5), 1e-6, MASK=image_mask is not None,
+                                       BLOCK=ENGRAM_BLOCK, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # RoPE: one kernel per rotation instead of ~5 torch ops (widen, gather the factors, conjugate, complex
 # multiply, narrow back), with the CPU's rounding points: each product rounded, then the add (no FMA

@@ -62,8 +62,7 @@ class Compressor:
         rows = torch.cat([held, rows])
         grouped = rows[: rows.size(0) // ratio * ratio].unflatten(0, (-1, ratio))
         kv, score = grouped[:, :, 0], grouped[:, :, 1]
-        pooled = (kv * score.softmax(dim=1)).sum(dim=1)
-        return self.k.rms_norm(pooled.to(torch.bfloat16), self.norm, self.eps), first_group
+        return self.k.rms_norm(self.k.softmax_pool(kv, score), self.norm, self.eps), first_group
 
 
 class SourceWriter:

@@ -81,21 +81,10 @@ class Engram:
         # only ever used as a product
         self.qk_weight = w.tensor(prefix + "q_weight").float() * w.tensor(prefix + "k_weight").float()
 
-    def rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        values = self.table[hash_ids].float()
-        scales = self.table_scale[hash_ids].float()
-        return (values.unflatten(-1, (-1, 32)) * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
-
     def __call__(self, h: torch.Tensor, hash_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
-        kv = self.k.linear(self.rows(hash_ids).flatten(-2), self.wkv)
+        rows = self.k.engram_rows(self.table, self.table_scale, hash_ids)
+        kv = self.k.linear(rows.flatten(-2), self.wkv)
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
-        key = key.float().unflatten(-1, (self.hc, self.dim))
-        hf = h.float()
         # normalised per (token, stream) over the model width, not jointly over the streams
-        k = self.k
-        rstd = torch.rsqrt(k.mean_square(hf)[..., 0] + self.eps) * torch.rsqrt(k.mean_square(key)[..., 0] + self.eps)
-        dot = k.row_sum(hf * self.qk_weight * key) * rstd * self.dim ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        if image_mask is not None:
-            gate = gate.masked_fill(image_mask.unsqueeze(-1), 0)
-        return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
+        return self.k.engram_gate(h, key.unflatten(-1, (self.hc, self.dim)), value, self.qk_weight, self.eps,
+                                  image_mask)
