@@ -78,6 +78,14 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
             assert torch.equal(got[slot:slot + 1], cuda.linear(row, bank[e])), (kind, per_row, slot)
             assert rel(got[slot:slot + 1], cpu.linear(row, weights[e])) < 1e-5
         assert rel(got, cpu.expert_linear(xs, cpu.expert_bank(weights), ids, per_row)) < 1e-5
+    # a prefill's many slots share per-expert tiles (the threshold lowered: the interpreter is slow): the
+    # one-row programs' bits, with an expert that has no slot, the fused and the separate quantisation
+    one_row, cuda.EXPERT_TILE_MIN_SLOTS = cuda.linear_config(kind, n, k, m=1), 40
+    for rows, per_row in ((20, 3), (8, 6)):
+        xs = rand_act(rows, k, g)
+        ids = torch.randint(1, 5, (rows, per_row), generator=g)
+        got = cuda.expert_linear(xs, bank, ids, per_row)
+        assert torch.equal(got, cuda.expert_linear(xs, bank, ids, per_row, config=one_row)), (kind, rows)
 for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMMs: K split by the shape
     w = rand_weight(kind, n, k, g)
     wc = cuda.to_cuda_weight(w, "cpu")
@@ -345,6 +353,11 @@ def test_new_kernels_compile_for_sm90():
                         constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
         assert compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
 
+    gemm = {"x_ptr": "*fp8e4nv", "xs_ptr": "*i32", "w_ptr": "*u8", "ws_ptr": "*i32", "y_ptr": "*bf16",
+            "part_ptr": "*fp32", "slot_ptr": "*i32", "tile_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"}
+    check(cuda._bs_gemm_kernel, gemm, {"FP4": True, "FUSE_QUANT": False, "SCALE_ROWS": 1, "SCALE_E8M0": True,
+                                       "SPREAD": False, "SLOTS": False, "GROUPED": True, "BM": 64, "BN": 64,
+                                       "GROUP_M": 8, "RANGES": True})
     for cand, group in ((False, 1), (True, 8)):
         check(cuda._topk_kernel, {"s_ptr": "*bf16", "vis_ptr": "*i64", "o_ptr": "*i8" if cand else "*i64"},
               {"GROUP": group, "CAND": cand, "BLOCK": cuda.TOPK_BLOCK // group})

@@ -48,12 +48,13 @@ def compile_variant(fp4: bool, spread: bool, slots: bool, ranges: bool, fuse: bo
     fn = kernel_module()._bs_gemm_kernel
     names = fn.arg_names
     sig = {name: "i32" for name in names}
-    sig.update({"x_ptr": "*bf16" if fuse else "*fp8e4nv", "xs_ptr": "*bf16" if fuse else "*i32",
+    sig.update({"x_ptr": "*bf16" if fuse else "*fp8e4nv", "xs_ptr": "*bf16" if fuse else "*i32", "tile_ptr": "*i32",
                 "w_ptr": "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32", "y_ptr": "*bf16", "part_ptr": "*fp32",
                 "slot_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"})
     sig.update({name: "*i32" for name in ("cnt_ptr",) if name in names})  # a variant's tile counters
     constexprs = {"FP4": fp4, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else 32, "SCALE_E8M0": True,
-                  "SPREAD": spread, "SLOTS": slots, "BM": cfg.BM, "BN": cfg.BN, "GROUP_M": cfg.GROUP_M,
+                  "SPREAD": spread, "SLOTS": slots, "GROUPED": False, "BM": cfg.BM, "BN": cfg.BN,
+                  "GROUP_M": cfg.GROUP_M,
                   "RANGES": ranges}
     sig.update({name: "constexpr" for name in constexprs})
     # what the JIT assumes at run time for 16-aligned pointers and strides

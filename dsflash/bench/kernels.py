@@ -234,6 +234,38 @@ def bench_experts(ceil, rows_values=(1, 5, 8), experts=48, top_k=6) -> list[dict
     return rows
 
 
+def bench_prefill_experts(ceil, m=8192, top_k=6) -> list[dict]:
+    """A prefill chunk's routed w1 GEMM: expert_linear over its m * top_k slots (per-expert tiles, one launch)
+    against one `linear` per used expert over its gathered rows (the loop it replaces; the gathers and the
+    host read of the counts are outside the timing), with 48 experts (the bench checkpoint) and 384 (the
+    released model: ~128 rows an expert)."""
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    n, k = 2304, 5120
+    for experts in (48, 384):
+        bank = kc.expert_bank([random_cuda_weight("fp4", n, k) for _ in range(experts)])
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)]).cuda()
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        nbytes = experts * weight_bytes(bank[0]) + x.numel() * 2 + m * top_k * n * 2
+        flops = 2 * m * top_k * n * k
+        ms = bench_both(lambda b=bank, x=x, ids=ids: kc.expert_linear(x, b, ids, top_k))
+        rows.append(row("expert_linear tiles", f"w1 {k}->{n} x{m * top_k}, {experts} experts", m, ms, nbytes, flops,
+                        ceil, {"fp8": True}))
+        flat = ids.flatten()
+        groups = [(e, x[(flat == e).nonzero()[:, 0] // top_k].contiguous()) for e in range(experts)]
+
+        def loop(b=bank, groups=groups):
+            for e, xe in groups:
+                if xe.size(0):
+                    kc.linear(xe, b[e])
+        LAST_EAGER["ms"] = bench(loop, warmup=3, rep=10)
+        rows.append(row("expert loop (linear)", f"w1 {k}->{n} x{m * top_k}, {experts} experts", m, LAST_EAGER["ms"],
+                        nbytes, flops, ceil, {"fp8": True, "note": "eager"}))
+        del bank, groups
+        torch.cuda.empty_cache()
+    return rows
+
+
 SWEEP_CONFIGS = [
     kc.LinearConfig(64, 64, 32, 4, 4),
     kc.LinearConfig(128, 64, 32, 8, 3),
@@ -376,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_linears(ceil, ms_values, args.sweep)
     if "experts" in only:
         rows += bench_experts(ceil)
+        rows += bench_prefill_experts(ceil)
     if "quant" in only:
         rows += bench_quant(ceil, ms_values)
     if "attn" in only:

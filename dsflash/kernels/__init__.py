@@ -36,7 +36,7 @@ class Kernels:
     expert_bank: Any  # list of one projection's routed-expert Weights -> the bank expert_linear takes
     expert_linear: Any  # (x, bank, expert per slot, slots per row) -> bf16 [slots, out]
     # MoE layers of at most this many rows run every (row, slot) pair through expert_linear (no host read
-    # of the routing); larger chunks loop over the experts they use
+    # of the routing); larger chunks loop over the experts they use (the CPU's; CUDA's expert_linear takes all)
     slot_moe_rows: int
     index_scores: Any  # (q, keys, weights, visible, keep_blocks or None, block) -> the indexer's bf16 scores
     topk_indices: Any  # (scores, k, visible, width) -> the k best entries per row, ascending, -1 padded

@@ -74,7 +74,9 @@ LARGE_TILE_MIN_M = 4096  # from this many rows FP8 GEMMs use 128x128 tiles (same
 FP_FUSION = True
 SPREAD_MAX_M = 16  # up to this many rows a GEMM's K ranges run as separate programs (sums added in order)
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
-SLOT_MOE_ROWS = 16  # MoE chunks up to this many rows use expert_linear (one launch per projection)
+# MoE chunks of any size go through expert_linear (one launch per projection): one-row programs for a few
+# rows, per-expert tiles from EXPERT_TILE_MIN_SLOTS slots (no host read of the routing, no loop over experts)
+SLOT_MOE_ROWS = 1 << 62
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,12 +343,12 @@ def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, F
 
 
 @triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk"])
-def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, N, KB, chunks_per_split,
+def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, KB, chunks_per_split,
                     stride_xm, stride_wn, stride_wsk, stride_ym, stride_xs, stride_pk, stride_we, stride_wse,
                     slots_per_row,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                    SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
+                    SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
     """y[M, N] = the block-scaled product (see linear), fp32 sums rounded once to bf16. K runs in chunks of
     4 blocks (one scale word); the chunks form ranges of `chunks_per_split` (quant.k_range_blocks, fixed by
     the weight's shape): each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
@@ -355,7 +357,10 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
     SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
     adds in range order -- the bits of one program looping over the ranges.
     SLOTS (routed experts): program_id(2) is slot s, one output row computed as a one-row call would
-    compute it, with activation row s // slots_per_row and expert slot[s] of a stacked weight bank."""
+    compute it, with activation row s // slots_per_row and expert slot[s] of a stacked weight bank.
+    GROUPED (routed experts, many slots): program_id(2) is tile t of up to BM slots of one expert
+    (tile[t] = (expert, first, count): slots slot[first .. first + count), grouped by expert); each slot's
+    row is computed as in SLOTS (a row's bits never depend on its tile) and stored at its slot's row."""
     if SLOTS:
         s = tl.program_id(2)
         e = tl.load(slot_ptr + s).to(tl.int64)
@@ -371,15 +376,27 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
     mmask = rm < M
     nmask = rn < N
     rk = tl.arange(0, 32)
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    in_rows = rm  # activation rows
+    out_rows = rm  # output rows
+    KC = tl.cdiv(KB, 4)
+    if GROUPED:
+        t = tl.program_id(2)
+        e = tl.load(tile_ptr + 3 * t).to(tl.int64)
+        count = tl.load(tile_ptr + 3 * t + 2)
+        w_ptr += e * stride_we
+        ws_ptr += e * stride_wse
+        mmask = tl.arange(0, BM) < count
+        out_rows = tl.load(slot_ptr + tl.load(tile_ptr + 3 * t + 1) + tl.arange(0, BM), mask=mmask, other=0)
+        in_rows = out_rows // slots_per_row
+        KC = tl.where(count > 0, KC, 0)  # the table's spare tiles do no work
+    x_rows = x_ptr + in_rows[:, None].to(tl.int64) * stride_xm + rk[None, :]
     if FP4:  # the block's 4 words per weight row
         w_rows = ((w_ptr + rn[:, None].to(tl.int64) * stride_wn).to(tl.pointer_type(tl.int32))
                   + tl.arange(0, 4)[None, :])
     else:
         w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     ws_cols = ws_ptr + rn // SCALE_ROWS
-    xs_rows = xs_ptr + rm
-    KC = tl.cdiv(KB, 4)
+    xs_rows = xs_ptr + in_rows
     c_lo = 0
     c_hi = KC
     if SPREAD:
@@ -424,7 +441,7 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, M, 
         part = part_ptr + tl.program_id(1) * stride_pk + rm[:, None].to(tl.int64) * N + rn[None, :]
         tl.store(part, acc, mask=mask)
     else:
-        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=mask)
+        tl.store(y_ptr + out_rows[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -555,10 +572,39 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
     x = x.contiguous()
     fuse = x.size(0) <= FUSE_QUANT_MAX_M
     a, a_s = (x, x) if fuse else quant_act(x)
+    if config is None and slots.numel() >= EXPERT_TILE_MIN_SLOTS:
+        # a prefill's slots: each expert's slots share 64-row tiles (the same bits as one-row tiles, tested)
+        cfg = linear_config(bank.kind, n, x.size(1))
+        order, tiles = _expert_tiles(slots, bank.values.size(0), cfg.BM)
+        _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, spread=False,
+                           slots=order, slots_per_row=slots_per_row, tiles=tiles)
+        return y
     cfg = config or linear_config(bank.kind, n, x.size(1), m=1)  # each slot is a one-row product
     _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, spread=spread,
                        slots=slots, slots_per_row=slots_per_row)
     return y
+
+
+EXPERT_TILE_MIN_SLOTS = 512  # from this many slots expert_linear groups each expert's slots into tiles
+
+
+def _expert_tiles(slots: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the slots' indices grouped by expert, ascending within an expert; int32 [tiles, 3] rows (expert,
+    first, count): tile t takes order[first:first + count], count <= bm). Device ops only, no host read of the
+    routing: the table has a bound's length, cdiv(slots, bm) + experts, its spare tiles count 0."""
+    order = torch.sort(slots, stable=True).indices.to(torch.int32)
+    # scatter_add, not bincount: bincount reads its input's maximum back to the host, which a CUDA graph
+    # capture refuses (and would bake one step's routing into the graph)
+    counts = torch.zeros(experts, dtype=torch.int64, device=slots.device).scatter_add_(
+        0, slots.long(), torch.ones_like(slots, dtype=torch.int64))
+    per_expert = (counts + bm - 1) // bm
+    ends = torch.cumsum(per_expert, 0)
+    t = torch.arange(triton.cdiv(slots.numel(), bm) + experts, device=slots.device)
+    expert = torch.searchsorted(ends, t, right=True).clamp(max=experts - 1)
+    local = t - (ends[expert] - per_expert[expert])
+    first = torch.cumsum(counts, 0)[expert] - counts[expert] + local * bm
+    count = (counts[expert] - local * bm).clamp(0, bm) * (t < ends[-1])
+    return order, torch.stack([expert, first, count], 1).to(torch.int32).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -695,28 +741,33 @@ def plain_k_per_split(cfg: LinearConfig, n: int, k: int) -> int:
 
 def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
                        fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
-                       slots: torch.Tensor | None = None, slots_per_row: int = 1) -> None:
+                       slots: torch.Tensor | None = None, slots_per_row: int = 1,
+                       tiles: torch.Tensor | None = None) -> None:
     """Launch the block-scaled GEMM into y (and the sum of the K ranges when they run as separate programs).
-    With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]."""
+    With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]; with
+    `tiles` too (_expert_tiles), `slots` is the slot order grouped by expert and tile t takes up to BM of them."""
     n, k = y.size(1), a.size(1)
     kb = k // ACT_BLOCK
     cps = k_range_blocks(n, kb) // SCALE_GROUP
     splits = triton.cdiv(triton.cdiv(kb, SCALE_GROUP), cps)
     rows = y.size(0)
-    stacked = slots is not None
-    m = 1 if stacked else rows  # rows per program column: a slot is a one-row call
+    stacked = slots is not None and tiles is None
+    m = 1 if slots is not None else rows  # rows per program column: a slot is a one-row call
     if spread is None:  # a decode tile's K chain is latency-bound: its ranges run side by side (measured:
         # bench/results/decode-gemm-2026-11-30.txt)
         spread = m <= SPREAD_MAX_M
-    spread = spread and splits > 1
+    spread = spread and splits > 1 and tiles is None
     part = torch.empty((splits, rows, n), dtype=torch.float32, device=a.device) if spread else y
-    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), splits if spread else 1, rows if stacked else 1)
-    _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if stacked else y, m, n, kb, cps,
+    programs = rows if stacked else tiles.size(0) if tiles is not None else 1
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), splits if spread else 1, programs)
+    _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if slots is not None else y,
+                          tiles if tiles is not None else y, m, n, kb, cps,
                           a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0),
                           a_s.stride(0) if not fuse else m, rows * n,
-                          wv.stride(0) if stacked else 0, w.scale.stride(0) if stacked else 0, slots_per_row,
-                          FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows, SCALE_E8M0=w.scale_e8m0,
-                          SPREAD=spread, SLOTS=stacked, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M,
+                          wv.stride(0) if slots is not None else 0, w.scale.stride(0) if slots is not None else 0,
+                          slots_per_row, FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows, SCALE_E8M0=w.scale_e8m0,
+                          SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM, BN=cfg.BN,
+                          GROUP_M=cfg.GROUP_M,
                           RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                           enable_fp_fusion=FP_FUSION)
     if spread:
