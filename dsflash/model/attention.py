@@ -197,20 +197,19 @@ class Attention:
         win = a.window_size
         ring = state.ring(state.window, self.layer, win, (a.head_dim,), torch.bfloat16)
         cap, p0, n = ring.capacity, chunk.p0, chunk.n
-        # the window source: positions p0-win .. p0-1 (rows before 0 are never indexed), then the chunk.
-        # Index tensors are alike for every layer of the chunk (all rings have one capacity; layers that
-        # read one KV source share its picks): made once per chunk
-        read = chunk.shared(("window read", cap), lambda: torch.arange(p0 - win, p0, device=kv.device) % cap)
-        parts = [ring.data[read], kv]
+        # the attention's rows: the window source (positions p0-win .. p0-1 from the ring; rows before 0 are
+        # never indexed), the chunk's rows, the picked compressed entries. Index tensors are alike for every
+        # layer of the chunk (layers that read one KV source share its picks): made once per chunk
         idx = chunk.shared("window idx", lambda: window_indices(chunk.positions, win, p0 - win))
+        comp = None
         if self.ratio:
             comp_idx = self._compressed(x, qr, chunk)
             # keyed by the picks' identity (layers reading one source share them); the entries keep them alive
             _, comp, local = chunk.shared(("compressed rows", id(comp_idx)), lambda: self._picked(comp_idx, chunk))
             key = ("attention idx", id(comp_idx))
             idx = chunk.shared(key, lambda: (comp_idx, _with_compressed(idx, local, win + kv.size(0))))[1]
-            parts.append(comp)
-        o = self.k.sparse_attn(q, torch.cat(parts), self.attn_sink, idx, a.head_dim ** -0.5)
+        o = self.k.sparse_attn_window(q, ring.data, (p0 - win) % cap, win, kv, comp, self.attn_sink, idx,
+                                      a.head_dim ** -0.5)
         keep = min(n, cap)
         write = chunk.shared(("window write", cap), lambda: chunk.positions[n - keep:n] % cap)
         ring.data[write] = kv[n - keep:n]
