@@ -10,10 +10,6 @@
 # reverted): the GEMM experiment (DIFF where the variant's bits differ) and the encoder prefill with each
 # kernel module. `... patch-step FILE`: an engine patch (git apply): the CUDA model tests with it, and the
 # step benchmark before, with (twice) and after it, in one session (steps vary ~5 ms between machines).
-# `... candidates`: the offline candidates (compressor_engram_kernels.patch, grouped_experts.patch and
-# sparse_window.patch, each applying on top of the one before): all CUDA kernel and model tests with them
-# applied, the grouped experts' GEMM against the per-expert loop, and the step and prefill benchmarks before,
-# with and after.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -60,26 +56,6 @@ if [ "$part" = patch-step ]; then  # a patch of the engine (not of cuda.py): mod
   timeout 100 $quick --out "$out/patched" 2>&1 | tail -1
   git apply -R "$2"
   timeout 100 $quick --out "$out/this" 2>&1 | tail -1
-fi
-if [ "$part" = candidates ]; then  # the offline candidates of docs/perf-record.md's sixth pass
-  patches="bench/experiments/compressor_engram_kernels.patch bench/experiments/grouped_experts.patch
-           bench/experiments/sparse_window.patch"
-  quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 --reps 7"
-  prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
-  mkdir -p "$out/this" "$out/patched"
-  timeout 100 $quick --out "$out/this" 2>&1 | tail -2
-  timeout 60 $prefill --out "$out/this" 2>&1 | tail -3
-  for p in $patches; do git apply "$p" || exit 1; done
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py 2>&1 | grep -E "^E  |FAILED|passed|failed" | tail -12
-  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py -s 2>&1 | grep -E "tier|passed|failed" | tail -6
-  timeout 100 $quick --out "$out/patched" 2>&1 | tail -2
-  timeout 60 $prefill --out "$out/patched" 2>&1 | tail -3
-  timeout 90 python -m dsflash.bench.kernels --only experts --out "$out/patched" 2>&1 | grep -E "tiles|loop"
-  for p in bench/experiments/sparse_window.patch bench/experiments/grouped_experts.patch \
-           bench/experiments/compressor_engram_kernels.patch; do
-    git apply -R "$p"
-  done
-  timeout 100 $quick --out "$out/this" 2>&1 | tail -2
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   [ "$part" = ab ] && timeout 200 $step 2>&1 | tail -12
