@@ -91,21 +91,27 @@ def test_resume_split_and_restart_are_bit_identical_on_cuda(tmp_path):
 
 
 def test_cuda_graph_replays_equal_eager_forwards():
-    """Steps of 1-8 rows replaying captured segments give the eager forward's bits, across captures, replays,
-    row counts that come and go, and RoPE table rebuilds (which retire the graphs)."""
+    """Steps of 1-8 rows replaying captured runs of layers give the eager forward's bits, across captures,
+    replays, row counts that come and go, two sessions taking turns (each reads its own window rings through
+    its own graphs) and RoPE table rebuilds (which retire the graphs)."""
     eager = load_model(CASE, device="cuda", cuda_graphs=False)
     graphed = load_model(CASE, device="cuda")
-    ids = torch.randint(3, 500, (200,), generator=torch.Generator().manual_seed(2)).cuda()
+    ids = torch.randint(3, 500, (2, 200), generator=torch.Generator().manual_seed(2)).cuda()
     sizes = [1, 1, 1, 3, 3, 3, 8, 8, 1, 5, 5, 1] * 4
     outs = []
     for model in (eager, graphed):
-        state, logits = SequenceState(device="cuda"), []
-        model.forward(state, ids[:20])
-        for n in sizes:
-            if state.pos + n > ids.numel():
+        states, logits = (SequenceState(device="cuda"), SequenceState(device="cuda")), []
+        for state, prompt, length in zip(states, ids, (20, 27), strict=True):
+            model.forward(state, prompt[:length])
+        for i, n in enumerate(sizes):
+            state, prompt = states[i % 2], ids[i % 2]
+            if state.pos + n > prompt.numel():
                 break
-            out = model.forward(state, ids[state.pos:state.pos + n])
+            out = model.forward(state, prompt[state.pos:state.pos + n])
             logits.append(torch.cat([out.logits, out.streams.flatten(1).float()], 1))
         outs.append(torch.cat(logits))
-    assert graphed.graphs is not None and graphed.graphs._graphs, "no segment was captured"
+    runs = [key for key in graphed.graphs._graphs if key[0][0] == "layers"]
+    assert runs, "no run of layers was captured"
+    # one graph per run of layers between index layers (and per row count and session): a step pair is ~10
+    assert len({key[0][1] for key in runs}) == sum(1 for step in graphed.program if not isinstance(step, int))
     assert torch.equal(outs[0], outs[1])

@@ -538,18 +538,6 @@ def test_sparse_attn_batch_invariant():
         assert torch.equal(kc.sparse_attn(q, kv, sink, idx, scale, block_o=block_o), full), f"block_o={block_o}"
 
 
-def test_sparse_attn_reads_the_window_ring_and_sources_in_place():
-    """The attention core's three sources read in place (the window ring from a wrapping start, the chunk's
-    rows, the picked entries): the bits of the kernel over their gathered concatenation, split or not."""
-    g = gen(29)
-    ring, rows_kv, comp = (torch.randn(r, 512, generator=g).bfloat16().to(DEV) for r in (200, 5, 2560))
-    q, _, sink, idx = (t.to(DEV) for t in attn_inputs(5, 64, 512, 128 + 5 + 2560, 640, g))
-    cat = torch.cat([ring[(190 + torch.arange(128, device=DEV)) % 200], rows_kv, comp])
-    for block_o in (None, 512):
-        got = kc.sparse_attn_window(q, ring, 190, 128, rows_kv, comp, sink, idx, 512 ** -0.5, block_o=block_o)
-        assert torch.equal(got, kc.sparse_attn(q, cat, sink, idx, 512 ** -0.5, block_o=block_o)), block_o
-
-
 # ---------------------------------------------------------------------------------------------
 # mHC split + Sinkhorn
 # ---------------------------------------------------------------------------------------------

@@ -219,15 +219,6 @@ out = cuda.engram_gate(h, key, value, qk, 1e-6, mask)
 ms = lambda x: (cuda.row_sum(x, square=True) / x.size(-1)).unsqueeze(-1)  # noqa: E731
 assert rel(out, cpu.engram_gate(h, key, value, qk, 1e-6, mask, mean_square=ms, row_sum=cuda.row_sum)) < 1e-2
 assert torch.equal(cuda.engram_gate(h[1:2], key[1:2], value[1:2], qk, 1e-6, mask[1:2]), out[1:2])
-# sparse attention reading the window ring (wrapping), the chunk's rows and the picked entries in place: the
-# bits of the kernel over their gathered concatenation
-ring, rows_kv, comp = (torch.randn(r, 64, generator=g).bfloat16() for r in (160, 6, 30))
-q, _, sink, idx = attn_inputs(6, 16, 64, 128 + 6 + 30, 100, g, scattered=True)
-got = cuda.sparse_attn_window(q, ring, 150, 128, rows_kv, comp, sink, idx, 0.125)
-cat = torch.cat([ring[(150 + torch.arange(128)) % 160], rows_kv, comp])
-assert torch.equal(got, cuda.sparse_attn(q, cat, sink, idx, 0.125))
-assert torch.equal(cpu.sparse_attn_window(q, ring, 150, 128, rows_kv, comp, sink, idx, 0.125),
-                   cpu.sparse_attn(q, cat, sink, idx, 0.125))
 # sparse attention: the online softmax over 64-index blocks as the CPU's, and a query's bits alone
 q, kv, sink, idx = attn_inputs(6, 16, 64, 300, 160, g)
 got = cuda.sparse_attn(q, kv, sink, idx, 64 ** -0.5)
@@ -362,9 +353,6 @@ def test_new_kernels_compile_for_sm90():
                         constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
         assert compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
 
-    check(cuda._sparse_attn_kernel, {"q_ptr": "*bf16", "ring_ptr": "*bf16", "kv_ptr": "*bf16", "comp_ptr": "*bf16",
-                                     "sink_ptr": "*fp32", "idx_ptr": "*i64", "o_ptr": "*bf16", "scale": "fp32"},
-          {"BLOCK_H": 64, "BLOCK_D": 512, "BLOCK_I": 64, "BLOCK_O": 128})
     gemm = {"x_ptr": "*fp8e4nv", "xs_ptr": "*i32", "w_ptr": "*u8", "ws_ptr": "*i32", "y_ptr": "*bf16",
             "part_ptr": "*fp32", "slot_ptr": "*i32", "tile_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"}
     check(cuda._bs_gemm_kernel, gemm, {"FP4": True, "FUSE_QUANT": False, "SCALE_ROWS": 1, "SCALE_E8M0": True,

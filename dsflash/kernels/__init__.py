@@ -31,9 +31,6 @@ class Kernels:
     row_tile: int
     linear: Any
     sparse_attn: Any
-    # (q, window ring, first, window rows, kv rows, compressed rows or None, sink, idx, scale): sparse_attn over
-    # the three sources as idx addresses them, read in place by the CUDA kernel
-    sparse_attn_window: Any
     hc_split_sinkhorn: Any
     grouped_linear: Any
     expert_bank: Any  # list of one projection's routed-expert Weights -> the bank expert_linear takes
@@ -84,8 +81,7 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     if device.type == "cuda" and device.index is None:  # as tensors name it, so device keys match
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cpu" or reference:
-        return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.sparse_attn_window,
-                       cpu.hc_split_sinkhorn,
+        return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
                        cpu.grouped_linear, cpu.expert_bank, cpu.expert_linear, cpu.ROW_TILE, cpu.index_scores,
                        cpu.topk_indices, cpu.candidate_blocks,
                        cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm, cpu.rms_scale,
@@ -108,8 +104,7 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     def mean_square(x: torch.Tensor) -> torch.Tensor:
         return exact_div(cuda.row_sum(x, square=True), x.size(-1)).unsqueeze(-1)
 
-    return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.sparse_attn_window, cuda.hc_split_sinkhorn,
-                   cuda.grouped_linear,
+    return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, cuda.grouped_linear,
                    cuda.expert_bank, cuda.expert_linear, cuda.SLOT_MOE_ROWS, cuda.index_scores,
                    cuda.topk_indices, cuda.candidate_blocks, mean_square, cuda.row_sum,
                    cuda.small_sum, stream_mean, cuda.rms_norm, cuda.rms_scale, cuda.fp8_fake_quant,

@@ -294,14 +294,6 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: i
     return torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, picks, kept)
 
 
-def sparse_attn_window(q: torch.Tensor, ring: torch.Tensor, first: int, window: int, kv: torch.Tensor,
-                       comp: torch.Tensor | None, sink: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
-    """sparse_attn over `window` rows of a ring (row r at ring[(first + r) % len(ring)]), then kv's rows, then
-    comp's (the compressed entries picked), as idx addresses them."""
-    rows = ring[(first + torch.arange(window, device=ring.device)) % ring.size(0)]
-    return sparse_attn(q, torch.cat([rows, kv] if comp is None else [rows, kv, comp]), sink, idx, scale)
-
-
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC coefficients from the 24 mixes (fp32): pre, post and the Sinkhorn-normalised comb [.., hc, hc]

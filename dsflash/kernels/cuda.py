@@ -56,8 +56,7 @@ from dsflash.numerics.packing import check_width, packed_width
 from dsflash.numerics.quant import ACT_BLOCK, FP4_MAX, FP8_MAX, K_RANGE_GROUP, k_range_blocks
 
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
-           "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "sparse_attn_window", "hc_split_sinkhorn",
-           "LinearConfig",
+           "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "hc_split_sinkhorn", "LinearConfig",
            "linear_config", "collapse", "expand", "moe_sum", "swiglu", "rms_norm", "rms_scale", "fp8_fake_quant",
            "fp4_fake_quant", "fp4_quant_packed", "fp4_dequant_packed", "rope_rotate", "index_scores", "topk_indices",
            "candidate_blocks"]
@@ -825,15 +824,13 @@ SPARSE_ATTN_BLOCK = 64
 
 
 @triton.jit
-def _sparse_attn_kernel(q_ptr, ring_ptr, kv_ptr, comp_ptr, sink_ptr, idx_ptr, o_ptr, H, D, KI, scale, first, cap,
-                        n_ring, n_kv, stride_qn, stride_qh, stride_ring, stride_kv, stride_comp, stride_in,
-                        stride_on, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr,
+def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, H, D, KI, scale,
+                        stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr,
                         BLOCK_O: tl.constexpr):
     """Program (query, head block, output slice): the softmax over the picked rows needs every channel
     (the scores), the output only its BLOCK_O channels. Programs of one query recompute the same scores
-    (same tiles: the same bits) so a decode row spreads over D / BLOCK_O programs.
-    The indices address three sources read in place, one after another: `n_ring` rows of a ring (row r at
-    ring[(first + r) % cap]: the window), `n_kv` rows of kv (the chunk's), then comp (the picked entries)."""
+    (same tiles: the same bits) so a decode row spreads over D / BLOCK_O programs."""
     n = tl.program_id(0)
     hb = tl.program_id(1)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -851,11 +848,8 @@ def _sparse_attn_kernel(q_ptr, ring_ptr, kv_ptr, comp_ptr, sink_ptr, idx_ptr, o_
     for start in range(0, KI, BLOCK_I):
         ids = tl.load(idx_ptr + n.to(tl.int64) * stride_in + start + ri, mask=(start + ri) < KI, other=-1)
         valid = ids != -1
-        r = tl.where(valid, ids, 0).to(tl.int64)
-        rows = tl.where(r < n_ring, ring_ptr + ((first + r) % cap) * stride_ring,
-                        tl.where(r < n_ring + n_kv, kv_ptr + (r - n_ring) * stride_kv,
-                                 comp_ptr + (r - n_ring - n_kv) * stride_comp))
-        kv = tl.load(rows[:, None] + rd[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        rows = tl.where(valid, ids, 0).to(tl.int64)
+        kv = tl.load(kv_ptr + rows[:, None] * stride_kv + rd[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(kv))
         s = tl.where(valid[None, :], s, float("-inf")) * scale
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -863,7 +857,8 @@ def _sparse_attn_kernel(q_ptr, ring_ptr, kv_ptr, comp_ptr, sink_ptr, idx_ptr, o_
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if BLOCK_O < BLOCK_D:
-            kv = tl.load(rows[:, None] + ro[None, :], mask=valid[:, None] & omask[None, :], other=0.0)
+            kv = tl.load(kv_ptr + rows[:, None] * stride_kv + ro[None, :], mask=valid[:, None] & omask[None, :],
+                         other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv)
         m_i = m_new
     sink = tl.load(sink_ptr + rh, mask=hmask, other=0.0)
@@ -877,26 +872,22 @@ SPARSE_ATTN_SPLIT_MAX_N = 64  # up to this many queries, each query's output cha
 SPARSE_ATTN_SLICE = 128  # ... of this many channels
 
 
-def _bf16_rows(t: torch.Tensor) -> torch.Tensor:
-    t = t.to(torch.bfloat16)
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def sparse_attn_window(q: torch.Tensor, ring: torch.Tensor, first: int, window: int, kv: torch.Tensor,
-                       comp: torch.Tensor | None, sink: torch.Tensor, idx: torch.Tensor, scale: float, *,
-                       out: torch.Tensor | None = None, block_h: int | None = None,
-                       block_o: int | None = None) -> torch.Tensor:
-    """Single-KV-head attention over gathered rows with a per-head sink (see cpu.sparse_attn) whose rows
-    are `window` rows of a ring (row r at ring[(first + r) % len(ring)]), then kv's, then comp's, read in
-    place (cpu.sparse_attn_window gathers and concatenates them): no gather, no concatenation.
-    q [N, H, D] bf16; sink [H] fp32; idx [N, K] int (-1 = none). Returns bf16 [N, H, D]. A few queries (a
-    decode step) spread each query's output channels over programs: the same bits (tests/test_kernels_cuda.py).
-    `block_h` / `block_o` (experiments, tests) override the heads and the output channels per program."""
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                *, out: torch.Tensor | None = None, block_h: int | None = None,
+                block_o: int | None = None) -> torch.Tensor:
+    """Single-KV-head attention over gathered rows with a per-head sink (see cpu.sparse_attn).
+    q [N, H, D] bf16; kv [R, D] bf16; sink [H] fp32; idx [N, K] int (-1 = none). Returns bf16 [N, H, D].
+    A few queries (a decode step) spread each query's output channels over programs: the same bits
+    (tests/test_kernels_cuda.py). `block_h` / `block_o` (experiments, tests) override the heads and the
+    output channels per program."""
     n, h, d = q.shape
-    assert ring.size(-1) == kv.size(-1) == d and idx.dim() == 2 and idx.size(0) == n
-    q = _bf16_rows(q)
-    ring, kv = _bf16_rows(ring), _bf16_rows(kv)
-    comp = _bf16_rows(comp) if comp is not None else kv
+    assert kv.dim() == 2 and kv.size(1) == d and idx.dim() == 2 and idx.size(0) == n
+    q = q.to(torch.bfloat16)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    kv = kv.to(torch.bfloat16)
+    if kv.stride(1) != 1:
+        kv = kv.contiguous()
     idx = idx.contiguous()
     if idx.dtype not in (torch.int32, torch.int64):
         idx = idx.long()
@@ -909,20 +900,11 @@ def sparse_attn_window(q: torch.Tensor, ring: torch.Tensor, first: int, window: 
     warps = 8 if block_h * block_d >= 64 * 256 else 4
     block_o = block_o or (min(block_d, SPARSE_ATTN_SLICE) if n <= SPARSE_ATTN_SPLIT_MAX_N else block_d)
     grid = (n, triton.cdiv(h, block_h), triton.cdiv(block_d, block_o))
-    _sparse_attn_kernel[grid](q, ring, kv, comp, sink, idx, o, h, d, idx.size(1), float(scale),
-                              first % max(1, ring.size(0)), max(1, ring.size(0)), window, kv.size(0),
-                              q.stride(0), q.stride(1), ring.stride(0), kv.stride(0), comp.stride(0), idx.stride(0),
-                              o.stride(0), o.stride(1), BLOCK_H=block_h, BLOCK_D=block_d,
-                              BLOCK_I=SPARSE_ATTN_BLOCK, BLOCK_O=block_o, num_warps=warps, num_stages=2,
-                              enable_fp_fusion=FP_FUSION)
+    _sparse_attn_kernel[grid](q, kv, sink, idx, o, h, d, idx.size(1), float(scale),
+                              q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1),
+                              BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_I=SPARSE_ATTN_BLOCK, BLOCK_O=block_o,
+                              num_warps=warps, num_stages=2, enable_fp_fusion=FP_FUSION)
     return o
-
-
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
-                **kw) -> torch.Tensor:
-    """Single-KV-head attention over the rows of kv [R, D] (see sparse_attn_window: kv as its window)."""
-    assert kv.dim() == 2
-    return sparse_attn_window(q, kv, 0, kv.size(0), kv[:0], None, sink, idx, scale, **kw)
 
 
 # ---------------------------------------------------------------------------------------------

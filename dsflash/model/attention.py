@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from dsflash.config import ModelArgs
+from dsflash.engine.state import PositionRing
 from dsflash.model.common import Chunk
 from dsflash.model.rope import Rope
 from dsflash.model.weights import WeightLoader
@@ -20,11 +21,16 @@ from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
 INDEXER_ROWS = 1024
 
 
-def window_indices(positions: torch.Tensor, window: int, first_row_pos: int) -> torch.Tensor:
-    """[N, window] rows of the window source (whose row 0 holds position `first_row_pos`), -1 = none."""
+def window_source(positions: torch.Tensor, window: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window source of a chunk whose rows sit at `positions` (consecutive): (the ring slots of positions
+    p0-window .. p0-1, int64 [window]; indices [N, window] into those rows then the chunk's rows, ascending
+    positions from max(0, t - window + 1), -1 where the slot is before the sequence). Device ops on the
+    positions only, so a CUDA graph replays them for any p0."""
+    first = positions[:1] - window
     start = (positions - window + 1).clamp_min(0).unsqueeze(1)
     pos = start + torch.arange(window, device=positions.device)
-    return torch.where(pos > positions.unsqueeze(1), -1, pos - first_row_pos)
+    slots = (first + torch.arange(window, device=positions.device)) % capacity
+    return slots, torch.where(pos > positions.unsqueeze(1), -1, pos - first)
 
 
 def _with_compressed(window_idx: torch.Tensor, comp_idx: torch.Tensor, comp_offset: int) -> torch.Tensor:
@@ -191,51 +197,69 @@ class Attention:
         return self.k.linear(o.flatten(1), self.wo_b)
 
     def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        """The state-dependent middle (between `projections` and `output`): write this layer's window KV and
-        compressed entries, pick the compressed rows, attend. Returns the heads' outputs [rows, H, D]."""
-        a, state = self.args, chunk.state
-        win = a.window_size
-        ring = state.ring(state.window, self.layer, win, (a.head_dim,), torch.bfloat16)
-        cap, p0, n = ring.capacity, chunk.p0, chunk.n
-        # the attention's rows: the window source (positions p0-win .. p0-1 from the ring; rows before 0 are
-        # never indexed), the chunk's rows, the picked compressed entries. Index tensors are alike for every
-        # layer of the chunk (layers that read one KV source share its picks): made once per chunk
-        idx = chunk.shared("window idx", lambda: window_indices(chunk.positions, win, p0 - win))
-        comp = None
-        if self.ratio:
-            comp_idx = self._compressed(x, qr, chunk)
-            # keyed by the picks' identity (layers reading one source share them); the entries keep them alive
-            _, comp, local = chunk.shared(("compressed rows", id(comp_idx)), lambda: self._picked(comp_idx, chunk))
-            key = ("attention idx", id(comp_idx))
-            idx = chunk.shared(key, lambda: (comp_idx, _with_compressed(idx, local, win + kv.size(0))))[1]
-        o = self.k.sparse_attn_window(q, ring.data, (p0 - win) % cap, win, kv, comp, self.attn_sink, idx,
-                                      a.head_dim ** -0.5)
-        keep = min(n, cap)
-        write = chunk.shared(("window write", cap), lambda: chunk.positions[n - keep:n] % cap)
-        ring.data[write] = kv[n - keep:n]
-        return o
+        """The state-dependent middle (between `projections` and `output`): an index layer's `select`, then
+        `attend`. Returns the heads' outputs [rows, H, D]."""
+        if self.indexer is not None:
+            self.select(x, qr, chunk)
+        return self.attend(q, kv, chunk)
 
-    def _picked(self, comp_idx: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the picks, the compressed entries they read as bf16 rows, the picks as indices into those rows).
-        A step picks fewer entries than a long context holds: only those are decoded, one row per pick.
-        Either way the attention reads the same values in the same order, so the same bits."""
-        packed = chunk.state.compressed[self.kv_source].rows
-        if comp_idx.numel() >= packed.size(0):  # the whole source, decoded once for every layer reading it
-            rows = chunk.shared(("compressed entries", self.kv_source, packed.size(0)),
-                                lambda: self.k.fp4_dequant_packed(packed, self.args.head_dim, *ENTRY))
-            return comp_idx, rows, comp_idx
-        rows = self.k.fp4_dequant_packed(packed[comp_idx.flatten().clamp_min(0)], self.args.head_dim, *ENTRY)
-        slots = torch.arange(comp_idx.numel(), device=comp_idx.device).view_as(comp_idx)
-        return comp_idx, rows, torch.where(comp_idx >= 0, slots, -1)
+    def window_ring(self, state) -> PositionRing:
+        return state.ring(state.window, self.layer, self.args.window_size, (self.args.head_dim,), torch.bfloat16)
 
-    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        """Write this source's new compressed entries, then return the chunk's compressed picks."""
+    def select(self, x: torch.Tensor, qr: torch.Tensor, chunk: Chunk) -> None:
+        """An index layer's eager part (its shapes grow with the context): write this KV source's new
+        compressed entries, pick the chunk's compressed rows (chunk.topk) and publish what the attention of
+        this and the following layers reads (chunk.picks)."""
         a, state = self.args, chunk.state
         if self.source_writer is not None:
             self.source_writer(x, chunk)
-        if self.is_index_source:
-            if state.compressed[self.kv_source].n == 0:
-                chunk.topk = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64, device=x.device)
-            else:
-                chunk.topk = self.indexer.select(x, qr, self.kv_source, chunk, self.rope)
-        return chunk.topk
+        if state.compressed[self.kv_source].n == 0:
+            chunk.topk = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64, device=x.device)
+        else:
+            chunk.topk = self.indexer.select(x, qr, self.kv_source, chunk, self.rope)
+        chunk.picks = self._picks(chunk)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """Attention over the window ring, the chunk's rows and (ratio > 0) the chunk's picks, then the chunk's
+        rows into the ring. Fixed shapes for a row count, positions by device tensors: CUDA graphs capture it
+        (model/transformer.py)."""
+        a, n = self.args, chunk.n
+        ring = self.window_ring(chunk.state)
+        cap = ring.capacity
+        if chunk.window is None:  # alike for every layer of the chunk (all rings have one capacity)
+            chunk.window = window_source(chunk.positions, a.window_size, cap)
+        slots, idx = chunk.window
+        parts = [ring.data[slots], kv]
+        if self.ratio:
+            if chunk.picks is None:  # dropped with the rows of a tail-mode forward
+                chunk.picks = self._picks(chunk)
+            comp, idx = chunk.picks
+            parts.append(comp)
+        # the gather and the concatenation cost ~3 µs of GPU time in a graph; reading the three sources in
+        # place doubled the attention kernel's time (docs/rejected-ideas.md)
+        o = self.k.sparse_attn(q, torch.cat(parts), self.attn_sink, idx, a.head_dim ** -0.5)
+        keep = min(n, cap)
+        ring.data[chunk.positions[n - keep:n] % cap] = kv[n - keep:n]
+        return o
+
+    def _picks(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the picked compressed entries as bf16 rows, the attention's indices: window, then picks)."""
+        if chunk.window is None:
+            chunk.window = window_source(chunk.positions, self.args.window_size, self.window_ring(chunk.state).capacity)
+        comp, local = self._picked(chunk.topk, chunk)
+        return comp, _with_compressed(chunk.window[1], local, self.args.window_size + chunk.rows)
+
+    def _picked(self, comp_idx: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the compressed entries the picks read as bf16 rows, the picks as indices into those rows). A step
+        picks fewer entries than a long context holds: only those are decoded, one row per pick, and a
+        graphed forward always takes this path (its shapes must not follow the context). Either way the
+        attention reads the same values in the same order, so the same bits."""
+        packed = chunk.state.compressed[self.kv_source].rows
+        if packed.size(0) == 0 or (comp_idx.numel() >= packed.size(0) and not chunk.graphed):
+            # the whole source, decoded once for every layer reading it
+            rows = chunk.shared(("compressed entries", self.kv_source, packed.size(0)),
+                                lambda: self.k.fp4_dequant_packed(packed, self.args.head_dim, *ENTRY))
+            return rows, comp_idx
+        rows = self.k.fp4_dequant_packed(packed[comp_idx.flatten().clamp_min(0)], self.args.head_dim, *ENTRY)
+        slots = torch.arange(comp_idx.numel(), device=comp_idx.device).view_as(comp_idx)
+        return rows, torch.where(comp_idx >= 0, slots, -1)

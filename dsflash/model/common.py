@@ -51,6 +51,11 @@ class Chunk:
     topk: torch.Tensor | None = None  # published by the latest index source: [rows, index_topk]
     candidates: torch.Tensor | None = None  # published by the candidate source: bool [rows, blocks]
     trace: dict | None = None  # debugging: per-layer intermediate outputs when a dict is given
+    # the attention's sources, made once per chunk (model/attention.py): (the window's ring slots, window
+    # indices) and the latest index layer's (picked entries, attention indices)
+    window: tuple[torch.Tensor, torch.Tensor] | None = None
+    picks: tuple[torch.Tensor, torch.Tensor] | None = None
+    graphed: bool = False  # the forward replays CUDA graphs: nothing the graphs read may take a context's shape
     row_tile: int = 1  # rows are padded to a multiple of this (see Transformer.forward)
     _p0: int | None = None
     _shared: dict = field(default_factory=dict)
@@ -72,7 +77,7 @@ class Chunk:
             return None if t is None else fit_rows(t[k:], rows)
 
         return Chunk(self.state, positions, n, self.select, cut(self.image_mask), cut(self.topk),
-                     cut(self.candidates), self.trace, self.row_tile, start)
+                     cut(self.candidates), self.trace, row_tile=self.row_tile, _p0=start)
 
     @property
     def p0(self) -> int:

@@ -1,11 +1,10 @@
 """CUDA graphs for the static parts of a short forward (decode steps, drafts, verification).
 
-A block's work splits into segments whose shapes depend on the row count only: the attention input
-(mHC site, collapse, norm, q/kv projections, RoPE) and the attention output plus FFN (inverse RoPE,
-`wo_a`/`wo_b`, mHC mixing, router, routed experts by slot, shared expert). Between them the attention
-core reads the state (window ring, compressed rows, indexer), whose sizes grow with the context, and
-stays eager. Each segment is captured once per (block, segment, rows) and replayed: a replay runs the
-same kernels on the same shapes as the eager call, so the bits are those of the eager forward.
+A forward's work splits into segments whose shapes depend on the row count only, captured once per key
+(and input shapes) and replayed: a replay runs the same kernels on the same shapes as the eager call, so
+the bits are those of the eager forward. The backbone's segments are runs of layers between the index
+layers' selections, whose shapes grow with the context and stay eager (model/transformer.py); a DSpark
+block's are its attention input and its attention output plus FFN, around an eager attention core.
 
 Lifetime rules: a replay overwrites its outputs, so a forward copies out what it returns; graphs read
 the RoPE tables by address, so they are dropped when a table grows (`begin`). One forward at a time per
@@ -25,6 +24,9 @@ from dataclasses import dataclass
 import torch
 
 GRAPH_MAX_ROWS = 8  # forwards of up to this many rows (padding included) replay captured segments
+# graphs kept before all are dropped at a forward's start (segments that read a session's window rings in
+# place are that session's own: this bounds what ended sessions leave behind)
+GRAPH_MAX_KEPT = 1024
 
 
 @dataclass
@@ -35,10 +37,11 @@ class _Captured:
 
 
 class SegmentGraphs:
-    """One model's captured segments, keyed by (block, segment, rows); see the module docstring."""
+    """One model's captured segments, keyed by the caller's key and the inputs' shapes; see the module
+    docstring."""
 
-    def __init__(self, max_rows: int = GRAPH_MAX_ROWS):
-        self.max_rows = max_rows
+    def __init__(self, max_rows: int = GRAPH_MAX_ROWS, max_kept: int = GRAPH_MAX_KEPT):
+        self.max_rows, self.max_kept = max_rows, max_kept
         self._graphs: dict[Hashable, _Captured] = {}
         self._warm: dict[Hashable, tuple[torch.Tensor, ...]] = {}
         self._pools: dict[int, tuple] = {}
@@ -58,7 +61,7 @@ class SegmentGraphs:
         weights (the RoPE tables' versions); `eligible` is False for forwards whose segments read more
         than their tensor inputs (traces, forced selections, image routing). Returns whether this
         forward replays graphs."""
-        if epoch != self._epoch:
+        if epoch != self._epoch or len(self._graphs) + len(self._warm) > self.max_kept:
             self._graphs.clear()
             self._warm.clear()
             self._stable.clear()
@@ -72,6 +75,7 @@ class SegmentGraphs:
         inputs' future static copies (compiling kernels for exactly the alignments the capture will
         see); the second captures; later calls replay. An input that is another graph's input or output
         (the previous block's streams, this block's mixes) is read in place, others are copied in."""
+        key = (key, tuple(t.shape for t in inputs))
         entry = self._graphs.get(key)
         if entry is None:
             static = self._warm.pop(key, None)

@@ -51,21 +51,22 @@ class Block:
     def __call__(self, h: torch.Tensor, pre: torch.Tensor, chunk: Chunk, graphs: SegmentGraphs | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(streams, FFN pre) after this block. With `graphs`, the two static segments around the attention
-        core replay CUDA graphs (same kernels, same bits)."""
+        core replay CUDA graphs (same kernels, same bits). The backbone's forward runs the stages itself
+        (model/transformer.py): `attn_in`, the attention's select / attend, `out_ffn`."""
         rows = h.size(0)
         run = graphs.run if graphs is not None else _call
-        x, qr, q, kv, attn_pre, attn_post, attn_comb = run((self.layer, "attn_in", rows), self._attn_in, h, pre,
+        x, qr, q, kv, attn_pre, attn_post, attn_comb = run((self.layer, "attn_in", rows), self.attn_in, h, pre,
                                                            chunk.positions)
         o = self.attn.core(x, qr, q, kv, chunk)
-        return run((self.layer, "attn_out_ffn", rows), partial(self._attn_out_ffn, chunk=chunk), o, h, attn_pre,
+        return run((self.layer, "attn_out_ffn", rows), partial(self.out_ffn, chunk=chunk), o, h, attn_pre,
                    attn_post, attn_comb, chunk.positions)
 
-    def _attn_in(self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def attn_in(self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         attn_pre, attn_post, attn_comb = self.attn_site(h)
         x = self.k.rms_norm(self.k.collapse(h, pre), self.attn_norm, self.eps)
         return (x, *self.attn.projections(x, positions), attn_pre, attn_post, attn_comb)
 
-    def _attn_out_ffn(self, o: torch.Tensor, h: torch.Tensor, attn_pre: torch.Tensor, attn_post: torch.Tensor,
+    def out_ffn(self, o: torch.Tensor, h: torch.Tensor, attn_pre: torch.Tensor, attn_post: torch.Tensor,
                       attn_comb: torch.Tensor, positions: torch.Tensor, *, chunk: Chunk) -> tuple[torch.Tensor, ...]:
         h = self.k.expand(self.attn.output(o, positions), h, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.ffn_site(h)
