@@ -225,7 +225,37 @@ def profile_step(engine: Engine, context: int, rows: int, prefill: bool = False,
                                                                 max_name_column_width=40,
                                                                 max_shapes_column_width=70)) if by_op else ""
     return (tables.table(sort_by="self_cuda_time_total", row_limit=30) + "\n\nBy host time:\n" + host
-            + ops)
+            + ops + "\n\n" + gpu_timeline(prof.events()))
+
+
+def gpu_timeline(events, top: int = 12) -> str:
+    """How busy the GPU was between its first and last kernel, and its longest idle gaps with the kernel
+    that ended each and the host's top-level op at that moment: a gap the host caused (the GPU waiting for
+    a launch) shows a host op; a step that is GPU-bound shows few and short gaps. Profiler-inflated host
+    times make the gaps an upper bound."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA)
+    if not kernels:
+        return "GPU timeline: no kernels"
+    host = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                  if e.device_type == DeviceType.CPU and e.cpu_parent is None)
+    busy, gaps, end = 0.0, [], kernels[0][0]
+    for start, stop, name in kernels:
+        if start > end:
+            gaps.append((start - end, end, name))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - kernels[0][0]
+    lines = [f"GPU timeline: busy {busy / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({100 * busy / span:.0f}%); "
+             f"{len(gaps)} idle gaps, {sum(g for g, _, _ in gaps) / 1e3:.2f} ms in all, "
+             f"{sum(g for g, _, _ in gaps if g >= 20) / 1e3:.2f} ms in gaps of 20 µs or more",
+             "longest gaps (µs, kernel after the gap, host op at the gap's start):"]
+    for gap, at, name in sorted(gaps, reverse=True)[:top]:
+        on_host = next((h for s_, e_, h in host if s_ <= at <= e_), "-")
+        lines.append(f"  {gap:8.1f}  {name[:60]:60s}  {on_host[:50]}")
+    return "\n".join(lines)
 
 
 def bench_link(model: str, device: str, prompt_len: int, steps: int) -> dict:
