@@ -91,9 +91,10 @@ def test_resume_split_and_restart_are_bit_identical_on_cuda(tmp_path):
 
 
 def test_cuda_graph_replays_equal_eager_forwards():
-    """Steps of 1-8 rows replaying captured runs of layers give the eager forward's bits, across captures,
-    replays, row counts that come and go, two sessions taking turns (each reads its own window rings through
-    its own graphs) and RoPE table rebuilds (which retire the graphs)."""
+    """Steps of 1-8 rows replaying a captured forward give the eager forward's bits, across captures,
+    replays, row counts that come and go, two sessions taking turns (each reads and writes its own state
+    through its own graphs), the sources' buffers growing (a new graph) and RoPE table rebuilds (which retire
+    the graphs)."""
     eager = load_model(CASE, device="cuda", cuda_graphs=False)
     graphed = load_model(CASE, device="cuda")
     ids = torch.randint(3, 500, (2, 200), generator=torch.Generator().manual_seed(2)).cuda()
@@ -111,7 +112,6 @@ def test_cuda_graph_replays_equal_eager_forwards():
             logits.append(torch.cat([out.logits, out.streams.flatten(1).float()], 1))
         outs.append(torch.cat(logits))
     runs = [key for key in graphed.graphs._graphs if key[0][0] == "layers"]
-    assert runs, "no run of layers was captured"
-    # one graph per run of layers between index layers (and per row count and session): a step pair is ~10
-    assert len({key[0][1] for key in runs}) == sum(1 for step in graphed.program if not isinstance(step, int))
+    # a whole forward is one graph, per row count, p0 % ratio and session (its state's buffers by address)
+    assert len({key[0][3] for key in runs}) >= 2, "each session replays graphs of its own"
     assert torch.equal(outs[0], outs[1])

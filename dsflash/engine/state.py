@@ -26,20 +26,33 @@ class RollbackError(ValueError):
 
 
 class GrowingRows:
-    """An append-only [n, *shape] tensor with amortised growth."""
+    """An append-only [n, *shape] tensor with amortised growth. Rows past n (the spare capacity) are zero
+    until written: a CUDA graph reads the whole buffer (masking what is not yet visible), so it must never
+    meet uninitialised memory."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"):
         self._buf = torch.empty(0, *shape, dtype=dtype, device=device)
         self.n = 0
 
-    def append(self, rows: torch.Tensor) -> None:
-        need = self.n + rows.size(0)
-        if need > self._buf.size(0):
-            grown = self._buf.new_empty(max(need, 2 * self._buf.size(0), 64), *self._buf.shape[1:])
+    def reserve(self, n: int) -> None:
+        """Capacity for n rows (the buffer moves when it grows)."""
+        if n > self._buf.size(0):
+            grown = self._buf.new_zeros(max(n, 2 * self._buf.size(0), 64), *self._buf.shape[1:])
             grown[: self.n] = self._buf[: self.n]
             self._buf = grown
+
+    def append(self, rows: torch.Tensor) -> None:
+        need = self.n + rows.size(0)
+        self.reserve(need)
         self._buf[self.n:need] = rows
         self.n = need
+
+    def put(self, first: torch.Tensor, rows: torch.Tensor, end: int) -> None:
+        """Write rows at first, first + 1, ... (first: an int64 [1] device tensor, so a CUDA graph writes
+        wherever a replay's positions say) and count `end` rows."""
+        self.reserve(end)
+        self._buf[first + torch.arange(rows.size(0), device=rows.device)] = rows
+        self.n = end
 
     def truncate(self, n: int) -> None:
         self.n = min(self.n, n)
@@ -47,6 +60,11 @@ class GrowingRows:
     @property
     def rows(self) -> torch.Tensor:
         return self._buf[: self.n]
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """All of the capacity: the n rows, then zeros or rows a truncation gave up."""
+        return self._buf
 
 
 class PositionRing:
@@ -65,9 +83,6 @@ class PositionRing:
 
     def read(self, positions: torch.Tensor) -> torch.Tensor:
         return self.data[positions % self.capacity]
-
-    def read_range(self, start: int, end: int) -> torch.Tensor:
-        return self.read(torch.arange(start, end, device=self.data.device))
 
 
 @dataclass

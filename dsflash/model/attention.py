@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dsflash.config import ModelArgs
-from dsflash.engine.state import PositionRing
+from dsflash.engine.state import GrowingRows, PositionRing
 from dsflash.model.common import Chunk
 from dsflash.model.rope import Rope
 from dsflash.model.weights import WeightLoader
@@ -51,24 +51,29 @@ class Compressor:
         self.norm = w.tensor(prefix + "norm.weight")
         self.wkv = w.linear(prefix + "wkv", widen=self.ratio > 1)
         self.wgate = w.linear(prefix + "wgate", widen=True) if self.ratio > 1 else None
+        self.layer, self.dim = layer, args.head_dim
 
-    def __call__(self, x: torch.Tensor, chunk: Chunk, layer: int) -> tuple[torch.Tensor, int]:
-        """Latents of the groups completed by the chunk's real rows, and the first new group's id."""
+    def raw_ring(self, state) -> PositionRing:
+        """A ratio > 1 source's fp32 (kv, score) rows by position: the incomplete group's."""
+        return state.ring(state.raw, self.layer, self.ratio, (2, self.dim), torch.float32)
+
+    def __call__(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """Latents of the groups completed by the chunk's real rows: (p0 % ratio + n) // ratio of them, the
+        first being group p0 // ratio. Positions by device tensors only (a CUDA graph serves any p0 with the
+        same p0 % ratio)."""
         state, ratio = chunk.state, self.ratio
         if ratio == 1:
-            return self.k.rms_norm(self.k.linear(x, self.wkv)[: chunk.n], self.norm, self.eps), chunk.p0
+            return self.k.rms_norm(self.k.linear(x, self.wkv)[: chunk.n], self.norm, self.eps)
         xf = x.float()
         kv, score = self.k.linear(xf, self.wkv)[: chunk.n], self.k.linear(xf, self.wgate)[: chunk.n]
         rows = torch.stack([kv, score], dim=1)
-        raw = state.ring(state.raw, layer, ratio, tuple(rows.shape[1:]), torch.float32)
+        raw = self.raw_ring(state)
         # the chunk's groups, including the one its first rows complete from earlier positions
-        first_group = chunk.p0 // ratio
-        held = raw.read_range(first_group * ratio, chunk.p0)
+        held = raw.read(group_start(chunk, ratio) + torch.arange(chunk.p0 % ratio, device=x.device))
         raw.write(chunk.positions[: chunk.n], rows)
         rows = torch.cat([held, rows])
         grouped = rows[: rows.size(0) // ratio * ratio].unflatten(0, (-1, ratio))
-        kv, score = grouped[:, :, 0], grouped[:, :, 1]
-        return self.k.rms_norm(self.k.softmax_pool(kv, score), self.norm, self.eps), first_group
+        return self.k.rms_norm(self.k.softmax_pool(grouped[:, :, 0], grouped[:, :, 1]), self.norm, self.eps)
 
 
 class SourceWriter:
@@ -88,21 +93,37 @@ class SourceWriter:
     def entries(self, x: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """(compressed entries, index keys) of the groups the chunk's real rows complete, packed as the
         state holds them (numerics/packing.py)."""
-        latent, first = self.compressor(x, chunk, self.layer)
-        group_pos = (torch.arange(latent.size(0), device=latent.device) + first) * self.ratio
+        latent = self.compressor(x, chunk)
+        group_pos = group_start(chunk, self.ratio) + torch.arange(latent.size(0), device=latent.device) * self.ratio
         k = self.k.rms_norm(self.k.linear(latent, self.wk), self.k_norm, self.eps)
         self.rope.rotate(k, group_pos)
         self.rope.rotate(latent, group_pos)
         return self.k.fp4_quant_packed(latent, *ENTRY), self.k.fp4_quant_packed(k, *INDEX_KEY)
 
     def __call__(self, x: torch.Tensor, chunk: Chunk) -> None:
-        append_entries(chunk.state, self.args, self.layer, *self.entries(x, chunk))
+        """Write the chunk's new entries and keys at their group ids (device positions: a CUDA graph writes
+        them at any p0 with the same p0 % ratio; the graph's caller reserves the rows beforehand)."""
+        first = group_start(chunk, self.ratio) // self.ratio
+        end = (chunk.p0 + chunk.n) // self.ratio
+        for rows, new in zip(source_rows(chunk.state, self.args, self.layer), self.entries(x, chunk), strict=True):
+            rows.put(first, new, end)
+
+
+def group_start(chunk: Chunk, ratio: int) -> torch.Tensor:
+    """Position of the first token of the group the chunk's first row belongs to (int64 [1], on the device)."""
+    return chunk.positions[:1] - chunk.p0 % ratio
+
+
+def source_rows(state, args: ModelArgs, layer: int) -> tuple[GrowingRows, GrowingRows]:
+    """A KV source's packed compressed entries and index keys (SourceWriter.entries), one row per group."""
+    return (state.rows(state.compressed, layer, (packed_width(args.head_dim, ENTRY[0]),), torch.uint8),
+            state.rows(state.index_keys, layer, (packed_width(args.index_head_dim, INDEX_KEY[0]),), torch.uint8))
 
 
 def append_entries(state, args: ModelArgs, layer: int, entries: torch.Tensor, keys: torch.Tensor) -> None:
     """Append a source's packed compressed entries and index keys (SourceWriter.entries)."""
-    state.rows(state.compressed, layer, (packed_width(args.head_dim, ENTRY[0]),), torch.uint8).append(entries)
-    state.rows(state.index_keys, layer, (packed_width(args.index_head_dim, INDEX_KEY[0]),), torch.uint8).append(keys)
+    for rows, new in zip(source_rows(state, args, layer), (entries, keys), strict=True):
+        rows.append(new)
 
 
 class Indexer:
@@ -121,7 +142,10 @@ class Indexer:
     def select(self, x: torch.Tensor, qr: torch.Tensor, source: int, chunk: Chunk, rope: Rope) -> torch.Tensor:
         """[rows, index_topk] entries of KV source `source` per query, ascending, -1 padded."""
         a = self.args
-        packed = chunk.state.index_keys[source].rows
+        # a graphed forward scores the whole capacity (its shape must not follow the context): the rows past
+        # the source's count are past every query's `visible`, so they score -inf and are never picked
+        held = chunk.state.index_keys[source]
+        packed = held.buffer if chunk.graphed else held.rows
         # every index layer reading this source in this chunk scores the same keys: decoded once
         keys = chunk.shared(("index keys", source, packed.size(0)),
                             lambda: self.k.fp4_dequant_packed(packed, a.index_head_dim, *INDEX_KEY))
@@ -196,20 +220,13 @@ class Attention:
         o = self.k.grouped_linear(o, self.wo_a)
         return self.k.linear(o.flatten(1), self.wo_b)
 
-    def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        """The state-dependent middle (between `projections` and `output`): an index layer's `select`, then
-        `attend`. Returns the heads' outputs [rows, H, D]."""
-        if self.indexer is not None:
-            self.select(x, qr, chunk)
-        return self.attend(q, kv, chunk)
-
     def window_ring(self, state) -> PositionRing:
         return state.ring(state.window, self.layer, self.args.window_size, (self.args.head_dim,), torch.bfloat16)
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, chunk: Chunk) -> None:
-        """An index layer's eager part (its shapes grow with the context): write this KV source's new
-        compressed entries, pick the chunk's compressed rows (chunk.topk) and publish what the attention of
-        this and the following layers reads (chunk.picks)."""
+        """An index layer's selection: write this KV source's new compressed entries, pick the chunk's
+        compressed rows (chunk.topk) and publish what the attention of this and the following layers reads
+        (chunk.picks). A graphed forward reads the sources' whole buffers (shapes fixed by the capacity)."""
         a, state = self.args, chunk.state
         if self.source_writer is not None:
             self.source_writer(x, chunk)
@@ -254,12 +271,13 @@ class Attention:
         picks fewer entries than a long context holds: only those are decoded, one row per pick, and a
         graphed forward always takes this path (its shapes must not follow the context). Either way the
         attention reads the same values in the same order, so the same bits."""
-        packed = chunk.state.compressed[self.kv_source].rows
-        if packed.size(0) == 0 or (comp_idx.numel() >= packed.size(0) and not chunk.graphed):
+        held = chunk.state.compressed[self.kv_source]
+        if held.n == 0 or (comp_idx.numel() >= held.n and not chunk.graphed):
             # the whole source, decoded once for every layer reading it
-            rows = chunk.shared(("compressed entries", self.kv_source, packed.size(0)),
-                                lambda: self.k.fp4_dequant_packed(packed, self.args.head_dim, *ENTRY))
+            rows = chunk.shared(("compressed entries", self.kv_source, held.n),
+                                lambda: self.k.fp4_dequant_packed(held.rows, self.args.head_dim, *ENTRY))
             return rows, comp_idx
+        packed = held.buffer if chunk.graphed else held.rows  # a graph's shapes never follow the count
         rows = self.k.fp4_dequant_packed(packed[comp_idx.flatten().clamp_min(0)], self.args.head_dim, *ENTRY)
         slots = torch.arange(comp_idx.numel(), device=comp_idx.device).view_as(comp_idx)
         return rows, torch.where(comp_idx >= 0, slots, -1)

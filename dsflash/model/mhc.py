@@ -50,9 +50,9 @@ class Block:
 
     def __call__(self, h: torch.Tensor, pre: torch.Tensor, chunk: Chunk, graphs: SegmentGraphs | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(streams, FFN pre) after this block. With `graphs`, the two static segments around the attention
-        core replay CUDA graphs (same kernels, same bits). The backbone's forward runs the stages itself
-        (model/transformer.py): `attn_in`, the attention's select / attend, `out_ffn`."""
+        """(streams, FFN pre) after this DSpark block. With `graphs`, the two static segments around the
+        attention core replay CUDA graphs (same kernels, same bits). The backbone's forward runs a block's
+        stages itself (Transformer._layers): `attn_in`, the attention's select and attend, `out_ffn`."""
         rows = h.size(0)
         run = graphs.run if graphs is not None else _call
         x, qr, q, kv, attn_pre, attn_post, attn_comb = run((self.layer, "attn_in", rows), self.attn_in, h, pre,

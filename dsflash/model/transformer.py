@@ -18,7 +18,7 @@ from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ModelArgs
 from dsflash.engine.state import SequenceState
 from dsflash.kernels import load_kernels
-from dsflash.model.attention import Attention, SourceWriter, window_source
+from dsflash.model.attention import Attention, SourceWriter, source_rows
 from dsflash.model.common import Chunk, Selections, fit_rows
 from dsflash.model.dspark import DSpark
 from dsflash.model.engram import Engram, EngramLayout
@@ -76,7 +76,6 @@ class Transformer:
         self.has_head = self.layers.stop == args.n_layers
         self.norm = w.tensor("norm.weight") if self.has_head else None
         self.head = w.linear("head", widen=True) if self.has_head else None  # fp32 logits
-        self.program = self._program()
         self.dspark = None
         if self.has_head and args.n_mtp_layers and args.dspark_block_size:
             self.dspark = DSpark(args, w, self.ropes, self.embed, self.head, self.graphs)
@@ -154,15 +153,10 @@ class Transformer:
         eligible = trace is None and select is None and mask is None and not tail_only
         if graphs is not None and not graphs.begin(rows, tuple(r.rebuilds for r in self.ropes), eligible):
             graphs = None
-        chunk.graphed = graphs is not None
         f = _Pass(chunk, h, pre, n, hashes, [], mask=mask, trace=trace, tail_only=tail_only, end=state.pos + n)
-        for step in self.program:
-            if isinstance(step, int):  # an index layer's selection
-                self.blocks[step].attn.select(*f.attn[:2], f.chunk)
-            elif graphs is not None:
-                self._replay(step, f, graphs)
-            else:
-                self._stages(step, f)
+        if graphs is None or not self._replay(f, graphs):
+            graphs = None
+            self._layers(f)
         h, pre, end = f.h, f.pre, f.end
         handoff = f.handoff
         if graphs is not None:  # a graph's outputs are overwritten by its next replay
@@ -182,97 +176,92 @@ class Transformer:
         return ForwardOutput(logits, *(handoff or (None, None)), main_hidden, h[:n], pre[:n], entries,
                              chunk.p0)
 
-    def _program(self) -> list[tuple[tuple[str, int], ...] | int]:
-        """This range's layers as runs of stages whose shapes the row count fixes ("enter": Engram, DSpark
-        tap, attention input; "leave": attention, output, FFN), split at each index layer's selection (an
-        int: the layer), whose shapes grow with the context. A short forward replays each run as one CUDA
-        graph: a 40-layer step pair is 10 graphs and 8 eager selections."""
-        program, run = [], []
-        for i in self.layers:
-            run.append(("enter", i))
-            if self.blocks[i].attn.indexer is not None:
-                program += [tuple(run), i]
-                run = []
-            run.append(("leave", i))
-        return program + [tuple(run)]
-
-    def _stages(self, run: tuple[tuple[str, int], ...], f: _Pass) -> None:
+    def _layers(self, f: _Pass) -> None:
+        """The layers over the pass: Engram, DSpark tap and attention input, an index layer's selection, the
+        attention, its output and the FFN."""
         a = self.args
-        for stage, i in run:
+        for i in self.layers:
             block = self.blocks[i]
-            if stage == "enter":
-                if f.tail_only:
-                    keep_from = f.end - a.window_size - (self.layers.stop - 1 - i) * (a.window_size - 1)
-                    drop = keep_from - f.chunk.p0
-                    if drop > 0:
-                        f.chunk = f.chunk.drop_front(drop)
-                        rows = f.chunk.rows
-                        f.h, f.pre = fit_rows(f.h[drop:], rows), fit_rows(f.pre[drop:], rows)
-                        f.taps = [fit_rows(t[drop:], rows) for t in f.taps]
-                        f.n -= drop
-                if i in self.engram:
-                    f.h = self.engram[i](f.h, f.hashes[:, a.engram_layer_ids.index(i)], f.mask)
-                if i in a.dspark_target_layer_ids:
-                    f.taps.append(self.k.stream_mean(f.h))
-                f.attn = block.attn_in(f.h, f.pre, f.chunk.positions)
-                continue
-            _, _, q, kv, attn_pre, attn_post, attn_comb = f.attn
+            if f.tail_only:
+                keep_from = f.end - a.window_size - (self.layers.stop - 1 - i) * (a.window_size - 1)
+                drop = keep_from - f.chunk.p0
+                if drop > 0:
+                    f.chunk = f.chunk.drop_front(drop)
+                    rows = f.chunk.rows
+                    f.h, f.pre = fit_rows(f.h[drop:], rows), fit_rows(f.pre[drop:], rows)
+                    f.taps = [fit_rows(t[drop:], rows) for t in f.taps]
+                    f.n -= drop
+            if i in self.engram:
+                f.h = self.engram[i](f.h, f.hashes[:, a.engram_layer_ids.index(i)], f.mask)
+            if i in a.dspark_target_layer_ids:
+                f.taps.append(self.k.stream_mean(f.h))
+            x, qr, q, kv, attn_pre, attn_post, attn_comb = block.attn_in(f.h, f.pre, f.chunk.positions)
+            if block.attn.indexer is not None:
+                block.attn.select(x, qr, f.chunk)
             o = block.attn.attend(q, kv, f.chunk)
             f.h, f.pre = block.out_ffn(o, f.h, attn_pre, attn_post, attn_comb, f.chunk.positions, chunk=f.chunk)
-            f.attn = None
             if f.trace is not None:
                 f.trace.setdefault("layer_out", {})[i] = (f.h[:f.n], f.pre[:f.n])
             if i == a.first_decoder_layer - 1:
                 f.handoff = (f.h[:f.n], f.pre[:f.n])
 
-    def _replay(self, run: tuple[tuple[str, int], ...], f: _Pass, graphs: SegmentGraphs) -> None:
-        """`_stages(run, f)` from a CUDA graph. Its inputs: the chunk's positions and window source, the latest
-        picks, the Engram hashes, the streams and (after a selection) the attention input; its outputs: the
-        streams, the next selection's attention input, new DSpark taps, the hand-off. The window rings are read
-        and written in place: the key names them by address (a session's own graphs)."""
-        chunk, a = f.chunk, self.args
-        attns = [self.blocks[i].attn for stage, i in run if stage == "leave"]
-        rings = tuple(attn.window_ring(chunk.state).data.data_ptr() for attn in attns)
-        if attns and chunk.window is None:
-            chunk.window = window_source(chunk.positions, a.window_size, attns[0].window_ring(chunk.state).capacity)
-        window, picks = chunk.window or (), chunk.picks or ()
-        hashes = (f.hashes,) if any(stage == "enter" and i in self.engram for stage, i in run) else ()
-        attn = f.attn or ()
-        ends_entered = run[-1][0] == "enter"
-        hands_off = any(stage == "leave" and i == a.first_decoder_layer - 1 for stage, i in run)
+    def _replay(self, f: _Pass, graphs: SegmentGraphs) -> bool:
+        """`_layers(f)` as one CUDA graph, when every KV source the layers read holds an entry (else False:
+        run them eagerly). The graph's inputs: the chunk's positions, the Engram hashes, the streams; its
+        outputs: the streams, the hand-off, the DSpark taps. It reads and writes the session's state in
+        place -- window rings, the compressors' rings, the sources' whole buffers (model/attention.py) --
+        so its key names them by address; their row counts are set here, outside the graph."""
+        chunk, a, state = f.chunk, self.args, f.chunk.state
+        held, counts, phases = [], {}, []
+        for i in self.layers:
+            attn = self.blocks[i].attn
+            held.append(attn.window_ring(state).data)
+            writer = attn.source_writer
+            if writer is not None:
+                counts[i] = (chunk.p0 + f.n) // writer.ratio
+                phases.append(chunk.p0 % writer.ratio)
+                if writer.ratio > 1:
+                    held.append(writer.compressor.raw_ring(state).data)
+            if attn.kv_source is not None and attn.kv_source not in counts:
+                source = state.compressed.get(attn.kv_source)
+                counts[attn.kv_source] = source.n if source is not None else 0
+        if not all(counts.values()):
+            return False
+        for src, count in counts.items():
+            for rows in source_rows(state, a, src):
+                rows.reserve(count)
+                held.append(rows.buffer)
+        chunk.graphed = True
+        hashes = (f.hashes,) if self.engram else ()
 
-        def fn(positions, *t):
-            t = list(t)
-            take = lambda k: tuple(t.pop(0) for _ in range(k)) or None  # noqa: E731
-            local = replace(chunk, positions=positions, window=take(len(window)), picks=take(len(picks)))
-            hashes_in = take(len(hashes))
-            p = _Pass(local, t.pop(0), t.pop(0), f.n, hashes_in and hashes_in[0], [], attn=take(len(attn)),
-                      end=f.end)
-            self._stages(run, p)
-            return (p.h, p.pre, *(p.attn if ends_entered else ()), *(p.handoff if hands_off else ()), *p.taps)
+        def fn(positions: torch.Tensor, *t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            # a chunk of its own: nothing this graph makes is shared with another graph's memory
+            local = replace(chunk, positions=positions, _shared={})
+            p = _Pass(local, t[-2], t[-1], f.n, t[0] if hashes else None, [], end=f.end)
+            self._layers(p)
+            return p.h, p.pre, *(p.handoff or ()), *p.taps
 
-        key = ("layers", run, f.n, rings)
-        out = list(graphs.run(key, fn, chunk.positions, *window, *picks, *hashes, f.h, f.pre, *attn))
-        f.h, f.pre = out[0], out[1]
-        del out[:2]
-        f.attn = tuple(out[:7]) if ends_entered else None
-        del out[:7 if ends_entered else 0]
-        if hands_off:
-            f.handoff = (out[0], out[1])
-            del out[:2]
-        f.taps += out
+        key = ("layers", f.n, tuple(phases), tuple(t.data_ptr() for t in held))
+        out = graphs.run(key, fn, chunk.positions, *hashes, f.h, f.pre)
+        for src, count in counts.items():
+            for rows in source_rows(state, a, src):
+                rows.n = count
+        f.h, f.pre = out[:2]
+        hands_off = a.first_decoder_layer - 1 in self.layers
+        f.handoff = out[2:4] if hands_off else None
+        f.taps = list(out[4 if hands_off else 2:])
+        return True
 
 
 @dataclass
 class _Pass:
-    """What one forward carries from stage to stage (Transformer._stages)."""
+    """What one forward carries from layer to layer (Transformer._layers)."""
     chunk: Chunk
     h: torch.Tensor  # bf16 [rows, hc, D] streams
     pre: torch.Tensor  # fp32 [rows, hc]
     n: int  # real rows
     hashes: torch.Tensor | None  # Engram table rows (the first layer range)
     taps: list[torch.Tensor]  # DSpark taps so far
-    attn: tuple[torch.Tensor, ...] | None = None  # the entered layer's attention input (Block.attn_in)
     handoff: tuple[torch.Tensor, torch.Tensor] | None = None
     mask: torch.Tensor | None = None
     trace: dict | None = None
