@@ -52,10 +52,12 @@ class EngramLayout:
         compressed = self.token_map[ids]
         if chunk.image_mask is not None:
             compressed = torch.where(chunk.image_mask, DEAD, compressed)
-        history = state.engram_ids.rows[max(0, chunk.p0 - max_ngram):chunk.p0]
-        base = chunk.p0 - history.numel()
-        seq = torch.cat([history, compressed])
+        # the last `back` committed ids, addressed from the device positions (a CUDA graph serves any p0 with
+        # the same `back`)
+        back = min(chunk.p0, max_ngram)
         positions = chunk.positions
+        base = positions[:1] - back
+        seq = torch.cat([state.engram_ids.buffer[base + torch.arange(back, device=ids.device)], compressed])
         tokens, blocked = [], torch.zeros_like(positions, dtype=torch.bool)
         for shift in range(max_ngram):
             source = seq[(positions - shift - base).clamp_min(0)]
@@ -67,7 +69,7 @@ class EngramLayout:
         for i in range(1, max_ngram):
             rolling = torch.bitwise_xor(rolling, products[..., i])
             hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
-        state.engram_ids.append(compressed[: chunk.n])
+        state.engram_ids.put(positions[:1], compressed[: chunk.n], chunk.p0 + chunk.n)
         return torch.cat(hashes, dim=-1) + self.offsets
 
 

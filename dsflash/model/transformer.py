@@ -9,7 +9,7 @@ ratio-1 layer (20 in V4.1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -126,34 +126,18 @@ class Transformer:
         if image_mask is not None:
             mask = torch.cat([image_mask, image_mask.new_zeros(rows - n)])
         chunk = Chunk(state, positions, n, select, mask, trace=trace, row_tile=self.k.row_tile, _p0=state.pos)
-        hashes = None
+        f = _Pass(chunk, n=n, end=state.pos + n, mask=mask, trace=trace, tail_only=tail_only)
         if self.layers.start == 0:
-            ids = torch.cat([ids, ids[-1:].expand(rows - n)])
-            x = F.embedding(ids, self.embed)
-            if token_types is not None and bool(mask.any()):
-                if self.vision is None:
-                    raise ValueError("image spans in the input, but the model has no vision tower")
-                x = torch.cat([self.vision.merge(x[:n], token_types.to(self.device), image_rows), x[n:]])
-            elif image_rows is not None and image_rows.size(0):
-                raise ValueError(f"{image_rows.size(0)} image rows given, but the chunk has no IMAGE positions")
-            h = x.unsqueeze(1).repeat(1, a.hc_mult, 1)
-            pre = torch.zeros(rows, a.hc_mult, device=self.device)
-            pre[:, 0] = 1.0
-            hashes = self.engram_layout.hash_ids(chunk, ids, a.engram_max_ngram_size) if self.engram else None
-            if trace is not None:
-                trace["input_embeds"] = x[:n]
-                if hashes is not None:
-                    trace["engram_hash_ids"] = hashes[:n]
+            f.ids, f.token_types, f.image_rows = ids, token_types, image_rows
         else:
             if image_rows is not None:
                 raise ValueError("image rows go to the first layer range (the one that embeds tokens)")
-            h = torch.cat([streams, streams[-1:].expand(rows - n, -1, -1)])
-            pre = torch.cat([pre_mix, pre_mix[-1:].expand(rows - n, -1)])
+            f.h = torch.cat([streams, streams[-1:].expand(rows - n, -1, -1)])
+            f.pre = torch.cat([pre_mix, pre_mix[-1:].expand(rows - n, -1)])
         graphs = self.graphs
         eligible = trace is None and select is None and mask is None and not tail_only
         if graphs is not None and not graphs.begin(rows, tuple(r.rebuilds for r in self.ropes), eligible):
             graphs = None
-        f = _Pass(chunk, h, pre, n, hashes, [], mask=mask, trace=trace, tail_only=tail_only, end=state.pos + n)
         if graphs is None or not self._replay(f, graphs):
             graphs = None
             self._layers(f)
@@ -176,10 +160,34 @@ class Transformer:
         return ForwardOutput(logits, *(handoff or (None, None)), main_hidden, h[:n], pre[:n], entries,
                              chunk.p0)
 
+    def _embed(self, f: _Pass) -> None:
+        """The first range's input rows: the tokens' embeddings (image spans merged) as `hc_mult` streams,
+        and the Engram hashes (committing the chunk's compressed ids to the state)."""
+        a, chunk, n = self.args, f.chunk, f.n
+        ids = torch.cat([f.ids, f.ids[-1:].expand(chunk.rows - n)])
+        x = F.embedding(ids, self.embed)
+        if f.token_types is not None and bool(chunk.image_mask.any()):
+            if self.vision is None:
+                raise ValueError("image spans in the input, but the model has no vision tower")
+            x = torch.cat([self.vision.merge(x[:n], f.token_types.to(self.device), f.image_rows), x[n:]])
+        elif f.image_rows is not None and f.image_rows.size(0):
+            raise ValueError(f"{f.image_rows.size(0)} image rows given, but the chunk has no IMAGE positions")
+        f.h = x.unsqueeze(1).repeat(1, a.hc_mult, 1)
+        f.pre = torch.zeros(chunk.rows, a.hc_mult, device=self.device)
+        f.pre[:, 0] = 1.0
+        if self.engram:
+            f.hashes = self.engram_layout.hash_ids(chunk, ids, a.engram_max_ngram_size)
+        if f.trace is not None:
+            f.trace["input_embeds"] = x[:n]
+            if f.hashes is not None:
+                f.trace["engram_hash_ids"] = f.hashes[:n]
+
     def _layers(self, f: _Pass) -> None:
-        """The layers over the pass: Engram, DSpark tap and attention input, an index layer's selection, the
-        attention, its output and the FFN."""
+        """The first range's embedding, then the layers over the pass: Engram, DSpark tap and attention
+        input, an index layer's selection, the attention, its output and the FFN."""
         a = self.args
+        if f.h is None:
+            self._embed(f)
         for i in self.layers:
             block = self.blocks[i]
             if f.tail_only:
@@ -206,11 +214,12 @@ class Transformer:
                 f.handoff = (f.h[:f.n], f.pre[:f.n])
 
     def _replay(self, f: _Pass, graphs: SegmentGraphs) -> bool:
-        """`_layers(f)` as one CUDA graph, when every KV source the layers read holds an entry (else False:
-        run them eagerly). The graph's inputs: the chunk's positions, the Engram hashes, the streams; its
-        outputs: the streams, the hand-off, the DSpark taps. It reads and writes the session's state in
-        place -- window rings, the compressors' rings, the sources' whole buffers (model/attention.py) --
-        so its key names them by address; their row counts are set here, outside the graph."""
+        """`_layers(f)` as one CUDA graph, when every KV source the layers read holds an entry and the Engram
+        hashes have a whole n-gram behind the chunk (else False: run them eagerly). The graph's inputs: the
+        chunk's positions and its token ids (the first range) or streams; its outputs: the streams, the
+        hand-off, the DSpark taps. It reads and writes the session's state in place -- window rings, the
+        compressors' rings, the sources' and the Engram ids' whole buffers (model/attention.py) -- so its
+        key names them by address; their row counts are set here, outside the graph."""
         chunk, a, state = f.chunk, self.args, f.chunk.state
         held, counts, phases = [], {}, []
         for i in self.layers:
@@ -225,27 +234,31 @@ class Transformer:
             if attn.kv_source is not None and attn.kv_source not in counts:
                 source = state.compressed.get(attn.kv_source)
                 counts[attn.kv_source] = source.n if source is not None else 0
-        if not all(counts.values()):
+        if not all(counts.values()) or (f.h is None and self.engram and chunk.p0 < a.engram_max_ngram_size):
             return False
-        for src, count in counts.items():
-            for rows in source_rows(state, a, src):
-                rows.reserve(count)
-                held.append(rows.buffer)
+        growing = [(rows, count) for src, count in counts.items() for rows in source_rows(state, a, src)]
+        if f.h is None and self.engram:
+            growing.append((state.engram_ids, chunk.p0 + f.n))
+        for rows, count in growing:
+            rows.reserve(count)
+            held.append(rows.buffer)
         chunk.graphed = True
-        hashes = (f.hashes,) if self.engram else ()
 
         def fn(positions: torch.Tensor, *t: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # a chunk of its own: nothing this graph makes is shared with another graph's memory
             local = replace(chunk, positions=positions, _shared={})
-            p = _Pass(local, t[-2], t[-1], f.n, t[0] if hashes else None, [], end=f.end)
+            p = _Pass(local, n=f.n)
+            if f.h is None:
+                p.ids = t[0]
+            else:
+                p.h, p.pre = t
             self._layers(p)
             return p.h, p.pre, *(p.handoff or ()), *p.taps
 
         key = ("layers", f.n, tuple(phases), tuple(t.data_ptr() for t in held))
-        out = graphs.run(key, fn, chunk.positions, *hashes, f.h, f.pre)
-        for src, count in counts.items():
-            for rows in source_rows(state, a, src):
-                rows.n = count
+        out = graphs.run(key, fn, chunk.positions, *((f.ids,) if f.h is None else (f.h, f.pre)))
+        for rows, count in growing:
+            rows.n = count
         f.h, f.pre = out[:2]
         hands_off = a.first_decoder_layer - 1 in self.layers
         f.handoff = out[2:4] if hands_off else None
@@ -257,13 +270,16 @@ class Transformer:
 class _Pass:
     """What one forward carries from layer to layer (Transformer._layers)."""
     chunk: Chunk
-    h: torch.Tensor  # bf16 [rows, hc, D] streams
-    pre: torch.Tensor  # fp32 [rows, hc]
     n: int  # real rows
-    hashes: torch.Tensor | None  # Engram table rows (the first layer range)
-    taps: list[torch.Tensor]  # DSpark taps so far
+    end: int = 0  # position after the chunk's last real row
+    ids: torch.Tensor | None = None  # the first range's token ids [n] (embedded by _embed)
+    token_types: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None
+    h: torch.Tensor | None = None  # bf16 [rows, hc, D] streams
+    pre: torch.Tensor | None = None  # fp32 [rows, hc]
+    hashes: torch.Tensor | None = None  # Engram table rows (the first range)
+    taps: list[torch.Tensor] = field(default_factory=list)  # DSpark taps so far
     handoff: tuple[torch.Tensor, torch.Tensor] | None = None
     mask: torch.Tensor | None = None
     trace: dict | None = None
     tail_only: bool = False
-    end: int = 0  # position after the chunk's last real row
