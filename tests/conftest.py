@@ -2,6 +2,9 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+from dsflash.engine.state import SequenceState
 
 # the golden cases live beside the checkout (../shared/golden); DSFLASH_GOLDEN_DIR points elsewhere
 GOLDEN = Path(os.environ.get("DSFLASH_GOLDEN_DIR") or Path(__file__).resolve().parents[1].parent / "shared" / "golden")
@@ -84,3 +87,21 @@ def serve_app(ckpt: Path, tmp: Path, context: int, name: str, chunk: int):
     port = free_port()
     return start_server([str(script), str(ckpt), str(port), str(context), name, str(chunk)], port), \
         f"http://127.0.0.1:{port}"
+
+
+def interleaved_steps(model, device: str) -> torch.Tensor:
+    """Two sessions taking turns at steps of 1-8 rows after prompts of 20 and 27 tokens (a source's buffer
+    grows on the way): every step's logits and streams, in order. For comparing a model that replays
+    graphs (or runs their fixed shapes) with one that does not."""
+    ids = torch.randint(3, 500, (2, 200), generator=torch.Generator().manual_seed(2)).to(device)
+    sizes = [1, 1, 1, 3, 3, 3, 8, 8, 1, 5, 5, 1] * 4
+    states, out = (SequenceState(device=device), SequenceState(device=device)), []
+    for state, prompt, length in zip(states, ids, (20, 27), strict=True):
+        model.forward(state, prompt[:length])
+    for i, n in enumerate(sizes):
+        state, prompt = states[i % 2], ids[i % 2]
+        if state.pos + n > prompt.numel():
+            break
+        step = model.forward(state, prompt[state.pos:state.pos + n])
+        out.append(torch.cat([step.logits, step.streams.flatten(1).float()], 1))
+    return torch.cat(out)

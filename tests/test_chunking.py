@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from dsflash.engine.state import SequenceState
+from dsflash.kernels import cpu
+from dsflash.model.graphs import SegmentGraphs
 from dsflash.model.load import load_model
-from tests.conftest import GOLDEN_CASES
+from tests.conftest import GOLDEN_CASES, interleaved_steps
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +60,14 @@ def test_tiny_b_chunking_tail_prefill_and_dspark(tmp_path_factory):
         s = engine.session()
         outs.append(list(decode(s, s.prefill(ids.tolist()), 10, SamplingParams(), stop=set(), dspark=k)))
     assert outs[0] == outs[1]
+
+
+def test_graph_shaped_forwards_are_bit_identical_on_cpu(model_and_ids):
+    """A short forward the way a CUDA graph runs it (SegmentGraphs without capture: the indexer scoring the
+    sources' whole buffers, picks by gather, state written at device offsets) gives the eager forward's bits:
+    the graphed arithmetic, checked where CI runs (tests/test_cuda_model.py replays real graphs)."""
+    case = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
+    eager, _ = model_and_ids
+    shaped = load_model(case)
+    shaped.graphs = SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False)  # the CPU pads rows to its tile
+    assert torch.equal(interleaved_steps(eager, "cpu"), interleaved_steps(shaped, "cpu"))

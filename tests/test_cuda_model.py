@@ -12,7 +12,7 @@ from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.engine.state import SequenceState
 from dsflash.model.load import load_model
-from tests.conftest import GOLDEN_CASES, partly_right_drafter
+from tests.conftest import GOLDEN_CASES, interleaved_steps, partly_right_drafter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; run on the GPU machine")
 CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
@@ -97,20 +97,7 @@ def test_cuda_graph_replays_equal_eager_forwards():
     the graphs)."""
     eager = load_model(CASE, device="cuda", cuda_graphs=False)
     graphed = load_model(CASE, device="cuda")
-    ids = torch.randint(3, 500, (2, 200), generator=torch.Generator().manual_seed(2)).cuda()
-    sizes = [1, 1, 1, 3, 3, 3, 8, 8, 1, 5, 5, 1] * 4
-    outs = []
-    for model in (eager, graphed):
-        states, logits = (SequenceState(device="cuda"), SequenceState(device="cuda")), []
-        for state, prompt, length in zip(states, ids, (20, 27), strict=True):
-            model.forward(state, prompt[:length])
-        for i, n in enumerate(sizes):
-            state, prompt = states[i % 2], ids[i % 2]
-            if state.pos + n > prompt.numel():
-                break
-            out = model.forward(state, prompt[state.pos:state.pos + n])
-            logits.append(torch.cat([out.logits, out.streams.flatten(1).float()], 1))
-        outs.append(torch.cat(logits))
+    outs = [interleaved_steps(model, "cuda") for model in (eager, graphed)]
     runs = [key for key in graphed.graphs._graphs if key[0][0] == "layers"]
     # a whole forward is one graph, per row count, p0 % ratio and session (its state's buffers by address)
     assert len({key[0][3] for key in runs}) >= 2, "each session replays graphs of its own"

@@ -40,8 +40,10 @@ class SegmentGraphs:
     """One model's captured segments, keyed by the caller's key and the inputs' shapes; see the module
     docstring."""
 
-    def __init__(self, max_rows: int = GRAPH_MAX_ROWS, max_kept: int = GRAPH_MAX_KEPT):
-        self.max_rows, self.max_kept = max_rows, max_kept
+    def __init__(self, max_rows: int = GRAPH_MAX_ROWS, max_kept: int = GRAPH_MAX_KEPT, capture: bool = True):
+        # capture=False runs every segment directly, on the shapes a graph would have (any backend): for
+        # telling a capture problem from an arithmetic one, and for testing the graphed arithmetic on a CPU
+        self.max_rows, self.max_kept, self.capture = max_rows, max_kept, capture
         self._graphs: dict[Hashable, _Captured] = {}
         self._warm: dict[Hashable, tuple[torch.Tensor, ...]] = {}
         self._pools: dict[int, tuple] = {}
@@ -75,6 +77,8 @@ class SegmentGraphs:
         inputs' future static copies (compiling kernels for exactly the alignments the capture will
         see); the second captures; later calls replay. An input that is another graph's input or output
         (the previous block's streams, this block's mixes) is read in place, others are copied in."""
+        if not self.capture:
+            return fn(*inputs)
         key = (key, tuple(t.shape for t in inputs))
         entry = self._graphs.get(key)
         if entry is None:

@@ -255,7 +255,7 @@ class Transformer:
             self._layers(p)
             return p.h, p.pre, *(p.handoff or ()), *p.taps
 
-        key = ("layers", f.n, tuple(phases), tuple(t.data_ptr() for t in held))
+        key = ("layers", f.n, tuple(phases), tuple((t.data_ptr(), t.size(0)) for t in held))
         out = graphs.run(key, fn, chunk.positions, *((f.ids,) if f.h is None else (f.h, f.pre)))
         for rows, count in growing:
             rows.n = count
