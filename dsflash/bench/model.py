@@ -232,7 +232,8 @@ def gpu_timeline(events, top: int = 12) -> str:
     """How busy the GPU was between its first and last kernel, and its longest idle gaps with the kernel
     that ended each and the host's top-level op at that moment: a gap the host caused (the GPU waiting for
     a launch) shows a host op; a step that is GPU-bound shows few and short gaps. Profiler-inflated host
-    times make the gaps an upper bound."""
+    times make the gaps an upper bound: a CUDA graph launch takes milliseconds under the profiler (its
+    kernels are traced one by one) against microseconds without it."""
     from torch.autograd import DeviceType
 
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
