@@ -2,9 +2,10 @@
 
 A forward's work splits into segments whose shapes depend on the row count only, captured once per key
 (and input shapes) and replayed: a replay runs the same kernels on the same shapes as the eager call, so
-the bits are those of the eager forward. The backbone's segments are runs of layers between the index
-layers' selections, whose shapes grow with the context and stay eager (model/transformer.py); a DSpark
-block's are its attention input and its attention output plus FFN, around an eager attention core.
+the bits are those of the eager forward. A short forward of the backbone is one segment, its state read
+and written in place: its key names the state's tensors by address and size, so a session replays graphs
+of its own (model/transformer.py). A DSpark block's segments are its attention input and its attention
+output plus FFN, around an eager attention core.
 
 Lifetime rules: a replay overwrites its outputs, so a forward copies out what it returns; graphs read
 the RoPE tables by address, so they are dropped when a table grows (`begin`). One forward at a time per
