@@ -90,11 +90,13 @@ def serve_app(ckpt: Path, tmp: Path, context: int, name: str, chunk: int):
 
 
 def interleaved_steps(model, device: str) -> torch.Tensor:
-    """Two sessions taking turns at steps of 1-8 rows after prompts of 20 and 27 tokens (a source's buffer
-    grows on the way): every step's logits and streams, in order. For comparing a model that replays
-    graphs (or runs their fixed shapes) with one that does not."""
+    """Two sessions taking turns at steps of 1-8 rows after prompts of 20 and 27 tokens, every fifth step
+    after a rollback of 2 rows (as a rejected draft), a source's buffer growing on the way: every step's
+    logits and streams, in order. For comparing a model that replays graphs (or runs their fixed shapes)
+    with one that does not."""
     ids = torch.randint(3, 500, (2, 200), generator=torch.Generator().manual_seed(2)).to(device)
     sizes = [1, 1, 1, 3, 3, 3, 8, 8, 1, 5, 5, 1] * 4
+    ratios = dict(enumerate(model.args.compress_ratios))
     states, out = (SequenceState(device=device), SequenceState(device=device)), []
     for state, prompt, length in zip(states, ids, (20, 27), strict=True):
         model.forward(state, prompt[:length])
@@ -102,6 +104,8 @@ def interleaved_steps(model, device: str) -> torch.Tensor:
         state, prompt = states[i % 2], ids[i % 2]
         if state.pos + n > prompt.numel():
             break
+        if i % 5 == 4:
+            state.truncate(state.pos - 2, ratios)
         step = model.forward(state, prompt[state.pos:state.pos + n])
         out.append(torch.cat([step.logits, step.streams.flatten(1).float()], 1))
     return torch.cat(out)
