@@ -1,11 +1,11 @@
 """Kernel backends behind one interface (`Kernels`): the GEMMs (`linear`, `grouped_linear`, `expert_linear`),
-`sparse_attn`, `hc_split_sinkhorn`, the indexer's scores, top-k and candidate blocks, the fixed-order sums,
-the elementwise ops a layer runs on every row (RMSNorm, the mHC mix scale, collapse and expansion, SwiGLU,
-the MoE sum, RoPE, the compressor's pooling, Engram's row gather and gate, the KV fake-quantisation),
-the packed FP4 state's quantise-and-pack and read-back, and
-`weight` (a checkpoint weight in the form the backend's GEMM takes). The backend is chosen once, when a model is
-built for a device: CPU tensors take the reference backend (kernels/cpu.py, the oracle); CUDA tensors
-take the Triton backend (kernels/cuda.py), or the reference ops run on the GPU with `reference=True`
+`sparse_attn`, `hc_split_sinkhorn`, the indexer's scores, top-k and candidate blocks, the MoE router, the
+fixed-order sums, the elementwise ops a layer runs on every row (RMSNorm, the mHC mix scale, collapse and
+expansion, SwiGLU, the MoE sum, RoPE, the compressor's pooling, Engram's row gather and gate, the KV
+fake-quantisation), the packed FP4 state's quantise-and-pack and read-back, and `weight` (a checkpoint
+weight in the form the backend's GEMM takes). The backend is chosen once, when a model is built for a
+device: CPU tensors take the reference backend (kernels/cpu.py, the oracle); CUDA tensors take the Triton
+backend (kernels/cuda.py), or the reference ops run on the GPU with `reference=True`
 (what `dsflash bench` compares against)."""
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class Kernels:
     index_scores: Any  # (q, keys, weights, visible, keep_blocks or None, block) -> the indexer's bf16 scores
     topk_indices: Any  # (scores, k, visible, width) -> the k best entries per row, ascending, -1 padded
     candidate_blocks: Any  # (scores, visible, topk_blocks, block) -> the kept candidate blocks, bool
+    moe_route: Any  # (gate logits, bias, k, score_func, temp, norm, scale, ids=None) -> (weights, expert ids)
     mean_square: Any  # mean(x^2) over the last dim, keepdim
     row_sum: Any  # sum over the last dim
     small_sum: Any  # sum over a short dim
@@ -83,7 +84,7 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
     if device.type == "cpu" or reference:
         return Kernels("reference", device, cpu.ROW_TILE, cpu.linear, cpu.sparse_attn, cpu.hc_split_sinkhorn,
                        cpu.grouped_linear, cpu.expert_bank, cpu.expert_linear, cpu.ROW_TILE, cpu.index_scores,
-                       cpu.topk_indices, cpu.candidate_blocks,
+                       cpu.topk_indices, cpu.candidate_blocks, cpu.moe_route,
                        cpu.mean_square, cpu.row_sum, cpu.small_sum, cpu.stream_mean, cpu.rms_norm, cpu.rms_scale,
                        fp8_fake_quant, fp4_fake_quant, quant_packed, dequant_packed, cpu.collapse, cpu.expand,
                        cpu.moe_sum, cpu.swiglu, cpu.softmax_pool, cpu.engram_rows, cpu.engram_gate,
@@ -106,7 +107,7 @@ def load_kernels(device: str | torch.device = "cpu", reference: bool = False) ->
 
     return Kernels("cuda", device, 1, cuda.linear, cuda.sparse_attn, cuda.hc_split_sinkhorn, cuda.grouped_linear,
                    cuda.expert_bank, cuda.expert_linear, cuda.SLOT_MOE_ROWS, cuda.index_scores,
-                   cuda.topk_indices, cuda.candidate_blocks, mean_square, cuda.row_sum,
+                   cuda.topk_indices, cuda.candidate_blocks, cuda.moe_route, mean_square, cuda.row_sum,
                    cuda.small_sum, stream_mean, cuda.rms_norm, cuda.rms_scale, cuda.fp8_fake_quant,
                    cuda.fp4_fake_quant, cuda.fp4_quant_packed, cuda.fp4_dequant_packed, cuda.collapse, cuda.expand,
                    cuda.moe_sum, cuda.swiglu, cuda.softmax_pool, cuda.engram_rows, cuda.engram_gate,

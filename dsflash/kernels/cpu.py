@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dsflash.numerics import exact_div
 from dsflash.numerics.quant import ACT_BLOCK, fp8_act_codes, k_range_blocks
 
 ROW_TILE = 64
@@ -267,6 +268,29 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, vis
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest values per row; among exactly equal values the lowest index wins."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, score_func: str, temp: float, norm: bool,
+              scale: float, ids: torch.Tensor | None = None, small_sum=small_sum) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router (spec §7) from the gate's fp32 logits [N, E]: (weights fp32 [N, k], expert ids [N, k]).
+    Scores = score_func(logits / temp); the ids are the k best of scores + bias (bias [E], or [N, E] for
+    image rows) in descending order, the lowest id first among equal ones (topk_lowest_index), unless `ids`
+    are given; the weights are the picks' unbiased scores, divided by their sum (`small_sum`, the backend's,
+    + 1e-20) when `norm` and k > 1, times `scale`."""
+    scores = exact_div(logits, temp)
+    if score_func == "softmax":
+        scores = scores.softmax(dim=-1)
+    elif score_func == "sigmoid":
+        scores = scores.sigmoid()
+    else:
+        scores = F.softplus(scores).sqrt()
+    if ids is None:
+        ids = topk_lowest_index(scores + bias, k)
+    weights = scores.gather(1, ids)
+    if norm and k > 1:
+        weights /= small_sum(weights, -1).unsqueeze(-1) + 1e-20
+    weights *= scale
+    return weights, ids
 
 
 def topk_indices(scores: torch.Tensor, k: int, visible: torch.Tensor, width: int) -> torch.Tensor:

@@ -56,7 +56,8 @@ from dsflash.numerics.packing import check_width, packed_width
 from dsflash.numerics.quant import ACT_BLOCK, FP4_MAX, FP8_MAX, K_RANGE_GROUP, k_range_blocks
 
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
-           "expert_bank", "expert_linear", "ExpertBank", "sparse_attn", "hc_split_sinkhorn", "LinearConfig",
+           "expert_bank", "expert_linear", "ExpertBank", "moe_route", "sparse_attn", "hc_split_sinkhorn",
+           "LinearConfig",
            "linear_config", "collapse", "expand", "moe_sum", "swiglu", "rms_norm", "rms_scale", "fp8_fake_quant",
            "fp4_fake_quant", "fp4_quant_packed", "fp4_dequant_packed", "rope_rotate", "index_scores", "topk_indices",
            "candidate_blocks"]
@@ -1065,6 +1066,12 @@ def _topk(scores: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, k: int
         _topk_kernel[(n,)](scores.contiguous(), visible.reshape(n).contiguous(), out, e, k, width, block,
                            GROUP=group, CAND=cand, BLOCK=max(16, TOPK_BLOCK // group), num_warps=4,
                            enable_fp_fusion=FP_FUSION)
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, score_func: str, temp: float, norm: bool,
+              scale: float, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cpu.moe_route with this backend's ordered weight sum."""
+    return cpu.moe_route(logits, bias, k, score_func, temp, norm, scale, ids, small_sum=small_sum)
 
 
 def topk_indices(scores: torch.Tensor, k: int, visible: torch.Tensor, width: int, *,

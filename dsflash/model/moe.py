@@ -4,15 +4,15 @@ unbiased scores (normalised, x route_scale), SwiGLU experts with clamps, routing
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
-import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
 from dsflash.kernels import Kernels
-from dsflash.kernels.cpu import Weight, topk_lowest_index
+from dsflash.kernels.cpu import Weight
 from dsflash.model.common import Chunk
 from dsflash.model.weights import WeightLoader
-from dsflash.numerics import exact_div
 
 
 class Expert:
@@ -52,25 +52,18 @@ class MoE:
     def route(self, x: torch.Tensor, chunk: Chunk | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] fp32, expert ids [N, k]); ids forced when the chunk carries selections."""
         a = self.args
-        scores = exact_div(self.k.linear(x, self.gate), a.gate_temp)  # fp32 router: x widens in the GEMM
-        if a.score_func == "softmax":
-            scores = scores.softmax(dim=-1)
-        elif a.score_func == "sigmoid":
-            scores = scores.sigmoid()
-        else:
-            scores = F.softplus(scores).sqrt()
+        logits = self.k.linear(x, self.gate)  # fp32 router: x widens in the GEMM
         bias = self.gate_bias
         if chunk is not None and chunk.image_mask is not None and self.gate_bias_vl is not None:
             bias = torch.where(chunk.image_mask.unsqueeze(-1), self.gate_bias_vl, bias)
-        ids = topk_lowest_index(scores + bias, self.topk)
+        route = partial(self.k.moe_route, logits, bias, self.topk, a.score_func, a.gate_temp, a.norm_topk_prob,
+                        a.route_scale)
+        weights, ids = route()
         if chunk is not None and chunk.select is not None:
             forced = chunk.select.rows(chunk.select.moe_ids, self.layer, chunk.positions[: chunk.n])
             if forced is not None:
                 ids[: chunk.n] = forced
-        weights = scores.gather(1, ids)
-        if a.norm_topk_prob and self.topk > 1:
-            weights /= self.k.small_sum(weights, -1).unsqueeze(-1) + 1e-20
-        weights *= a.route_scale
+                weights, ids = route(ids=ids)
         return weights, ids
 
     def __call__(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
