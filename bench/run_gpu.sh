@@ -8,8 +8,9 @@
 # `... patch FILE` A/Bs a variant of dsflash/kernels/cuda.py against this tree (FILE: a whole module, or a
 # patch from the repository root, applied with `git apply` or `patch -p1` to take the patched cuda.py, then
 # reverted): the GEMM experiment (DIFF where the variant's bits differ) and the encoder prefill with each
-# kernel module. `... patch-step FILE`: an engine patch (git apply): the CUDA model tests with it, and the
-# step benchmark before, with (twice) and after it, in one session (steps vary ~5 ms between machines).
+# kernel module. `... patch-step FILE...`: engine patches (git apply, in order): the CUDA kernel and model
+# tests with them, and the step benchmark before, with (twice) and after them, in one session (steps vary
+# ~5 ms between machines).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -46,15 +47,18 @@ if [ "$part" = patch ]; then
   timeout 90 $prefill --out "$out/patched" 2>&1 | tail -3
   cp "$this" dsflash/kernels/cuda.py
 fi
-if [ "$part" = patch-step ]; then  # a patch of the engine (not of cuda.py): model tests and steps, with and without
+if [ "$part" = patch-step ]; then  # engine patches (git apply, in order): the CUDA kernel and model tests with
+  # them, and the step benchmark (steps and drafts) before, with (twice) and after them, in one session
+  shift
   quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 --reps 7"
   mkdir -p "$out/this" "$out/patched"
   timeout 100 $quick --out "$out/this" 2>&1 | tail -3
-  git apply "$2" || exit 1
+  for p in "$@"; do git apply "$p" || exit 1; done
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py 2>&1 | grep -E "^E  |FAILED|passed|failed" | tail -12
   timeout 100 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 | tail -3
   timeout 100 $quick --out "$out/patched" 2>&1 | tail -3
   timeout 100 $quick --out "$out/patched" 2>&1 | tail -1
-  git apply -R "$2"
+  for ((i = $#; i >= 1; i--)); do git apply -R "${!i}"; done
   timeout 100 $quick --out "$out/this" 2>&1 | tail -1
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
