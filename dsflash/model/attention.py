@@ -21,16 +21,20 @@ from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
 INDEXER_ROWS = 1024
 
 
-def window_source(positions: torch.Tensor, window: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The window source of a chunk whose rows sit at `positions` (consecutive): (the ring slots of positions
-    p0-window .. p0-1, int64 [window]; indices [N, window] into those rows then the chunk's rows, ascending
-    positions from max(0, t - window + 1), -1 where the slot is before the sequence). Device ops on the
-    positions only, so a CUDA graph replays them for any p0."""
+def window_source(positions: torch.Tensor, n: int, window: int, capacity: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The window ring's side of a chunk whose rows sit at `positions` (consecutive, the first n real): (the
+    ring slots of positions p0-window .. p0-1, int64 [window]; indices [N, window] into those rows then the
+    chunk's rows, ascending positions from max(0, t - window + 1), -1 where the slot is before the sequence;
+    the ring slots the chunk's last min(n, capacity) real rows go to). Device ops on the positions only, so a
+    CUDA graph replays them for any p0."""
     first = positions[:1] - window
     start = (positions - window + 1).clamp_min(0).unsqueeze(1)
     pos = start + torch.arange(window, device=positions.device)
     slots = (first + torch.arange(window, device=positions.device)) % capacity
-    return slots, torch.where(pos > positions.unsqueeze(1), -1, pos - first)
+    keep = min(n, capacity)
+    return (slots, torch.where(pos > positions.unsqueeze(1), -1, pos - first),
+            positions[n - keep:n] % capacity)
 
 
 def _with_compressed(window_idx: torch.Tensor, comp_idx: torch.Tensor, comp_offset: int) -> torch.Tensor:
@@ -242,10 +246,7 @@ class Attention:
         (model/transformer.py)."""
         a, n = self.args, chunk.n
         ring = self.window_ring(chunk.state)
-        cap = ring.capacity
-        if chunk.window is None:  # alike for every layer of the chunk (all rings have one capacity)
-            chunk.window = window_source(chunk.positions, a.window_size, cap)
-        slots, idx = chunk.window
+        slots, idx, written = self._window(chunk)
         parts = [ring.data[slots], kv]
         if self.ratio:
             if chunk.picks is None:  # dropped with the rows of a tail-mode forward
@@ -255,16 +256,20 @@ class Attention:
         # the gather and the concatenation cost ~3 µs of GPU time in a graph; reading the three sources in
         # place doubled the attention kernel's time (docs/rejected-ideas.md)
         o = self.k.sparse_attn(q, torch.cat(parts), self.attn_sink, idx, a.head_dim ** -0.5)
-        keep = min(n, cap)
-        ring.data[chunk.positions[n - keep:n] % cap] = kv[n - keep:n]
+        ring.data[written] = kv[n - written.numel():n]
         return o
+
+    def _window(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """window_source of the chunk, made once: alike for every layer (all rings have one capacity)."""
+        if chunk.window is None:
+            chunk.window = window_source(chunk.positions, chunk.n, self.args.window_size,
+                                         self.window_ring(chunk.state).capacity)
+        return chunk.window
 
     def _picks(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """(the picked compressed entries as bf16 rows, the attention's indices: window, then picks)."""
-        if chunk.window is None:
-            chunk.window = window_source(chunk.positions, self.args.window_size, self.window_ring(chunk.state).capacity)
         comp, local = self._picked(chunk.topk, chunk)
-        return comp, _with_compressed(chunk.window[1], local, self.args.window_size + chunk.rows)
+        return comp, _with_compressed(self._window(chunk)[1], local, self.args.window_size + chunk.rows)
 
     def _picked(self, comp_idx: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """(the compressed entries the picks read as bf16 rows, the picks as indices into those rows). A step

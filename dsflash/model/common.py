@@ -51,9 +51,9 @@ class Chunk:
     topk: torch.Tensor | None = None  # published by the latest index source: [rows, index_topk]
     candidates: torch.Tensor | None = None  # published by the candidate source: bool [rows, blocks]
     trace: dict | None = None  # debugging: per-layer intermediate outputs when a dict is given
-    # the attention's sources, made once per chunk (model/attention.py): (the window's ring slots, window
-    # indices) and the latest index layer's (picked entries, attention indices)
-    window: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the attention's sources, made once per chunk (model/attention.py): the window ring's side (slots read,
+    # window indices, slots written) and the latest index layer's (picked entries, attention indices)
+    window: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     picks: tuple[torch.Tensor, torch.Tensor] | None = None
     graphed: bool = False  # the forward replays CUDA graphs: nothing the graphs read may take a context's shape
     row_tile: int = 1  # rows are padded to a multiple of this (see Transformer.forward)
