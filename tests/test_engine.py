@@ -13,7 +13,7 @@ from dsflash.engine.sampling import Forcing, History, SamplingParams, sample
 from dsflash.engine.session import Engine
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
-from dsflash.engine.state import RollbackError, SequenceState
+from dsflash.engine.state import GrowingRows, RollbackError, SequenceState
 from dsflash.model.load import load_model
 from tests.conftest import GOLDEN_CASES, partly_right_drafter
 
@@ -50,6 +50,22 @@ def test_steps_with_rollbacks_equal_one_prefill(engine, whole_model):
         assert torch.equal(logits[: len(real)], whole_logits[p:p + len(real)])
         s.rollback(p + len(real))
     assert s.tokens == ids
+
+
+def test_growing_rows_write_at_device_offsets_and_keep_their_spare_capacity_zero():
+    """What a CUDA graph relies on: rows written at a position tensor land there, a growth keeps the rows
+    and zero-fills the spare capacity, and a truncated row is rewritten in place."""
+    rows = GrowingRows((3,), torch.int64)
+    rows.put(torch.tensor([0]), torch.arange(12).view(4, 3), 4)
+    assert rows.n == 4 and torch.equal(rows.rows, torch.arange(12).view(4, 3))
+    assert rows.buffer.size(0) == 64 and not rows.buffer[4:].any()
+    rows.reserve(100)
+    assert rows.buffer.size(0) == 128 and torch.equal(rows.rows, torch.arange(12).view(4, 3))
+    assert not rows.buffer[4:].any()
+    rows.truncate(2)
+    rows.put(torch.tensor([2]), torch.full((3, 3), -1), 5)
+    assert rows.n == 5 and torch.equal(rows.rows[2:], torch.full((3, 3), -1))
+    assert torch.equal(rows.rows[:2], torch.arange(6).view(2, 3))
 
 
 def test_rollback_beyond_the_rings_is_refused(engine):
