@@ -132,8 +132,7 @@ class Transformer:
         else:
             if image_rows is not None:
                 raise ValueError("image rows go to the first layer range (the one that embeds tokens)")
-            f.h = torch.cat([streams, streams[-1:].expand(rows - n, -1, -1)])
-            f.pre = torch.cat([pre_mix, pre_mix[-1:].expand(rows - n, -1)])
+            f.h, f.pre = fit_rows(streams, rows), fit_rows(pre_mix, rows)
         graphs = self.graphs
         eligible = trace is None and select is None and mask is None and not tail_only
         if graphs is not None and not graphs.begin(rows, tuple(r.rebuilds for r in self.ropes), eligible):
@@ -164,7 +163,7 @@ class Transformer:
         """The first range's input rows: the tokens' embeddings (image spans merged) as `hc_mult` streams,
         and the Engram hashes (committing the chunk's compressed ids to the state)."""
         a, chunk, n = self.args, f.chunk, f.n
-        ids = torch.cat([f.ids, f.ids[-1:].expand(chunk.rows - n)])
+        ids = fit_rows(f.ids, chunk.rows)
         x = F.embedding(ids, self.embed)
         if f.token_types is not None and bool(chunk.image_mask.any()):
             if self.vision is None:
