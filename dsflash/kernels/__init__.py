@@ -41,7 +41,7 @@ class Kernels:
     index_scores: Any  # (q, keys, weights, visible, keep_blocks or None, block) -> the indexer's bf16 scores
     topk_indices: Any  # (scores, k, visible, width) -> the k best entries per row, ascending, -1 padded
     candidate_blocks: Any  # (scores, visible, topk_blocks, block) -> the kept candidate blocks, bool
-    moe_route: Any  # (gate logits, bias, k, score_func, temp, norm, scale, ids=None) -> (weights, expert ids)
+    moe_route: Any  # (gate logits, bias, k, score_func, temp, norm, scale, ids, ascending) -> (weights, ids)
     mean_square: Any  # mean(x^2) over the last dim, keepdim
     row_sum: Any  # sum over the last dim
     small_sum: Any  # sum over a short dim

@@ -271,12 +271,14 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, score_func: str, temp: float, norm: bool,
-              scale: float, ids: torch.Tensor | None = None, small_sum=small_sum) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float, ids: torch.Tensor | None = None, ascending: bool = False, small_sum=small_sum
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The router (spec §7) from the gate's fp32 logits [N, E]: (weights fp32 [N, k], expert ids [N, k]).
     Scores = score_func(logits / temp); the ids are the k best of scores + bias (bias [E], or [N, E] for
     image rows) in descending order, the lowest id first among equal ones (topk_lowest_index), unless `ids`
-    are given; the weights are the picks' unbiased scores, divided by their sum (`small_sum`, the backend's,
-    + 1e-20) when `norm` and k > 1, times `scale`."""
+    are given; the weights are the picks' unbiased scores, divided by their sum in that order (`small_sum`,
+    the backend's, + 1e-20) when `norm` and k > 1, times `scale`. `ascending`: both reordered by id at the
+    end (the routed experts' summation order)."""
     scores = exact_div(logits, temp)
     if score_func == "softmax":
         scores = scores.softmax(dim=-1)
@@ -290,6 +292,9 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, score_func: str,
     if norm and k > 1:
         weights /= small_sum(weights, -1).unsqueeze(-1) + 1e-20
     weights *= scale
+    if ascending:
+        ids, order = ids.sort(dim=-1)
+        weights = weights.gather(1, order)
     return weights, ids
 
 

@@ -1069,9 +1069,10 @@ def _topk(scores: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, k: int
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, score_func: str, temp: float, norm: bool,
-              scale: float, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float, ids: torch.Tensor | None = None, ascending: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """cpu.moe_route with this backend's ordered weight sum."""
-    return cpu.moe_route(logits, bias, k, score_func, temp, norm, scale, ids, small_sum=small_sum)
+    return cpu.moe_route(logits, bias, k, score_func, temp, norm, scale, ids, ascending, small_sum=small_sum)
 
 
 def topk_indices(scores: torch.Tensor, k: int, visible: torch.Tensor, width: int, *,

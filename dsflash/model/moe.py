@@ -49,8 +49,10 @@ class MoE:
         self.experts = [Expert(self.k, self.w13[e], self.w2[e], self.w13[n + e], args.swiglu_limit) for e in range(n)]
         self.shared = Expert.load(w, prefix + "shared_experts.", args.swiglu_limit)
 
-    def route(self, x: torch.Tensor, chunk: Chunk | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [N, k] fp32, expert ids [N, k]); ids forced when the chunk carries selections."""
+    def route(self, x: torch.Tensor, chunk: Chunk | None, ascending: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] fp32, expert ids [N, k]) in the router's order, or by ascending id (the routed
+        experts' summation order); ids forced when the chunk carries selections."""
         a = self.args
         logits = self.k.linear(x, self.gate)  # fp32 router: x widens in the GEMM
         bias = self.gate_bias
@@ -58,18 +60,19 @@ class MoE:
             bias = torch.where(chunk.image_mask.unsqueeze(-1), self.gate_bias_vl, bias)
         route = partial(self.k.moe_route, logits, bias, self.topk, a.score_func, a.gate_temp, a.norm_topk_prob,
                         a.route_scale)
-        weights, ids = route()
+        forced = None
         if chunk is not None and chunk.select is not None:
             forced = chunk.select.rows(chunk.select.moe_ids, self.layer, chunk.positions[: chunk.n])
-            if forced is not None:
-                ids[: chunk.n] = forced
-                weights, ids = route(ids=ids)
-        return weights, ids
+        if forced is None:
+            return route(ascending=ascending)
+        _, ids = route()
+        ids[: chunk.n] = forced
+        return route(ids=ids, ascending=ascending)
 
     def __call__(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
-        weights, ids = self.route(x, chunk)
-        if chunk is not None and chunk.trace is not None:
-            chunk.trace.setdefault("moe_ids", {})[self.layer] = ids[: chunk.n]
+        weights, ids = self.route(x, chunk, ascending=True)
+        if chunk is not None and chunk.trace is not None:  # debugging: the router's own order, routed again
+            chunk.trace.setdefault("moe_ids", {})[self.layer] = self.route(x, chunk)[1][: chunk.n]
         if x.size(0) <= self.k.slot_moe_rows:
             return self._routed_by_slot(x, weights, ids)
         y = self._routed_by_expert(x, weights, ids)
@@ -78,14 +81,12 @@ class MoE:
 
     def _routed_by_slot(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every (row, slot) pair in two expert_linear calls (gate and up together, then down), with no host
-        read of the routing, then the shared expert. Each row's slots are put in ascending expert id, the
+        read of the routing, then the shared expert. Each row's slots come in ascending expert id, the
         reference's summation order."""
-        ids, order = ids.sort(dim=-1)
-        weights = weights.gather(1, order).unsqueeze(-1)
         # per row: its k gate slots (w1 of each expert), then its k up slots (w3: bank entries n + id)
         gate_up = self.k.expert_linear(x, self.w13, torch.cat([ids, ids + self.n_experts], 1), 2 * self.topk)
         gate_up = gate_up.view(ids.size(0), 2, self.topk, -1)
-        h = self.k.swiglu(gate_up[:, 0], gate_up[:, 1], self.args.swiglu_limit, weights)
+        h = self.k.swiglu(gate_up[:, 0], gate_up[:, 1], self.args.swiglu_limit, weights.unsqueeze(-1))
         return self.k.moe_sum(self.k.expert_linear(h.view(ids.numel(), -1), self.w2, ids, 1).view(*ids.shape, -1),
                               self.shared(x))
 
