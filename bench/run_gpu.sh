@@ -4,7 +4,8 @@
 # ${OUT:-bench/results}. `bench/run_gpu.sh tests`, `... bench` or `... ab` run one part; all = tests,
 # bench, then the step benchmark without CUDA graphs and a profile of one graphed step (ab = the step
 # benchmark with and without CUDA graphs, and the profile). `... open` runs the measurements the open
-# questions of docs/perf-record.md need first: the prefill profile and the sparse-attention head split.
+# questions of docs/perf-record.md need first: the prefill profile and the sparse-attention head split;
+# `... prefill-gap` the prefill profile and prefill up to 512K tokens.
 # `... patch FILE` A/Bs a variant of dsflash/kernels/cuda.py against this tree (FILE: a whole module, or a
 # patch from the repository root, applied with `git apply` or `patch -p1` to take the patched cuda.py, then
 # reverted): the GEMM experiment (DIFF where the variant's bits differ) and the encoder prefill with each
@@ -31,6 +32,13 @@ if [ "$part" = open ]; then
   timeout 150 python -m dsflash.cli bench profile --prefill --preset bench --experts 48 --device cuda \
     --context 8192 --out "$out" 2>&1 | head -45
   timeout 120 python bench/experiments/attn_heads.py 2>&1 | tee "$out/attn-heads.txt"
+fi
+if [ "$part" = prefill-gap ]; then  # the per-kernel prefill breakdown the gap explanation needs, and
+  # prefill at the long lengths
+  timeout 150 python -m dsflash.cli bench profile --prefill --preset bench --experts 48 --device cuda \
+    --context 8192 --out "$out" 2>&1 | head -40
+  timeout 300 python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda \
+    --lengths 8192,131072,524288 --out "$out" 2>&1 | tail -5
 fi
 if [ "$part" = patch ]; then
   variant=/tmp/variant_cuda.py
