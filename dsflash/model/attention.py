@@ -267,22 +267,19 @@ class Attention:
         return chunk.window
 
     def _picks(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the picked compressed entries as bf16 rows, the attention's indices: window, then picks)."""
-        comp, local = self._picked(chunk.topk, chunk)
-        return comp, _with_compressed(self._window(chunk)[1], local, self.args.window_size + chunk.rows)
-
-    def _picked(self, comp_idx: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the compressed entries the picks read as bf16 rows, the picks as indices into those rows). A step
-        picks fewer entries than a long context holds: only those are decoded, one row per pick, and a
-        graphed forward always takes this path (its shapes must not follow the context). Either way the
-        attention reads the same values in the same order, so the same bits."""
-        held = chunk.state.compressed[self.kv_source]
-        if held.n == 0 or (comp_idx.numel() >= held.n and not chunk.graphed):
+        """(the compressed entries chunk.topk picks, as bf16 rows; the attention's indices: the window, then
+        the picks as indices into those rows). A step picks fewer entries than a long context holds: only
+        those are decoded, one row per pick, and a graphed forward always takes this path (its shapes must not
+        follow the context). Either way the attention reads the same values in the same order: the same bits."""
+        held, picks = chunk.state.compressed[self.kv_source], chunk.topk
+        if held.n == 0 or (picks.numel() >= held.n and not chunk.graphed):
             # the whole source, decoded once for every layer reading it
             rows = chunk.shared(("compressed entries", self.kv_source, held.n),
                                 lambda: self.k.fp4_dequant_packed(held.rows, self.args.head_dim, *ENTRY))
-            return rows, comp_idx
-        packed = held.buffer if chunk.graphed else held.rows  # a graph's shapes never follow the count
-        rows = self.k.fp4_dequant_packed(packed[comp_idx.flatten().clamp_min(0)], self.args.head_dim, *ENTRY)
-        slots = torch.arange(comp_idx.numel(), device=comp_idx.device).view_as(comp_idx)
-        return rows, torch.where(comp_idx >= 0, slots, -1)
+            local = picks
+        else:
+            packed = held.buffer if chunk.graphed else held.rows  # a graph's shapes never follow the count
+            rows = self.k.fp4_dequant_packed(packed[picks.flatten().clamp_min(0)], self.args.head_dim, *ENTRY)
+            slots = torch.arange(picks.numel(), device=picks.device).view_as(picks)
+            local = torch.where(picks >= 0, slots, -1)
+        return rows, _with_compressed(self._window(chunk)[1], local, self.args.window_size + chunk.rows)

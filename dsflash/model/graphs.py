@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 GRAPH_MAX_ROWS = 8  # forwards of up to this many rows (padding included) replay captured segments
-# graphs kept before all are dropped at a forward's start (segments that read a session's window rings in
-# place are that session's own: this bounds what ended sessions leave behind)
+# graphs kept before all are dropped at a forward's start (a forward's graph reads its session's state in
+# place, so sessions and grown buffers have graphs of their own: this bounds what the ended ones leave)
 GRAPH_MAX_KEPT = 1024
 
 

@@ -67,7 +67,7 @@ class Block:
         return (x, *self.attn.projections(x, positions), attn_pre, attn_post, attn_comb)
 
     def out_ffn(self, o: torch.Tensor, h: torch.Tensor, attn_pre: torch.Tensor, attn_post: torch.Tensor,
-                      attn_comb: torch.Tensor, positions: torch.Tensor, *, chunk: Chunk) -> tuple[torch.Tensor, ...]:
+                attn_comb: torch.Tensor, positions: torch.Tensor, *, chunk: Chunk) -> tuple[torch.Tensor, ...]:
         h = self.k.expand(self.attn.output(o, positions), h, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.ffn_site(h)
         z = self.ffn(self.k.rms_norm(self.k.collapse(h, attn_pre), self.ffn_norm, self.eps), chunk)
