@@ -60,8 +60,14 @@ def _exp(x, **_):
     return tl.core.tensor(interpreter.TensorHandle(np.exp(x.handle.data.astype(np.float32)), x.handle.dtype), x.type)
 
 
+def _log1p(x, **_):
+    return tl.core.tensor(interpreter.TensorHandle(np.log1p(x.handle.data.astype(np.float32)), x.handle.dtype),
+                          x.type)
+
+
 interpreter._convert_float = _convert_float
 libdevice.exp = _exp
+libdevice.log1p = _log1p
 interpreter.InterpreterBuilder.create_masked_load = _masked_load
 interpreter.InterpreterBuilder.create_masked_store = _masked_store
 interpreter.InterpreterBuilder.create_dot = _dot

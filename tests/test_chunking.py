@@ -71,3 +71,21 @@ def test_graph_shaped_forwards_are_bit_identical_on_cpu(model_and_ids):
     shaped = load_model(case)
     shaped.graphs = SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False)  # the CPU pads rows to its tile
     assert torch.equal(interleaved_steps(eager, "cpu"), interleaved_steps(shaped, "cpu"))
+
+
+def test_graph_shaped_drafts_are_bit_identical_on_cpu(model_and_ids):
+    """A DSpark draft the way its CUDA graph runs it (a whole window of context: the stages and the head on
+    device positions) gives the eager draft's tokens, logits and confidences."""
+    model, ids = model_and_ids
+    window = model.args.window_size
+    assert ids.numel() > window + 2
+    results = []
+    for graphs in (None, SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False)):
+        model.dspark.graphs = graphs
+        state = SequenceState()
+        out = model.forward(state, ids[: window + 2])
+        model.dspark.write_context(state, out.main_hidden, torch.arange(window + 2))
+        results.append([model.dspark.draft(state, anchor) for anchor in (5, 17)])
+    model.dspark.graphs = None
+    for (tokens, logits, confidence), (tokens2, logits2, confidence2) in zip(*results, strict=True):
+        assert tokens == tokens2 and torch.equal(logits, logits2) and torch.equal(confidence, confidence2)

@@ -102,3 +102,13 @@ def test_cuda_graph_replays_equal_eager_forwards():
     # a whole forward is one graph, per row count, p0 % ratio and session (its state's buffers by address)
     assert len({key[0][3] for key in runs}) >= 2, "each session replays graphs of its own"
     assert torch.equal(outs[0], outs[1])
+
+
+def test_cuda_graphs_dropped_least_recently_replayed_keep_the_bits():
+    """With room for 3 graphs, two interleaved sessions keep dropping and recapturing graphs (the least
+    recently replayed first): still the eager forward's bits, and never more than 3 kept."""
+    eager = load_model(CASE, device="cuda", cuda_graphs=False)
+    graphed = load_model(CASE, device="cuda")
+    graphed.graphs.max_kept = 3
+    assert torch.equal(interleaved_steps(eager, "cuda"), interleaved_steps(graphed, "cuda"))
+    assert len(graphed.graphs._graphs) <= 3

@@ -478,6 +478,35 @@ def indexer_inputs(n, h, d, e, block, g, exact=False):
     return q, keys, weights, visible, keep
 
 
+def router_inputs(n: int, e: int, g: torch.Generator, ties: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate logits [n, e] (some past softplus's threshold of 20) and a bias [e]; `ties`: few distinct values,
+    +0 and -0 among them, so equal biased scores are common."""
+    if ties:
+        logits = torch.randint(-2, 3, (n, e), generator=g).float()
+        logits[logits == 0] = torch.where(torch.rand(int((logits == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
+        return logits, torch.zeros(e)
+    logits = torch.randn(n, e, generator=g) * 3
+    logits[:, :3] += 25.0
+    return logits, torch.randn(e, generator=g) * 0.1
+
+
+@pytest.mark.parametrize("e", [48, 384])
+def test_moe_route_gives_the_composed_ops_bits(e):
+    """The route kernel equals the torch composition on CUDA (exact division by the temperature, torch's
+    sigmoid or softplus and sqrt, the stable sort's picks, the ordered weight sum, the sort by id): ids and
+    weights bit for bit, in the router's order and by id, with ties, each row alone."""
+    g = gen(e)
+    for ties in (False, True):
+        logits, bias = (t.to(DEV) for t in router_inputs(9, e, g, ties))
+        for func in ("sqrtsoftplus", "sigmoid"):
+            for temp, norm, asc in ((1.0, True, False), (0.7, True, True), (1.0, False, False), (1.0, True, True)):
+                got = kc.moe_route(logits, bias, 6, func, temp, norm, 1.5, ascending=asc)
+                ref = cpu.moe_route(logits, bias, 6, func, temp, norm, 1.5, ascending=asc, small_sum=kc.small_sum)
+                assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0]), (ties, func, temp, norm, asc)
+                alone = kc.moe_route(logits[4:5], bias, 6, func, temp, norm, 1.5, ascending=asc)
+                assert torch.equal(alone[0], got[0][4:5]) and torch.equal(alone[1], got[1][4:5])
+
+
 @pytest.mark.parametrize("n,e", [(5, 4000), (19, 5000), (1, 300)])  # the GEMM took BK 128 below 4096 entries
 def test_indexer_kernels_give_the_composed_ops_bits(n, e):
     """The fused scores equal the bf16 GEMM + composition (per-head dots, heads in order), the top-k and

@@ -328,6 +328,43 @@ print("ok")
 """
 
 
+ROUTER_SCRIPT = """
+import interpreter_fixes  # noqa: F401  (before any kernel runs)
+import torch
+from dsflash.kernels import cpu, cuda
+from test_kernels_cuda import router_inputs
+
+g = torch.Generator().manual_seed(0)
+for e in (48, 384):
+    for ties in (False, True):
+        logits, bias = router_inputs(9, e, g, ties)
+        for func in ("sqrtsoftplus", "sigmoid"):
+            for temp, norm, asc in ((1.0, True, False), (0.7, True, True), (1.0, False, False), (1.0, True, True)):
+                w, ids = cuda.moe_route(logits, bias, 6, func, temp, norm, 1.5, ascending=asc)
+                rw, rids = cpu.moe_route(logits, bias, 6, func, temp, norm, 1.5, ascending=asc,
+                                         small_sum=cuda.small_sum)
+                # numpy's exp / log1p stand in for the GPU's: the picks exact, the weights to an ulp or so
+                assert torch.equal(ids, rids), (e, ties, func, temp, norm, asc)
+                assert torch.allclose(w, rw, rtol=1e-6, atol=0), (e, ties, func, float((w - rw).abs().max()))
+                alone = cuda.moe_route(logits[4:5], bias, 6, func, temp, norm, 1.5, ascending=asc)
+                assert torch.equal(alone[1], ids[4:5]) and torch.equal(alone[0], w[4:5])
+# softmax, a per-row bias and given ids take the composition
+w, ids = cuda.moe_route(logits, bias.expand(9, -1), 6, "sigmoid", 1.0, True, 1.5)
+assert torch.equal(ids, cpu.moe_route(logits, bias, 6, "sigmoid", 1.0, True, 1.5)[1])
+print("ok")
+"""
+
+
+def test_moe_route_kernel_under_the_fixed_interpreter():
+    """The route kernel picks the composition's experts (descending, lowest id among equal scores, -0 = +0;
+    or by id) and gives its weights (within the interpreter's numpy exp / log1p), a row's alone as in the
+    batch."""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
+    r = subprocess.run([sys.executable, "-c", ROUTER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_indexer_kernels_under_the_fixed_interpreter():
     """The fused indexer scores (integer inputs: exact under any dot order) equal the composition with the
     CUDA head sum; the radix-select top-k and candidate blocks equal the CPU's sort-based picks, ties
@@ -340,8 +377,8 @@ def test_indexer_kernels_under_the_fixed_interpreter():
 
 def test_new_kernels_compile_for_sm90():
     """The interpreter runs kernels as Python, so it misses what only the compiler rejects: compile the
-    kernels not yet run on a GPU machine when written (the indexer's, the compressor's pooling, Engram's) for
-    sm_90 here (Triton ships ptxas; no GPU needed)."""
+    kernels not yet run on a GPU machine when written (the indexer's, the compressor's pooling, Engram's, the
+    router) for sm_90 here (Triton ships ptxas; no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -374,3 +411,7 @@ def test_new_kernels_compile_for_sm90():
         check(cuda._index_scores_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "vis_ptr": "*i64",
                                           "keep_ptr": "*u8", "o_ptr": "*bf16"},
               {"H": 32, "D": 128, "BLOCK": 8, "KEEP": keep, "R": cuda.INDEX_SCORE_ROWS, "BE": cuda.INDEX_SCORE_ENTRIES})
+    for func in (1, 2):
+        check(cuda._moe_route_kernel, {"logit_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "id_ptr": "*i64",
+                                       "temp": "fp32", "scale": "fp32"},
+              {"K": 6, "KP": 8, "FUNC": func, "NORM": True, "ASC": func == 2, "BLOCK_E": 512})

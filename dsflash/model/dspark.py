@@ -5,6 +5,7 @@ target context KV, then the shared head plus a sequential Markov correction and 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +31,14 @@ class DSparkAttention(Attention):
     def history(self, state) -> PositionRing:
         return state.ring(state.dspark, self.stage, self.args.window_size, (self.args.head_dim,), torch.bfloat16)
 
-    def ring(self, state, last: int) -> torch.Tensor:
-        """The reference's window ring after target position `last`: slot = position % window_size."""
+    def ring(self, state, last: torch.Tensor) -> torch.Tensor:
+        """The reference's window ring after target position `last` (int64 [1], on the device): slot =
+        position % window_size. Slots before position 0 repeat position 0, which no index reads (`core`
+        attends to the filled slots only); device positions let a CUDA graph serve any `last`."""
         win = self.args.window_size
         history = self.history(state)
         ring = history.data.new_zeros(win, self.args.head_dim)
-        positions = torch.arange(max(0, last - win + 1), last + 1, device=ring.device)
+        positions = (last - win + 1 + torch.arange(win, device=ring.device)).clamp_min(0)
         ring[positions % win] = history.read(positions)
         return ring
 
@@ -46,12 +49,11 @@ class DSparkAttention(Attention):
 
     def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         win = self.args.window_size
-        p = chunk.p0 - 1  # the target position whose context was written last
-        filled = min(win, p + 1)
+        filled = min(win, chunk.p0)  # target positions 0 .. p0-1 have context (a graph: always the window)
         dev = x.device
         idx = torch.cat([torch.arange(filled, device=dev), win + torch.arange(chunk.n, device=dev)])
         idx = idx.expand(chunk.rows, -1)
-        source = torch.cat([self.ring(chunk.state, p), kv[: chunk.n]])
+        source = torch.cat([self.ring(chunk.state, chunk.positions[:1] - 1), kv[: chunk.n]])
         return self.k.sparse_attn(q, source, self.attn_sink, idx.contiguous(), self.args.head_dim ** -0.5)
 
 
@@ -96,25 +98,28 @@ class DSpark:
     def draft(self, state, anchor: int, sampler: Callable[[torch.Tensor], int] = argmax_sampler
               ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """One draft round after the target row at position state.dspark_pos - 1 produced `anchor`.
-        Returns ([anchor, d_1..d_B], logits [B, V] with the Markov bias added, raw confidence [B])."""
+        Returns ([anchor, d_1..d_B], logits [B, V] with the Markov bias added, raw confidence [B]).
+        Once a whole window of context exists, the stages and the head replay one CUDA graph per session
+        (keyed by its context rings' addresses); the Markov chain samples token by token, eagerly."""
         a = self.args
         b = a.dspark_block_size
         p0 = state.dspark_pos
         dev = self.embed.device
         ids = torch.tensor([anchor] + [a.dspark_noise_token_id] * (b - 1), device=dev)
-        rows = pad_rows(F.embedding(ids, self.embed), self.k.row_tile)
-        chunk = Chunk(state, torch.arange(p0, p0 + rows.size(0), device=dev), b, row_tile=self.k.row_tile, _p0=p0)
-        self.stages[0].attn.rope.reserve(p0 + rows.size(0), dev)
-        h = rows.unsqueeze(1).repeat(1, a.hc_mult, 1)
-        pre = torch.zeros(rows.size(0), a.hc_mult, device=dev)
-        pre[:, 0] = 1.0
+        rows = b + (-b % self.k.row_tile)
+        chunk = Chunk(state, torch.arange(p0, p0 + rows, device=dev), b, row_tile=self.k.row_tile, _p0=p0)
+        self.stages[0].attn.rope.reserve(p0 + rows, dev)
         graphs = self.graphs
-        if graphs is not None and not graphs.begin(rows.size(0), tuple(r.rebuilds for r in self.ropes)):
-            graphs = None
-        for block in self.stages:
-            h, pre = block(h, pre, chunk, graphs)
-        x = self.k.rms_norm(self.k.collapse(h, pre), self.norm, a.norm_eps)
-        logits = self.k.linear(x.float(), self.head)[:b]
+        if graphs is not None and graphs.begin(rows, tuple(r.rebuilds for r in self.ropes)) and p0 >= a.window_size:
+            rings = [stage.attn.history(state).data for stage in self.stages]
+
+            def fn(positions: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return self._blocks(replace(chunk, positions=positions, _shared={}), ids)
+
+            key = ("dspark", b, tuple((t.data_ptr(), t.size(0)) for t in rings))
+            x, logits = (t.clone() for t in graphs.run(key, fn, chunk.positions, ids))
+        else:
+            x, logits = self._blocks(chunk, ids)
         out, embeds = [anchor], []
         for i in range(b):
             e = self.markov_embed[out[-1]]
@@ -125,3 +130,15 @@ class DSpark:
         hidden = torch.cat([x[:b], torch.stack(embeds)], dim=-1).float()
         confidence = self.k.linear(hidden, self.confidence)[:b, 0]
         return out, logits, confidence
+
+    def _blocks(self, chunk: Chunk, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block rows through the stages, then the final norm (x [rows, D]) and the head (logits [B, V])."""
+        a = self.args
+        rows = pad_rows(F.embedding(ids, self.embed), self.k.row_tile)
+        h = rows.unsqueeze(1).repeat(1, a.hc_mult, 1)
+        pre = torch.zeros(rows.size(0), a.hc_mult, device=rows.device)
+        pre[:, 0] = 1.0
+        for block in self.stages:
+            h, pre = block(h, pre, chunk)
+        x = self.k.rms_norm(self.k.collapse(h, pre), self.norm, a.norm_eps)
+        return x, self.k.linear(x.float(), self.head)[: chunk.n]

@@ -3,9 +3,9 @@
 A forward's work splits into segments whose shapes depend on the row count only, captured once per key
 (and input shapes) and replayed: a replay runs the same kernels on the same shapes as the eager call, so
 the bits are those of the eager forward. A short forward of the backbone is one segment, its state read
-and written in place: its key names the state's tensors by address and size, so a session replays graphs
-of its own (model/transformer.py). A DSpark block's segments are its attention input and its attention
-output plus FFN, around an eager attention core.
+and written in place (model/transformer.py); so is a DSpark draft's stages and head once a whole window of
+context exists (model/dspark.py). Graphs that read a session's state are that session's own: their keys
+name its tensors by address and size.
 
 Lifetime rules: a replay overwrites its outputs, so a forward copies out what it returns; graphs read
 the RoPE tables by address, so they are dropped when a table grows (`begin`). One forward at a time per
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import gc
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -25,9 +26,10 @@ from dataclasses import dataclass
 import torch
 
 GRAPH_MAX_ROWS = 8  # forwards of up to this many rows (padding included) replay captured segments
-# graphs kept before all are dropped at a forward's start (a forward's graph reads its session's state in
-# place, so sessions and grown buffers have graphs of their own: this bounds what the ended ones leave)
-GRAPH_MAX_KEPT = 1024
+# graphs kept, the least recently replayed dropped first: a forward's graph reads its session's state by
+# address, so each session (and each growth of its buffers) has graphs of its own, which ended sessions and
+# outgrown buffers would otherwise leave behind. Safe to drop any one: no graph reads another's outputs
+GRAPH_MAX_KEPT = 256
 
 
 @dataclass
@@ -45,17 +47,9 @@ class SegmentGraphs:
         # capture=False runs every segment directly, on the shapes a graph would have (any backend): for
         # telling a capture problem from an arithmetic one, and for testing the graphed arithmetic on a CPU
         self.max_rows, self.max_kept, self.capture = max_rows, max_kept, capture
-        self._graphs: dict[Hashable, _Captured] = {}
-        self._warm: dict[Hashable, tuple[torch.Tensor, ...]] = {}
+        self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()  # least recently replayed first
+        self._warm: OrderedDict[Hashable, tuple[torch.Tensor, ...]] = OrderedDict()
         self._pools: dict[int, tuple] = {}
-        # the captured graphs' inputs and outputs by id: a later capture reads such a tensor in place (its
-        # value is rewritten by its owner's replay earlier in the same forward) instead of copying it
-        self._stable: dict[int, torch.Tensor] = {}
-        # this forward's inputs already copied into a graph's static tensor, by id (held, so no id is reused
-        # within a forward): later graphs of the forward read that static tensor instead of copying them
-        # again (the chunk's positions: one copy per forward instead of one per graph). Inputs are never
-        # modified in place between the graphs of a forward
-        self._copied: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._epoch: Hashable = None
         self.lock = threading.RLock()
 
@@ -64,20 +58,17 @@ class SegmentGraphs:
         weights (the RoPE tables' versions); `eligible` is False for forwards whose segments read more
         than their tensor inputs (traces, forced selections, image routing). Returns whether this
         forward replays graphs."""
-        if epoch != self._epoch or len(self._graphs) + len(self._warm) > self.max_kept:
+        if epoch != self._epoch:
             self._graphs.clear()
             self._warm.clear()
-            self._stable.clear()
             self._epoch = epoch
-        self._copied.clear()
         return eligible and rows <= self.max_rows
 
     def run(self, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor
             ) -> tuple[torch.Tensor, ...]:
         """fn(*inputs) (a tuple of tensors), from a graph. The first call of a key runs eagerly on the
         inputs' future static copies (compiling kernels for exactly the alignments the capture will
-        see); the second captures; later calls replay. An input that is another graph's input or output
-        (the previous block's streams, this block's mixes) is read in place, others are copied in."""
+        see); the second captures; later calls replay, the inputs copied into the static ones."""
         if not self.capture:
             return fn(*inputs)
         key = (key, tuple(t.shape for t in inputs))
@@ -87,24 +78,22 @@ class SegmentGraphs:
             if static is None:
                 static = tuple(t.clone() for t in inputs)
                 self._warm[key] = static
+                if len(self._warm) > self.max_kept:
+                    self._warm.popitem(last=False)
                 return fn(*static)
-            static = tuple(t if self._stable.get(id(t)) is t and t.stride() == s.stride() else
-                           self._copy_of(t, s) for t, s in zip(inputs, static, strict=True))
             entry = self._capture(key, fn, static, inputs[0].size(0))
+            if len(self._graphs) > self.max_kept:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
         for dst, src in zip(entry.inputs, inputs, strict=True):
-            if dst is not src and self._copy_of(src, None) is not dst:
-                dst.copy_(src)
-                self._copied[id(src)] = (src, dst)
+            dst.copy_(src)
         entry.graph.replay()
         return entry.outputs
 
-    def _copy_of(self, t: torch.Tensor, default: torch.Tensor | None) -> torch.Tensor | None:
-        """The static tensor this forward already copied t into, else `default`."""
-        held = self._copied.get(id(t))
-        return held[1] if held is not None and held[0] is t and held[1].stride() == t.stride() else default
-
     def _capture(self, key: Hashable, fn: Callable, static: tuple[torch.Tensor, ...], rows: int) -> _Captured:
-        # one memory pool per row count: graphs of one forward run in capture order and keep their outputs
+        # one memory pool per row count: a forward replays one graph and copies out what it returns before
+        # another graph of the pool runs, so graphs may share the memory of each other's intermediates
         pool = self._pools.get(rows)
         if pool is None:
             pool = self._pools[rows] = torch.cuda.graph_pool_handle()
@@ -116,7 +105,6 @@ class SegmentGraphs:
         with _no_gc(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = fn(*static)
         entry = self._graphs[key] = _Captured(graph, static, tuple(outputs))
-        self._stable.update((id(t), t) for t in (*entry.inputs, *entry.outputs))
         return entry
 
 

@@ -7,14 +7,11 @@ coefficients pre/post/comb; V4.1's single-pass mHC uses a site's `pre` to collap
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from dsflash.config import ModelArgs
 from dsflash.model.attention import Attention
 from dsflash.model.common import Chunk
-from dsflash.model.graphs import SegmentGraphs
 from dsflash.model.moe import MoE
 from dsflash.model.weights import WeightLoader
 
@@ -48,18 +45,13 @@ class Block:
         self.attn_site = MixSite(args, w, prefix + "hc_attn")
         self.ffn_site = MixSite(args, w, prefix + "hc_ffn")
 
-    def __call__(self, h: torch.Tensor, pre: torch.Tensor, chunk: Chunk, graphs: SegmentGraphs | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(streams, FFN pre) after this DSpark block. With `graphs`, the two static segments around the
-        attention core replay CUDA graphs (same kernels, same bits). The backbone's forward runs a block's
-        stages itself (Transformer._layers): `attn_in`, the attention's select and attend, `out_ffn`."""
-        rows = h.size(0)
-        run = graphs.run if graphs is not None else _call
-        x, qr, q, kv, attn_pre, attn_post, attn_comb = run((self.layer, "attn_in", rows), self.attn_in, h, pre,
-                                                           chunk.positions)
+    def __call__(self, h: torch.Tensor, pre: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """(streams, FFN pre) after this DSpark block (its attention's `core` between the two halves). The
+        backbone's forward runs a block's stages itself (Transformer._layers): `attn_in`, the attention's
+        select and attend, `out_ffn`."""
+        x, qr, q, kv, attn_pre, attn_post, attn_comb = self.attn_in(h, pre, chunk.positions)
         o = self.attn.core(x, qr, q, kv, chunk)
-        return run((self.layer, "attn_out_ffn", rows), partial(self.out_ffn, chunk=chunk), o, h, attn_pre,
-                   attn_post, attn_comb, chunk.positions)
+        return self.out_ffn(o, h, attn_pre, attn_post, attn_comb, chunk.positions, chunk=chunk)
 
     def attn_in(self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         attn_pre, attn_post, attn_comb = self.attn_site(h)
@@ -72,7 +64,3 @@ class Block:
         ffn_pre, ffn_post, ffn_comb = self.ffn_site(h)
         z = self.ffn(self.k.rms_norm(self.k.collapse(h, attn_pre), self.ffn_norm, self.eps), chunk)
         return self.k.expand(z, h, ffn_post, ffn_comb), ffn_pre
-
-
-def _call(key, fn, *inputs):
-    return fn(*inputs)
