@@ -636,6 +636,24 @@ def test_expert_linear_equals_one_row_calls(kind, n, k):
               cpu.expert_linear(x.cpu(), cpu.expert_bank(weights), ids.cpu(), per_row))
 
 
+@pytest.mark.parametrize("n,k", [(2304, 5120), (5120, 2304)])
+def test_prefill_expert_tiles_widened_in_groups_give_one_row_bits(n, k, monkeypatch):
+    """A prefill's slots in per-expert tiles, its FP4 bank widened to E4M3 a group of experts at a time (here
+    three experts: four launches over 10 experts, one without slots): every slot's bits are a one-row call's."""
+    g = gen(n * 7 + k)
+    bank = kc.expert_bank([kc.to_cuda_weight(rand_weight("fp4", n, k, g), DEV) for _ in range(10)])
+    x = rand_act(120, k, g).to(DEV)
+    ids = torch.stack([torch.randperm(9, generator=g)[:6] + 1 for _ in range(120)]).to(DEV)
+    assert ids.numel() >= kc.EXPERT_TILE_MIN_SLOTS
+    monkeypatch.setattr(kc, "EXPERT_WIDEN_BYTES", 3 * 2 * bank.values[0].numel())
+    got = kc.expert_linear(x, bank, ids, 6, preconvert=True)
+    assert torch.equal(got, kc.expert_linear(x, bank, ids, 6))  # 72 slots an expert: not widened
+    assert torch.equal(got, kc.expert_linear(x, bank, ids, 6, preconvert=False))
+    assert torch.equal(got, kc.expert_linear(x, bank, ids, 6, config=kc.linear_config("fp4", n, k, m=1)))
+    for slot in (0, 5, 377, 719):
+        assert torch.equal(got[slot:slot + 1], kc.linear(x[slot // 6: slot // 6 + 1], bank[int(ids.flatten()[slot])]))
+
+
 @pytest.mark.parametrize("kind,n,k", [s for s in LINEAR_SHAPES if s[0] in ("fp8", "fp4")])
 def test_narrow_and_large_tiles_give_the_wide_tiles_bits(kind, n, k):
     """Calls of <= 16 rows use 16-row tiles (mma.sync), FP8 calls of >= LARGE_TILE_MIN_M rows 128x128 tiles;

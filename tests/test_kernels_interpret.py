@@ -79,13 +79,16 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
             assert rel(got[slot:slot + 1], cpu.linear(row, weights[e])) < 1e-5
         assert rel(got, cpu.expert_linear(xs, cpu.expert_bank(weights), ids, per_row)) < 1e-5
     # a prefill's many slots share per-expert tiles (the threshold lowered: the interpreter is slow): the
-    # one-row programs' bits, with an expert that has no slot, the fused and the separate quantisation
+    # one-row programs' bits, with an expert that has no slot, the fused and the separate quantisation; an FP4
+    # bank widened to E4M3 two experts at a time (three launches) or decoded in the tiles
     one_row, cuda.EXPERT_TILE_MIN_SLOTS = cuda.linear_config(kind, n, k, m=1), 40
+    cuda.EXPERT_WIDEN_BYTES = 2 * 2 * bank.values[0].numel()
     for rows, per_row in ((20, 3), (8, 6)):
         xs = rand_act(rows, k, g)
         ids = torch.randint(1, 5, (rows, per_row), generator=g)
-        got = cuda.expert_linear(xs, bank, ids, per_row)
+        got = cuda.expert_linear(xs, bank, ids, per_row, preconvert=True)
         assert torch.equal(got, cuda.expert_linear(xs, bank, ids, per_row, config=one_row)), (kind, rows)
+        assert torch.equal(got, cuda.expert_linear(xs, bank, ids, per_row, preconvert=False)), (kind, rows)
 for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMMs: K split by the shape
     w = rand_weight(kind, n, k, g)
     wc = cuda.to_cuda_weight(w, "cpu")

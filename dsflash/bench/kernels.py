@@ -248,9 +248,11 @@ def bench_prefill_experts(ceil, m=8192, top_k=6) -> list[dict]:
         x = torch.randn(m, k, device="cuda").bfloat16()
         nbytes = experts * weight_bytes(bank[0]) + x.numel() * 2 + m * top_k * n * 2
         flops = 2 * m * top_k * n * k
-        ms = bench_both(lambda b=bank, x=x, ids=ids: kc.expert_linear(x, b, ids, top_k))
-        rows.append(row("expert_linear tiles", f"w1 {k}->{n} x{m * top_k}, {experts} experts", m, ms, nbytes, flops,
-                        ceil, {"fp8": True}))
+        for widen in (True, False):
+            ms = bench_both(lambda b=bank, x=x, ids=ids, w=widen: kc.expert_linear(x, b, ids, top_k, preconvert=w))
+            note = "FP4 widened to E4M3 first" if widen else "FP4 in tiles"
+            rows.append(row("expert_linear tiles", f"w1 {k}->{n} x{m * top_k}, {experts} experts", m, ms, nbytes,
+                            flops, ceil, {"fp8": True, "note": note}))
         flat = ids.flatten()
         groups = [(e, x[(flat == e).nonzero()[:, 0] // top_k].contiguous()) for e in range(experts)]
 

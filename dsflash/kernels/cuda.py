@@ -343,10 +343,10 @@ def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, F
     return partial * (a_s[:, None] * b_s[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk"])
+@triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk", "expert_lo", "expert_hi"])
 def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, KB, chunks_per_split,
                     stride_xm, stride_wn, stride_wsk, stride_ym, stride_xs, stride_pk, stride_we, stride_wse,
-                    slots_per_row,
+                    slots_per_row, expert_lo, expert_hi,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
                     SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
@@ -361,7 +361,8 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
     compute it, with activation row s // slots_per_row and expert slot[s] of a stacked weight bank.
     GROUPED (routed experts, many slots): program_id(2) is tile t of up to BM slots of one expert
     (tile[t] = (expert, first, count): slots slot[first .. first + count), grouped by expert); each slot's
-    row is computed as in SLOTS (a row's bits never depend on its tile) and stored at its slot's row."""
+    row is computed as in SLOTS (a row's bits never depend on its tile) and stored at its slot's row; only the
+    tiles of experts [expert_lo, expert_hi) work, the bank at w_ptr holding just those experts."""
     if SLOTS:
         s = tl.program_id(2)
         e = tl.load(slot_ptr + s).to(tl.int64)
@@ -384,12 +385,13 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
         t = tl.program_id(2)
         e = tl.load(tile_ptr + 3 * t).to(tl.int64)
         count = tl.load(tile_ptr + 3 * t + 2)
-        w_ptr += e * stride_we
-        ws_ptr += e * stride_wse
+        count = tl.where((e >= expert_lo) & (e < expert_hi), count, 0)
+        w_ptr += (e - expert_lo) * stride_we
+        ws_ptr += (e - expert_lo) * stride_wse
         mmask = tl.arange(0, BM) < count
         out_rows = tl.load(slot_ptr + tl.load(tile_ptr + 3 * t + 1) + tl.arange(0, BM), mask=mmask, other=0)
         in_rows = out_rows // slots_per_row
-        KC = tl.where(count > 0, KC, 0)  # the table's spare tiles do no work
+        KC = tl.where(count > 0, KC, 0)  # the table's spare tiles and other experts' tiles do no work
     x_rows = x_ptr + in_rows[:, None].to(tl.int64) * stride_xm + rk[None, :]
     if FP4:  # the block's 4 words per weight row
         w_rows = ((w_ptr + rn[:, None].to(tl.int64) * stride_wn).to(tl.pointer_type(tl.int32))
@@ -557,12 +559,14 @@ def expert_bank(weights: list[Weight]) -> ExpertBank:
 
 
 def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slots_per_row: int, *,
-                  spread: bool | None = None, config: LinearConfig | None = None) -> torch.Tensor:
+                  spread: bool | None = None, config: LinearConfig | None = None,
+                  preconvert: bool | None = None) -> torch.Tensor:
     """Routed-expert GEMM over slots: row s of the result is x[s // slots_per_row] @ W_{experts[s]}^T,
     bf16 [len(experts), out], each row's bits those of `linear(x[row:row+1], bank[experts[s]])`. One launch
-    whatever the routing, with no host read of it (a step stays capturable in a CUDA graph). `spread` and
-    `config` (benchmarks) override two choices that never change bits: the K ranges as separate programs,
-    and the tile config."""
+    whatever the routing (per group of experts for a prefill's widened FP4 bank), with no host read of it (a
+    step stays capturable in a CUDA graph). `spread`, `config` and `preconvert` (tests, benchmarks) override
+    three choices that never change bits: the K ranges as separate programs, the tile config, and a prefill's
+    FP4 bank widened to E4M3 before its tiles."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"{bank.kind} expert linear takes a bf16 activation, got {x.dtype}")
     slots = experts.reshape(-1).to(torch.int32).contiguous()
@@ -576,9 +580,24 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
     if config is None and slots.numel() >= EXPERT_TILE_MIN_SLOTS:
         # a prefill's slots: each expert's slots share 64-row tiles (the same bits as one-row tiles, tested)
         cfg = linear_config(bank.kind, n, x.size(1))
-        order, tiles = _expert_tiles(slots, bank.values.size(0), cfg.BM)
-        _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, spread=False,
-                           slots=order, slots_per_row=slots_per_row, tiles=tiles)
+        experts_n = bank.values.size(0)
+        order, tiles = _expert_tiles(slots, experts_n, cfg.BM)
+        if preconvert is None:
+            preconvert = slots.numel() >= EXPERT_WIDEN_MIN_SLOTS * experts_n
+        if bank.kind != "fp4" or not preconvert:
+            _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, spread=False,
+                               slots=order, slots_per_row=slots_per_row, tiles=tiles)
+            return y
+        # FP4 tiles decode their nibbles per tile, in the MMA's issue slots; widened to E4M3 once per call they
+        # run faster where an expert has enough rows to pay for its widening (EXPERT_WIDEN_MIN_SLOTS). A group
+        # of experts at a time bounds the scratch; each launch's other tiles exit at once
+        group = max(1, EXPERT_WIDEN_BYTES // (2 * bank.values[0].numel()))
+        for lo in range(0, experts_n, group):
+            hi = min(lo + group, experts_n)
+            part = ExpertBank("fp8", fp4_to_fp8(bank.values[lo:hi].flatten(0, 1)).view(hi - lo, n, -1),
+                              bank.scale[lo:hi], bank.scale_rows)
+            _block_scaled_gemm(a, a_s, part.values, part, y, fp4=False, fuse=fuse, cfg=cfg, spread=False,
+                               slots=order, slots_per_row=slots_per_row, tiles=tiles, experts=(lo, hi))
         return y
     cfg = config or linear_config(bank.kind, n, x.size(1), m=1)  # each slot is a one-row product
     _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, spread=spread,
@@ -587,6 +606,10 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
 
 
 EXPERT_TILE_MIN_SLOTS = 512  # from this many slots expert_linear groups each expert's slots into tiles
+EXPERT_WIDEN_BYTES = 1 << 30  # a prefill's FP4 bank is widened to E4M3 in groups of experts of at most this size
+# ... when its experts have this many slots on average: w1 of an 8,192-row chunk, 48 experts (1,024 slots an
+# expert) 11.28 -> 8.78 ms; 384 experts (128) 13.49 -> 13.92 (bench/results/kernels-experts-widened-2026-12-01.md)
+EXPERT_WIDEN_MIN_SLOTS = 256
 
 
 def _expert_tiles(slots: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -743,10 +766,11 @@ def plain_k_per_split(cfg: LinearConfig, n: int, k: int) -> int:
 def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
                        fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
                        slots: torch.Tensor | None = None, slots_per_row: int = 1,
-                       tiles: torch.Tensor | None = None) -> None:
+                       tiles: torch.Tensor | None = None, experts: tuple[int, int] | None = None) -> None:
     """Launch the block-scaled GEMM into y (and the sum of the K ranges when they run as separate programs).
     With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]; with
-    `tiles` too (_expert_tiles), `slots` is the slot order grouped by expert and tile t takes up to BM of them."""
+    `tiles` too (_expert_tiles), `slots` is the slot order grouped by expert and tile t takes up to BM of them,
+    only those of `experts` (lo, hi) when given, the bank then holding experts lo .. hi - 1."""
     n, k = y.size(1), a.size(1)
     kb = k // ACT_BLOCK
     cps = k_range_blocks(n, kb) // SCALE_GROUP
@@ -761,12 +785,14 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
     part = torch.empty((splits, rows, n), dtype=torch.float32, device=a.device) if spread else y
     programs = rows if stacked else tiles.size(0) if tiles is not None else 1
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), splits if spread else 1, programs)
+    lo, hi = experts or (0, wv.size(0))  # without `experts`: all of a bank's experts (unused without tiles)
     _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if slots is not None else y,
                           tiles if tiles is not None else y, m, n, kb, cps,
                           a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0),
                           a_s.stride(0) if not fuse else m, rows * n,
                           wv.stride(0) if slots is not None else 0, w.scale.stride(0) if slots is not None else 0,
-                          slots_per_row, FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows, SCALE_E8M0=w.scale_e8m0,
+                          slots_per_row, lo, hi, FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
+                          SCALE_E8M0=w.scale_e8m0,
                           SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM, BN=cfg.BN,
                           GROUP_M=cfg.GROUP_M,
                           RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
