@@ -368,6 +368,19 @@ def test_packed_fp4_state_kernels_are_byte_exact():
         assert torch.equal(kc.fp4_dequant_packed(packed[rows], d, *fmt).view(torch.int16).cpu(), got[rows.cpu()])
 
 
+@pytest.mark.parametrize("d", [512, 5120, 20480])
+def test_row_sum_against_the_cpu_sum(d):
+    """The fixed-order row sums (RMS statistics, Engram's gate) against torch's CPU sum of the same fp32 values
+    (another order): measured for FIDELITY.md and bounded; a row's bits whatever the other rows."""
+    g = gen(d)
+    x = torch.randn(37, d, generator=g) * torch.exp2(torch.randint(-4, 5, (37, 1), generator=g).float())
+    for square, bound in ((False, 1e-6), (True, 5e-7)):  # measured on the H200: 1.8e-7, 7.5e-8
+        got = kc.row_sum(x.to(DEV), square=square)
+        rel, _, _ = measure(f"row_sum{' of squares' if square else ''} {d}", got, (x * x if square else x).sum(-1))
+        assert rel < bound, (square, rel)
+        assert torch.equal(kc.row_sum(x[5:6].to(DEV), square=square), got[5:6])
+
+
 def test_rope_kernel_rounds_as_the_cpu():
     """RoPE in one kernel: the bits of the CPU composition on CPU tensors (products rounded, then added), for
     [N, C] and [N, H, C] rows, both directions, a conjugated zero included."""
