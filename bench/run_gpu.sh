@@ -10,8 +10,8 @@
 # patch from the repository root, applied with `git apply` or `patch -p1` to take the patched cuda.py, then
 # reverted): the GEMM experiment (DIFF where the variant's bits differ) and the encoder prefill with each
 # kernel module. `... patch-step FILE...`: engine patches (git apply, in order): the CUDA kernel and model
-# tests with them, and the step benchmark before, with (twice) and after them, in one session (steps vary
-# ~5 ms between machines).
+# tests with them, the step benchmark before, with (twice) and after them, and the prefill before and with
+# them, in one session (steps vary ~5 ms between machines).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -59,13 +59,16 @@ if [ "$part" = patch-step ]; then  # engine patches (git apply, in order): the C
   # them, and the step benchmark (steps and drafts) before, with (twice) and after them, in one session
   shift
   quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 --reps 7"
+  prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
   mkdir -p "$out/this" "$out/patched" "$out/patched2" "$out/after"
   timeout 100 $quick --out "$out/this" 2>&1 | grep "^| [0-9]"
+  timeout 100 $prefill --out "$out/this" 2>&1 | grep "^| [0-9]"
   for p in "$@"; do git apply "$p" || exit 1; done
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py 2>&1 | grep -E "^E  |FAILED|passed|failed" | tail -12
   timeout 100 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 | tail -3
   timeout 100 $quick --out "$out/patched" 2>&1 | grep "^| [0-9]"
   timeout 100 $quick --out "$out/patched2" 2>&1 | grep "^| [0-9]"
+  timeout 100 $prefill --out "$out/patched" 2>&1 | grep "^| [0-9]"
   for ((i = $#; i >= 1; i--)); do git apply -R "${!i}"; done
   timeout 100 $quick --out "$out/after" 2>&1 | grep "^| [0-9]"
 fi
