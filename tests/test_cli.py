@@ -58,13 +58,14 @@ def test_make_checkpoint_then_check_golden_refuses_a_non_case(tmp_path):
 
 def test_bench_commands_write_results(tmp_path):
     r = dsflash("bench", "all", "--preset", "tiny-a", "--device", "cpu", "--context", "80", "--rows", "1,3",
-                "--lengths", "100", "--reps", "1", "--compare-full", "--out", str(tmp_path))
+                "--lengths", "100", "--reps", "1", "--compare-full", "--reference-layers", "1", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     (result,) = tmp_path.glob("engine-all-tiny-a-*.json")
     data = json.loads(result.read_text())
     for key in ("gpu", "commit", "command", "checkpoint", "box_step_ms", "back_step_ms", "prefill_tok_s",
-                "prefill_lengths_tok_s", "full_tok_s", "snapshot_bytes_per_token"):
+                "full_tok_s", "snapshot_bytes_per_token", "reference_speedup"):
         assert key in data, key
+    assert set(data["prefill_tok_s"]) == {"100"}  # by prompt length (--lengths), not by step context
     assert data["decoder_rows"]["100"] < 100  # the encoder-only prefill ran the decoder on the tail only
     # the growing caches are held packed: per source, a 288/68-B-style entry and key per `ratio` tokens
     a = preset("tiny-a")
