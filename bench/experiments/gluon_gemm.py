@@ -42,7 +42,11 @@ cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async
 
 
 @triton.jit
-def tl_dot_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr):
+def tl_dot_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+                  PRESCALED: tl.constexpr):
+    """A fresh `tl.dot` per block, promoted at once. PRESCALED: the activation's power-of-two block scale folded
+    into a bf16 operand (exact: an E4M3 code times 2^e is a bf16 value), so the promotion multiplies by the
+    weight's scale alone: one op an output element per block less."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -55,29 +59,11 @@ def tl_dot_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, y_ptr, M, N, K, BM: tl.constexpr
         b = tl.load(b_ptr + rn[None, :] * K + kb * BK + rk[:, None], mask=(rn < N)[None, :], other=0.0)
         sa = tl.load(as_ptr + rm * kb_n + kb, mask=rm < M, other=1.0)
         sb = tl.load(bs_ptr + rn * kb_n + kb, mask=rn < N, other=1.0)
-        acc += tl.dot(a.to(tl.float16), b.to(tl.float16)) * (sa[:, None] * sb[None, :])
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
-
-
-@triton.jit
-def tl_dot_prescaled_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr):
-    """tl_dot with the activation's power-of-two block scale folded into a bf16 operand (exact: an E4M3 code
-    times 2^e is a bf16 value), so the promotion multiplies by the weight's scale alone: one op an output
-    element per block less."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    kb_n = K // BK
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for kb in range(kb_n):
-        a = tl.load(a_ptr + rm[:, None] * K + kb * BK + rk[None, :], mask=(rm < M)[:, None], other=0.0)
-        b = tl.load(b_ptr + rn[None, :] * K + kb * BK + rk[:, None], mask=(rn < N)[None, :], other=0.0)
-        sa = tl.load(as_ptr + rm * kb_n + kb, mask=rm < M, other=1.0)
-        sb = tl.load(bs_ptr + rn * kb_n + kb, mask=rn < N, other=1.0)
-        a = (a.to(tl.float32) * sa[:, None]).to(tl.bfloat16)
-        acc += tl.dot(a, b.to(tl.bfloat16)) * sb[None, :]
+        if PRESCALED:
+            a = (a.to(tl.float32) * sa[:, None]).to(tl.bfloat16)
+            acc += tl.dot(a, b.to(tl.bfloat16)) * sb[None, :]
+        else:
+            acc += tl.dot(a.to(tl.float16), b.to(tl.float16)) * (sa[:, None] * sb[None, :])
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
@@ -223,23 +209,24 @@ def gluon_v2_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, y_ptr, M, N, K, BM: gl.constex
     gl.store(y_ptr + sm[:, None] * N + sn[None, :], acc, mask=(sm < M)[:, None] & (sn < N)[None, :])
 
 
-# (kernel, BM, BN, warps, stages): the Triton kernel's first config is the bits reference; 128x128 with 8 warps and
-# 2 stages is the engine's large-M FP8 config
-CONFIGS = [(tl_dot_kernel, 64, 64, 4, 4), (tl_dot_kernel, 128, 128, 8, 2), (tl_dot_prescaled_kernel, 64, 64, 4, 4),
-           (tl_dot_prescaled_kernel, 128, 128, 8, 2), (gluon_kernel, 128, 64, 8, 1), (gluon_v2_kernel, 64, 64, 4, 4)]
+# (kernel, BM, BN, warps, stages): the first config is the bits reference; 128x128 with 8 warps and 2 stages is
+# the engine's large-M FP8 config; gluon_v2 takes the weight widened to f16 (once per call: timed apart)
+CONFIGS = [("tl_dot", 64, 64, 4, 4), ("tl_dot", 128, 128, 8, 2), ("tl_dot prescaled", 64, 64, 4, 4),
+           ("tl_dot prescaled", 128, 128, 8, 2), ("gluon", 128, 64, 8, 1), ("gluon_v2", 64, 64, 4, 4)]
 BM, BN, WARPS = 64, 64, 4  # --compile
 
 
 def run(cfg, a, b, sa, sb) -> torch.Tensor:
-    kernel, bm, bn, warps, stages = cfg
+    name, bm, bn, warps, stages = cfg
     m, k = a.shape
     n = b.size(0)
     y = torch.empty(m, n, device=a.device)
-    extra = {"num_stages": stages}
-    if kernel is gluon_kernel:
-        extra = {"WARPS": warps}
-    if kernel is gluon_v2_kernel:  # v2 streams the weight widened to f16 (once per call: timed apart)
-        b, extra = b.to(torch.float16) if b.dtype != torch.float16 else b, {"WARPS": warps, "STAGES": stages}
+    if name.startswith("tl_dot"):
+        kernel, extra = tl_dot_kernel, {"num_stages": stages, "PRESCALED": name != "tl_dot"}
+    elif name == "gluon":
+        kernel, extra = gluon_kernel, {"WARPS": warps}
+    else:
+        kernel, extra = gluon_v2_kernel, {"WARPS": warps, "STAGES": stages}
     kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](a, b, sa, sb, y, m, n, k, BM=bm, BN=bn, num_warps=warps,
                                                     enable_fp_fusion=FP_FUSION, **extra)
     return y
@@ -275,17 +262,14 @@ def main() -> None:
             b = torch.randn(n, k, device="cuda", generator=g).to(torch.float8_e4m3fn)
             sa = torch.exp2(torch.randint(-8, 8, (m, k // BK), device="cuda", generator=g).float())
             sb = torch.rand(n, k // BK, device="cuda", generator=g) / 64
+            b16 = b.to(torch.float16)
             ref = run(CONFIGS[0], a, b, sa, sb)
             cells = []
             for cfg in CONFIGS:
-                same = torch.equal(ref, run(cfg, a, b, sa, sb))
-                us = do_bench_cudagraph(lambda cfg=cfg, args=(a, b, sa, sb): run(cfg, *args)) * 1000
-                if cfg[0] is gluon_v2_kernel:  # the weight widened outside the timing
-                    b16 = b.to(torch.float16)
-                    us = do_bench_cudagraph(lambda cfg=cfg, args=(a, b16, sa, sb): run(cfg, *args)) * 1000
-                kind = {tl_dot_kernel: "tl_dot", tl_dot_prescaled_kernel: "tl_dot prescaled", gluon_kernel: "gluon",
-                        gluon_v2_kernel: "gluon_v2"}[cfg[0]]
-                label = f"{kind} {cfg[1]}x{cfg[2]}/w{cfg[3]}/s{cfg[4]}"
+                args = (a, b16 if cfg[0] == "gluon_v2" else b, sa, sb)
+                same = torch.equal(ref, run(cfg, *args))
+                us = do_bench_cudagraph(lambda cfg=cfg, args=args: run(cfg, *args)) * 1000
+                label = f"{cfg[0]} {cfg[1]}x{cfg[2]}/w{cfg[3]}/s{cfg[4]}"
                 cells.append(f"{label} {us:8.1f} µs {2 * m * n * k / us / 1e6:4.0f} TF/s{'' if same else ' DIFF'}")
             widen = do_bench_cudagraph(lambda b=b: b.to(torch.float16)) * 1000
             print(f"{name} M={m:<5} " + " | ".join(cells) + f" | widening the weight to f16 {widen:.1f} µs",

@@ -582,21 +582,19 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
         cfg = linear_config(bank.kind, n, x.size(1))
         experts_n = bank.values.size(0)
         order, tiles = _expert_tiles(slots, experts_n, cfg.BM)
-        if preconvert is None:
-            preconvert = slots.numel() >= EXPERT_WIDEN_MIN_SLOTS * experts_n
-        if bank.kind != "fp4" or not preconvert:
-            _block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, spread=False,
-                               slots=order, slots_per_row=slots_per_row, tiles=tiles)
-            return y
         # FP4 tiles decode their nibbles per tile, in the MMA's issue slots; widened to E4M3 once per call they
         # run faster where an expert has enough rows to pay for its widening (EXPERT_WIDEN_MIN_SLOTS). A group
         # of experts at a time bounds the scratch; each launch's other tiles exit at once
-        group = max(1, EXPERT_WIDEN_BYTES // (2 * bank.values[0].numel()))
+        if preconvert is None:
+            preconvert = slots.numel() >= EXPERT_WIDEN_MIN_SLOTS * experts_n
+        widen = bank.kind == "fp4" and preconvert
+        group = max(1, EXPERT_WIDEN_BYTES // (2 * bank.values[0].numel())) if widen else experts_n
         for lo in range(0, experts_n, group):
             hi = min(lo + group, experts_n)
-            part = ExpertBank("fp8", fp4_to_fp8(bank.values[lo:hi].flatten(0, 1)).view(hi - lo, n, -1),
-                              bank.scale[lo:hi], bank.scale_rows)
-            _block_scaled_gemm(a, a_s, part.values, part, y, fp4=False, fuse=fuse, cfg=cfg, spread=False,
+            part = bank if not widen else ExpertBank(
+                "fp8", fp4_to_fp8(bank.values[lo:hi].flatten(0, 1)).view(hi - lo, n, -1), bank.scale[lo:hi],
+                bank.scale_rows)
+            _block_scaled_gemm(a, a_s, part.values, part, y, fp4=part.kind == "fp4", fuse=fuse, cfg=cfg, spread=False,
                                slots=order, slots_per_row=slots_per_row, tiles=tiles, experts=(lo, hi))
         return y
     cfg = config or linear_config(bank.kind, n, x.size(1), m=1)  # each slot is a one-row product
