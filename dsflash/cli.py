@@ -11,7 +11,7 @@ import sys
 COMMANDS = [
     "dsflash.golden.check",  # check-golden
     "dsflash.checkpoint.make",  # make-checkpoint
-    "dsflash.model.logits_cmd",  # logits
+    "dsflash.golden.logits_cmd",  # logits
     "dsflash.engine.generate_cmd",  # generate
     "dsflash.server.serve_cmd",  # serve
     "dsflash.server.chat_cmd",  # chat

@@ -3,7 +3,7 @@ and the Engram compressed-token map (spec §8, §12).
 
 The tiny tokenizer is a byte-level BPE trained on `TINY_CORPUS` with the V4.1 special tokens at fixed ids
 (`SPECIAL_TOKENS`): BOS 0, EOS 1, PAD 2 as in the release, then the role, think and DSML markers that
-`dsflash.server.encoding` writes, so prompts rendered for a tiny model tokenize with each marker as one id.
+the chat encoding writes (`dsflash.tokens`), so prompts rendered for a tiny model tokenize with each marker as one id.
 The release's role and think ids (around 128,800) are not reproduced; only their strings are.
 
 `compressed_token_map` follows `build_compressed_token_map` of DeepSeek's `inference/engram.py` (as carried
@@ -17,7 +17,7 @@ from typing import Protocol
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from dsflash.server.encoding import ASSISTANT, BOS, DSML, EOS, PAD, SYSTEM, THINK_END, THINK_START, USER
+from dsflash.tokens import ASSISTANT, BOS, DSML, EOS, PAD, SYSTEM, THINK_END, THINK_START, USER
 
 # (token, special). Special tokens are dropped by decode(skip_special_tokens=True); the markers are not,
 # because the output parser needs to see `</think>` and DSML tags.

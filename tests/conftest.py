@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsflash.engine.state import SequenceState
+from dsflash.model.state import SequenceState
 
 # the golden cases live beside the checkout (../shared/golden); DSFLASH_GOLDEN_DIR points elsewhere
 GOLDEN = Path(os.environ.get("DSFLASH_GOLDEN_DIR") or Path(__file__).resolve().parents[1].parent / "shared" / "golden")

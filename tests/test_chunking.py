@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from dsflash.engine.state import SequenceState
 from dsflash.kernels import cpu
 from dsflash.model.graphs import SegmentGraphs
 from dsflash.model.load import load_model
+from dsflash.model.state import SequenceState
 from tests.conftest import GOLDEN_CASES, interleaved_steps
 
 

@@ -10,8 +10,9 @@ from dsflash.cli import main
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
-from dsflash.engine.state import SequenceState
 from dsflash.model.load import load_model
+from dsflash.model.state import SequenceState
+from dsflash.split.link import box_half
 from tests.conftest import GOLDEN_CASES, interleaved_steps, partly_right_drafter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; run on the GPU machine")
@@ -81,11 +82,11 @@ def test_resume_split_and_restart_are_bit_identical_on_cuda(tmp_path):
 
     box = BoxProcess(free_port(), cache_dir=tmp_path / "cache", device="cuda").start()
     try:
-        split = Engine.load(CASE, device="cuda", max_context=4096, box=f"127.0.0.1:{box.port}")
+        split = Engine.load(CASE, device="cuda", max_context=4096, encoder=box_half(f"127.0.0.1:{box.port}"))
         s = split.session()
         assert torch.equal(s.prefill(ids, chunk=16), fresh_logits)
         out = decode_across_box_restart(box, s, s.last_logits, 10, restart_after=3, dspark=2)
-        assert out == expected and split.link.reconnects >= 1
+        assert out == expected and split.encoder.link.reconnects >= 1
     finally:
         box.kill()
 

@@ -13,8 +13,8 @@ from dsflash.engine.sampling import Forcing, History, SamplingParams, sample
 from dsflash.engine.session import Engine
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
-from dsflash.engine.state import GrowingRows, RollbackError, SequenceState
 from dsflash.model.load import load_model
+from dsflash.model.state import GrowingRows, RollbackError, SequenceState
 from tests.conftest import GOLDEN_CASES, partly_right_drafter
 
 CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
@@ -233,26 +233,40 @@ def test_bad_snapshots_are_refused(engine):
 
 
 def test_prefix_cache_resume_equals_fresh(engine, tmp_path):
-    from dsflash.engine.generate_cmd import prepare_session
     from dsflash.engine.prefix_cache import PrefixCache
 
     ids = prompt(40, seed=5)
     cache = PrefixCache(engine.identity, disk_dir=tmp_path)
-    fresh_stats, resumed_stats = DecodeStats(), DecodeStats()
-    fresh, fresh_logits = prepare_session(engine, ids[:30], cache, 8, fresh_stats)
-    assert fresh_stats.cached_tokens == 0
+    fresh = engine.session().sync(ids[:30], cache=cache, chunk=8)
+    assert fresh.reused == 0
     # a fresh cache object reads the disk entries; the longest cached prefix of the new prompt is 30
     cache = PrefixCache(engine.identity, disk_dir=tmp_path)
-    resumed, logits = prepare_session(engine, ids, cache, 8, resumed_stats)
-    assert resumed_stats.cached_tokens == 30
+    resumed = engine.session().sync(ids, cache=cache, chunk=8)
+    assert resumed.reused == 30
     plain = engine.session()
-    assert torch.equal(logits, plain.prefill(ids))
+    assert torch.equal(resumed.logits, plain.prefill(ids))
     # a corrupt cache file is dropped and treated as a miss
     for f in tmp_path.glob("*.dsnap"):
         f.write_bytes(f.read_bytes()[:100])
     cache = PrefixCache(engine.identity, disk_dir=tmp_path)
-    again, again_logits = prepare_session(engine, ids, cache, 8, DecodeStats())
-    assert torch.equal(again_logits, logits)
+    again = engine.session().sync(ids, cache=cache, chunk=8)
+    assert again.reused == 0 and torch.equal(again.logits, resumed.logits)
+
+
+def test_sync_keeps_the_sessions_own_prefix(engine):
+    """A session synced to a prompt that continues, shortens or changes its tokens keeps what it can (its
+    own prefix within rollback reach) and gives a fresh prefill's logits."""
+    ids = prompt(60, seed=9)
+    s = engine.session()
+    assert s.sync(ids[:40], chunk=16).reused == 0
+    grown = s.sync(ids[:50], chunk=16)
+    assert grown.reused == 40 and torch.equal(grown.logits, engine.session().prefill(ids[:50]))
+    shorter = s.sync(ids[:45], chunk=16)  # a rollback; the last row is computed again for its logits
+    assert shorter.reused == 44 and torch.equal(shorter.logits, engine.session().prefill(ids[:45]))
+    changed = [*ids[:20], 7, 8, 9]
+    other = s.sync(changed, chunk=16)
+    assert other.reused == 20 and torch.equal(other.logits, engine.session().prefill(changed))
+    assert s.tokens == changed
 
 
 def test_prefill_runs_the_decoder_on_the_tail_only_and_matches_a_full_prefill(engine, whole_model):

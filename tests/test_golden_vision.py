@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from dsflash.cli import main
-from dsflash.engine.state import SequenceState
 from dsflash.golden.adapter import GoldenEngine, selections_from_arrays
 from dsflash.golden.case import GoldenCase, load_case, replay_selections
 from dsflash.golden.check import check_case
 from dsflash.golden.rules import FAIL, FAITHFUL, PASS, CaseVerdict, case_images, judge_image_case
+from dsflash.model.state import SequenceState
 from dsflash.model.vision import IMAGE, image_token_types, preprocess_image, span_length
 from tests.conftest import GOLDEN
 from tests.golden_reference import assert_same_as_reference

@@ -9,11 +9,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from dsflash.engine.generate_cmd import prepare_session
 from dsflash.engine.images import ImageSpan
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.session import Engine
-from dsflash.engine.spec import DecodeStats
 from dsflash.model.vision import ImageInput, preprocess_image
 from tests.conftest import GOLDEN
 
@@ -48,13 +46,13 @@ def test_image_changes_the_answer_and_the_cache_key(case, tmp_path):
     other = ImageSpan(span.start, ImageInput(-span.image.pixels, *(span.image.n_vit_h, span.image.n_vit_w,
                                                                    span.image.n_llm_h, span.image.n_llm_w)))
     cache = PrefixCache(engine.identity, disk_dir=tmp_path)
-    first, a = prepare_session(engine, ids, cache, 16, DecodeStats(), images=[span])
-    stats = DecodeStats()
-    again, b = prepare_session(engine, ids, cache, 16, stats, images=[span])
-    assert stats.cached_tokens == len(ids) and torch.equal(a, b)
-    stats = DecodeStats()
-    changed, c = prepare_session(engine, ids, cache, 16, stats, images=[other])
-    assert stats.cached_tokens <= span.start  # nothing past the image is reused for another image
+    a = engine.session().sync(ids, images=[span], cache=cache, chunk=16).logits
+    again = engine.session().sync(ids, images=[span], cache=cache, chunk=16)
+    b = again.logits
+    assert again.reused == len(ids) and torch.equal(a, b)
+    changed = engine.session().sync(ids, images=[other], cache=cache, chunk=16)
+    c = changed.logits
+    assert changed.reused <= span.start  # nothing past the image is reused for another image
     assert not torch.equal(a, c)
 
 
@@ -83,6 +81,7 @@ def test_split_with_an_image_equals_one_process(case, tmp_path):
     box restarted mid-answer is rebuilt with the image (the back side keeps its pixels)."""
     from dsflash.engine.sampling import SamplingParams
     from dsflash.engine.spec import decode
+    from dsflash.split.link import box_half
     from tests.test_split import BoxProcess, decode_across_box_restart, free_port
 
     engine, g = case
@@ -92,11 +91,11 @@ def test_split_with_an_image_equals_one_process(case, tmp_path):
     expected = list(decode(local, expected_logits, 6, SamplingParams(), stop=set()))
     box = BoxProcess(free_port(), cache_dir=tmp_path / "cache", case=CASE).start()
     try:
-        split = Engine.load(CASE, max_context=4096, box=f"127.0.0.1:{box.port}")
+        split = Engine.load(CASE, max_context=4096, encoder=box_half(f"127.0.0.1:{box.port}"))
         s = split.session()
         logits = s.prefill(ids, chunk=16, images=[span_of(g)])
         assert torch.equal(logits, expected_logits)
         assert decode_across_box_restart(box, s, logits, 6, restart_after=2) == expected
-        assert split.link.reconnects >= 1
+        assert split.encoder.link.reconnects >= 1
     finally:
         box.kill()

@@ -244,7 +244,7 @@ import dataclasses
 import interpreter_fixes  # noqa: F401
 import torch
 import dsflash.model.transformer as transformer
-from dsflash.engine.state import SequenceState
+from dsflash.model.state import SequenceState
 from dsflash.kernels import cpu, cuda, load_kernels
 from dsflash.model.load import load_model
 

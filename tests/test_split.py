@@ -19,7 +19,7 @@ import torch
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
-from dsflash.split.link import BoxRefused, BoxUnavailable
+from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
 from dsflash.split.protocol import VERSION, Frame, FrameType, read_frame
 from tests.conftest import GOLDEN_CASES, free_port, partly_right_drafter
 
@@ -100,7 +100,7 @@ def decode_across_box_restart(box: BoxProcess, session, logits, n: int, restart_
 
 
 def test_split_equals_single_process(local, box):
-    split = Engine.load(CASE, box=f"127.0.0.1:{box.port}")
+    split = Engine.load(CASE, encoder=box_half(f"127.0.0.1:{box.port}"))
     ids = prompt(90, seed=1)  # several 16-row state chunks
     a, b = local.session(), split.session()
     la, lb = a.prefill(ids, chunk=16), b.prefill(ids, chunk=16)
@@ -138,15 +138,15 @@ def test_box_killed_mid_answer_and_restarted_gives_the_same_text(local, box):
     ids = prompt(50, seed=3)
     ref = local.session()
     expected = greedy(ref, ref.prefill(ids), 12, dspark=2)
-    split = Engine.load(CASE, box=f"127.0.0.1:{box.port}", box_deadline=60)
+    split = Engine.load(CASE, encoder=box_half(f"127.0.0.1:{box.port}", deadline=60))
     s = split.session()
     assert decode_across_box_restart(box, s, s.prefill(ids), 12, restart_after=4, dspark=2) == expected
-    assert split.link.reconnects >= 1
+    assert split.encoder.link.reconnects >= 1
 
 
 @pytest.mark.slow
 def test_box_that_never_returns_gives_a_retryable_error_then_service_resumes(local, box):
-    split = Engine.load(CASE, box=f"127.0.0.1:{box.port}", box_deadline=2)
+    split = Engine.load(CASE, encoder=box_half(f"127.0.0.1:{box.port}", deadline=2))
     ids = prompt(20, seed=4)
     s = split.session()
     s.prefill(ids)
@@ -191,9 +191,9 @@ def test_malformed_oversized_and_unauthorised_frames_are_refused(tmp_path):
             assert f.type == FrameType.ERROR and f.meta["code"] == "auth"
             assert_closed(sock)
         with pytest.raises(BoxRefused):
-            Engine.load(CASE, box=f"127.0.0.1:{b.port}", box_token="wrong").session().prefill([5, 6, 7])
+            Engine.load(CASE, encoder=box_half(f"127.0.0.1:{b.port}", token="wrong")).session().prefill([5, 6, 7])
         # the box still serves a well-behaved client
-        good = Engine.load(CASE, box=f"127.0.0.1:{b.port}", box_token="s3cret")
+        good = Engine.load(CASE, encoder=box_half(f"127.0.0.1:{b.port}", token="s3cret"))
         local = Engine.load(CASE)
         ids = prompt(12, seed=5)
         assert torch.equal(good.session().prefill(ids), local.session().prefill(ids))
@@ -204,7 +204,7 @@ def test_malformed_oversized_and_unauthorised_frames_are_refused(tmp_path):
 
 @pytest.mark.slow
 def test_two_concurrent_requests_match_running_alone(local, box):
-    split = Engine.load(CASE, box=f"127.0.0.1:{box.port}")
+    split = Engine.load(CASE, encoder=box_half(f"127.0.0.1:{box.port}"))
     prompts = [prompt(60, seed=6), prompt(25, seed=7)]
     alone = []
     for ids in prompts:
@@ -227,7 +227,7 @@ def test_two_concurrent_requests_match_running_alone(local, box):
 @pytest.mark.slow
 def test_box_killed_mid_prefill_and_restarted_gives_the_same_state(local, box):
     ids = prompt(1500, seed=8)
-    split = Engine.load(CASE, box=f"127.0.0.1:{box.port}", box_deadline=60, max_context=4096)
+    split = Engine.load(CASE, encoder=box_half(f"127.0.0.1:{box.port}", deadline=60), max_context=4096)
     s = split.session()
     result = {}
     worker = threading.Thread(target=lambda: result.update(logits=s.prefill(ids, chunk=16)))
@@ -235,10 +235,10 @@ def test_box_killed_mid_prefill_and_restarted_gives_the_same_state(local, box):
     time.sleep(1.5)  # well inside the ~94 chunks of the prefill
     box.restart()
     worker.join(120)
-    ref = Engine(local.decoder, local.encoder, 4096, local.identity, local.open_encoder).session()
+    ref = Engine(local.decoder, local.encoder, 4096, local.identity).session()
     assert torch.equal(result["logits"], ref.prefill(ids, chunk=16))
     assert torch.equal(s.step(s.pos, [5, 6]), ref.step(ref.pos, [5, 6]))
-    assert split.link.reconnects >= 1
+    assert split.encoder.link.reconnects >= 1
 
 
 def test_a_non_loopback_box_needs_a_token():

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from dsflash.config import ModelArgs, preset
-from dsflash.engine.session import Engine, LocalEncoder, Session, engine_identity
-from dsflash.engine.state import SequenceState
+from dsflash.engine.halves import LocalEncoder, LocalHalf
+from dsflash.engine.session import Engine, Session, engine_identity
+from dsflash.model.state import SequenceState
 from dsflash.model.transformer import Transformer
 
 
@@ -70,9 +71,7 @@ def build_engine(args: ModelArgs, device: str, reference: bool = False, cuda_gra
     enc = Transformer(args, ckpt, token_map, range(0, d), device=device, reference=reference, cuda_graphs=cuda_graphs)
     dec = Transformer(args, ckpt, None, range(d, args.n_layers), device=device, reference=reference,
                       cuda_graphs=cuda_graphs)
-    engine = Engine(dec, enc, 1 << 21, engine_identity(dec))
-    engine.open_encoder = lambda: LocalEncoder(enc)
-    return engine
+    return Engine(dec, LocalHalf(enc), 1 << 21, engine_identity(dec))
 
 
 def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -283,7 +282,8 @@ def bench_link(model: str, device: str, prompt_len: int, steps: int) -> dict:
         link_mod.BoxLink.request, link_mod.RemoteEncoder._parse = counting_request, counting_parse
         out = {}
         for name, addr in (("one_process", None), ("split", f"127.0.0.1:{port}")):
-            engine = Engine.load(model, box=addr, device=device, max_context=prompt_len + steps + 16)
+            engine = Engine.load(model, encoder=addr and link_mod.box_half(addr), device=device,
+                                 max_context=prompt_len + steps + 16)
             s = engine.session()
             counted.update(sent=0, received=0)
             s.prefill(prompt(prompt_len, engine.args.vocab_size), chunk=256)

@@ -8,13 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from dsflash.engine.images import ImageSpan, cache_key, span_keys
+from dsflash.engine.images import ImageSpan
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import SamplingParams
-from dsflash.engine.session import DEFAULT_CHUNK, Engine, Session, default_device
-from dsflash.engine.snapshot import SnapshotError
+from dsflash.engine.session import DEFAULT_CHUNK, Engine, default_device
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.vision import preprocess_image
+from dsflash.split.link import box_half
 from dsflash.tokenizer import EOS_ID, load_tokenizer
 
 
@@ -35,42 +35,9 @@ class Progress:
             print(file=sys.stderr)
 
 
-def prepare_session(engine: Engine, prompt: list[int], cache: PrefixCache | None, chunk: int,
-                    stats: DecodeStats, progress=None, images: list[ImageSpan] | None = None):
-    """Resume from the longest cached prefix, prefill the rest, snapshot on the chunk grid and at the
-    end of the prompt. `images`: the prompt's image spans (absolute positions). Returns (session,
-    last-row logits)."""
-    images = images or []
-    spans = span_keys(images)
-    n, blob = cache.lookup(cache_key(prompt, spans)) if cache else (0, None)
-    session = engine.session()
-    if blob:
-        try:
-            session = Session.restore(engine, blob)
-        except SnapshotError as e:  # a damaged entry costs a prefill, never the request
-            print(f"prefix cache: ignoring a {n}-token entry: {e}", file=sys.stderr)
-    stats.prompt_tokens, stats.cached_tokens = len(prompt), session.pos
-    t0 = time.perf_counter()
-    logits = session.last_logits
-    while session.pos < len(prompt):
-        end = min(session.pos + chunk - session.pos % chunk, len(prompt))
-        # a piece never cuts an image span (keys inside a span are never stored, so none is ever resumed)
-        for s in images:
-            if s.start < end < s.start + s.length:
-                end = s.start + s.length
-        piece = [s for s in images if session.pos <= s.start < end]
-        logits = session.prefill(prompt[session.pos:end], chunk=chunk, images=piece)
-        if progress:
-            progress(session.pos - stats.cached_tokens, len(prompt) - stats.cached_tokens)
-        if cache and (session.pos % chunk == 0 or session.pos == len(prompt)):
-            cache.put(session.cache_key(), session.snapshot())
-    stats.prefill_s = time.perf_counter() - t0
-    return session, logits
-
-
 def run(args: argparse.Namespace) -> int:
-    engine = Engine.load(args.model, box=args.box, box_token=args.box_token, box_deadline=args.box_deadline,
-                         device=args.device, cuda_graphs=not args.eager)
+    encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
+    engine = Engine.load(args.model, encoder=encoder, device=args.device, cuda_graphs=not args.eager)
     tokenizer, images = None, []
     if args.image and args.prompt is None:
         raise SystemExit("dsflash generate: --image goes with --prompt")
@@ -94,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
     stats = DecodeStats()
     t0 = time.perf_counter()
     progress = Progress(not args.json)
-    session, logits = prepare_session(engine, prompt, cache, args.chunk, stats, progress, images)
+    session = engine.session()
+    synced = session.sync(prompt, images=images, cache=cache, chunk=args.chunk, progress=progress)
+    stats.prompt_tokens, stats.cached_tokens, stats.prefill_s = len(prompt), synced.reused, synced.prefill_s
+    logits = synced.logits
     progress.close()
     out, text = [], ""
     for tok in decode(session, logits, args.n, params, stop={EOS_ID} if not args.ignore_eos else set(),

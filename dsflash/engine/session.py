@@ -10,108 +10,47 @@ prefill of the same rows gives, and prefill runs the decoder only over the rows 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from dsflash.checkpoint.reader import model_identity
+from dsflash.config import ModelArgs
 from dsflash.engine import snapshot
+from dsflash.engine.halves import EncoderHalf, HandOff, LocalHalf
 from dsflash.engine.images import ImageSpan, SpanKey, cache_key, span_keys, token_types
-from dsflash.engine.state import ROLLBACK_ROWS, PositionRing, SequenceState
+from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.model.attention import append_entries
 from dsflash.model.dspark import argmax_sampler
 from dsflash.model.load import load_model
+from dsflash.model.state import ROLLBACK_ROWS, PositionRing, SequenceState
 from dsflash.model.transformer import Transformer
-from dsflash.model.vision import IMAGE, IMAGE_START, TEXT
+from dsflash.model.vision import TEXT
 from dsflash.numerics import NUMERICS_VERSION
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK = 8192
 MAX_STEP_ROWS = 8
+
+
+@dataclass
+class Synced:
+    """What `Session.sync` did."""
+
+    logits: torch.Tensor  # fp32 [V]: the prompt's last row's
+    reused: int  # prompt tokens not prefilled again: kept by the session or resumed from the prefix cache
+    prefill_s: float
 
 
 class ContextLengthError(ValueError):
     def __init__(self, requested: int, limit: int):
         super().__init__(f"this request needs {requested} tokens of context, the model's limit is {limit}")
         self.requested, self.limit = requested, limit
-
-
-@dataclass
-class HandOff:
-    """What the encoder half gives the decoder half for rows [start, start+n)."""
-
-    start: int
-    streams: torch.Tensor  # bf16 [n, hc, D]: layer d-1's output
-    pre_mix: torch.Tensor  # fp32 [n, hc]
-    entries: torch.Tensor  # uint8: layer d's new compressed KV entries, packed (numerics/packing.py)
-    keys: torch.Tensor  # uint8: layer d's new index keys, packed
-    rows: int = 0  # tokens this chunk appended
-
-
-class EncoderSession(Protocol):
-    """One sequence on the encoder half: local (LocalEncoder) or on a box (dsflash.split.link)."""
-
-    pos: int
-
-    def append(self, ids: list[int], keep: int, chunk: int, tail: int, images: Sequence[ImageSpan] = ()
-               ) -> Iterator[HandOff]:
-        """Roll back to `keep` tokens, append `ids` in chunks; per chunk, its new cache entries and the
-        hand-off of those of its rows that are among the last `tail` rows of the append. `images`:
-        spans inside the appended positions."""
-
-    def rollback(self, keep: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class LocalEncoder:
-    def __init__(self, model: Transformer, state: SequenceState | None = None):
-        self.model = model
-        self.state = state or SequenceState(device=model.device)
-
-    @property
-    def pos(self) -> int:
-        return self.state.pos
-
-    def append(self, ids: list[int], keep: int, chunk: int, tail: int, images: Sequence[ImageSpan] = ()
-               ) -> Iterator[HandOff]:
-        self.rollback(keep)
-        tail_from = keep + len(ids) - tail
-        types = token_types(len(ids), list(images), keep)
-        rows = None
-        if images:
-            if self.model.vision is None:
-                raise ValueError("this model has no vision tower: it takes no images")
-            dev = self.model.device
-            rows = torch.cat([self.model.vision.encode(s.image.pixels.to(dev), s.image.n_vit_h, s.image.n_vit_w)[1]
-                              for s in sorted(images, key=lambda s: s.start)])
-        i = 0
-        while i < len(ids):
-            end = min(i + chunk, len(ids))
-            # a chunk ends outside image spans, so an interrupted append never stops inside one
-            while types is not None and end < len(ids) and types[end] != TEXT and types[end] != IMAGE_START:
-                end += 1
-            start = self.pos
-            kwargs = {}
-            if types is not None and bool((types[i:end] != TEXT).any()):
-                # the chunk's IMAGE positions take the next aligner rows, in reading order
-                done = int((types[:i] == IMAGE).sum())
-                here = int((types[i:end] == IMAGE).sum())
-                kwargs = {"token_types": types[i:end], "image_rows": rows[done:done + here]}
-            out = self.model.forward(self.state, torch.tensor(ids[i:end], dtype=torch.int64,
-                                                              device=self.model.device), **kwargs)
-            skip = min(max(tail_from - start, 0), out.streams.size(0))
-            yield HandOff(start + skip, out.streams[skip:], out.pre_mix[skip:], *out.source_entries, end - i)
-            i = end
-
-    def rollback(self, keep: int) -> None:
-        a = self.model.args
-        self.state.truncate(keep, {s: a.compress_ratios[s] for s in self.state.compressed})
-
-    def close(self) -> None:
-        pass
 
 
 def default_device() -> str:
@@ -126,34 +65,29 @@ def engine_identity(model: Transformer) -> str:
 
 @dataclass
 class Engine:
+    """The loaded model: the decoder half here, the encoder half handed in (here or on a box)."""
+
     decoder: Transformer
-    encoder: Transformer | None  # None when the encoder half runs on a box
+    encoder: EncoderHalf
     max_context: int
     identity: str = ""
-    open_encoder: Callable[[], EncoderSession] | None = field(default=None, repr=False)
 
     @classmethod
-    def load(cls, path: str | Path, max_context: int | None = None, box: str | None = None,
-             box_token: str | None = None, box_deadline: float = 60.0, device: str = "cpu",
+    def load(cls, path: str | Path, max_context: int | None = None,
+             encoder: Callable[[Engine], EncoderHalf] | None = None, device: str = "cpu",
              reference: bool = False, cuda_graphs: bool = True) -> Engine:
-        """Both halves from one checkpoint, or with `box` (HOST:PORT) the decoder half here and the
-        encoder half on that box. `device`/`reference` pick the kernel backend (dsflash.kernels);
-        `cuda_graphs` lets short forwards replay captured segments (model/graphs.py)."""
+        """The decoder half from the checkpoint at `path`, and the encoder half from it too, or from
+        `encoder(engine)` when given (e.g. `dsflash.split.link.box_half`, a box over TCP). `device`/
+        `reference` pick the kernel backend (dsflash.kernels); `cuda_graphs` lets short forwards replay
+        captured segments (model/graphs.py)."""
         decoder = load_model(path, half="decoder", device=device, reference=reference, cuda_graphs=cuda_graphs)
-        encoder = None if box else load_model(path, half="encoder", device=device, reference=reference,
-                                              cuda_graphs=cuda_graphs)
-        engine = cls(decoder, encoder, max_context or decoder.args.max_seq_len, engine_identity(decoder))
-        if encoder is not None:
-            engine.open_encoder = lambda: LocalEncoder(encoder)
-        else:
-            from dsflash.split.link import BoxLink, RemoteEncoder
-
-            engine.link = BoxLink(box, engine.identity, box_token, box_deadline)
-            engine.open_encoder = lambda: RemoteEncoder(engine.link, decoder.args)
+        engine = cls(decoder, None, max_context or decoder.args.max_seq_len, engine_identity(decoder))
+        engine.encoder = encoder(engine) if encoder is not None else LocalHalf(
+            load_model(path, half="encoder", device=device, reference=reference, cuda_graphs=cuda_graphs))
         return engine
 
     @property
-    def args(self):
+    def args(self) -> ModelArgs:
         return self.decoder.args
 
     def session(self) -> Session:
@@ -161,10 +95,10 @@ class Engine:
 
 
 class Session:
-    def __init__(self, engine: Engine, encoder: EncoderSession | None = None):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.decoder = engine.decoder
-        self.encoder = encoder or engine.open_encoder()
+        self.encoder = engine.encoder.open()
         self.device = engine.decoder.device
         self.state = SequenceState(device=self.device)  # the decoder half's
         self.tokens: list[int] = []
@@ -275,36 +209,97 @@ class Session:
         """The prefix-cache key of the session's tokens (image spans by content, see engine/images.py)."""
         return cache_key(self.tokens, self.spans)
 
+    def sync(self, prompt: list[int], *, images: Sequence[ImageSpan] = (), cache: PrefixCache | None = None,
+             chunk: int = DEFAULT_CHUNK, snapshot_at: int | None = None,
+             progress: Callable[[int, int], None] | None = None) -> Synced:
+        """Make the session hold `prompt` (ds4's sync): keep the longest prefix of it the session holds (rolled
+        back when that is within reach), or resume the prefix cache's longest entry when that is longer, then
+        prefill the rest in pieces on the `chunk` grid. With a cache, a snapshot is stored at each grid point,
+        at `snapshot_at` (where a chat prompt's generation tail starts: the next turn, whose text differs
+        there, resumes from it) and at the end. `images`: the prompt's image spans (absolute positions); a
+        piece never cuts one. `progress(done, total)` after each piece counts the tokens to prefill."""
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        images = sorted(images, key=lambda s: s.start)
+        key = cache_key(prompt, span_keys(images))
+        kept = self._reusable(key)
+        n, blob = cache.lookup(key) if cache is not None else (0, None)
+        if blob is not None and n > kept:
+            try:
+                self._load(blob)
+                kept = self.pos
+            except snapshot.SnapshotError as e:  # a damaged entry costs a prefill, never the request
+                log.warning("prefix cache: ignoring a %d-token entry: %s", n, e)
+        if kept == 0 and self.pos:
+            self._reset()
+        elif kept < self.pos:
+            self.rollback(kept)
+        reused, logits = self.pos, self.last_logits
+        t0 = time.perf_counter()
+        while self.pos < len(prompt):
+            end = min(self.pos + chunk - self.pos % chunk, len(prompt))
+            if snapshot_at is not None and self.pos < snapshot_at < end:
+                end = snapshot_at
+            for s in images:  # keys inside a span are never stored, so none is ever resumed
+                if s.start < end < s.start + s.length:
+                    end = s.start + s.length
+            piece = [s for s in images if self.pos <= s.start < end]
+            logits = self.prefill(prompt[self.pos:end], chunk=chunk, images=piece)
+            if progress:
+                progress(self.pos - reused, len(prompt) - reused)
+            if cache is not None and (self.pos % chunk == 0 or self.pos in (snapshot_at, len(prompt))):
+                cache.put(self.cache_key(), self.snapshot())
+        return Synced(logits, reused, time.perf_counter() - t0)
+
+    def _reusable(self, key: list[int]) -> int:
+        """How much of the prompt with cache key `key` the session can keep: the common prefix, not inside an
+        image span, within rollback reach (else 0: start again), and short of the whole prompt unless the
+        session's last logits are that prompt's."""
+        have = self.cache_key()
+        common = next((i for i, (x, y) in enumerate(zip(have, key, strict=False)) if x != y), min(len(have), len(key)))
+        if common == len(key) and (common < self.pos or self.last_logits is None):
+            common -= 1  # the last row's logits are needed again
+        for start, length, _ in self.spans:
+            if start < common < start + length:
+                common = start
+        return common if self.pos - common <= ROLLBACK_ROWS else 0
+
+    def _reset(self) -> None:
+        """An empty timeline (a prompt that shares nothing within rollback reach)."""
+        self.encoder.close()
+        self.encoder = self.engine.encoder.open()
+        self.state = SequenceState(device=self.device)
+        self.tokens, self.spans, self.last_logits = [], [], None
+
     def close(self) -> None:
         self.encoder.close()
 
     def snapshot(self) -> bytes:
-        """The decoder half's state, and the encoder half's when it is local (a box keeps its own and is
+        """The decoder half's state, and the encoder half's when it keeps one (a box keeps its own and is
         re-synchronised from the tokens on restore)."""
         extras = {"main_hidden": self._main_hidden.data,
                   "image_spans": torch.tensor(self.spans, dtype=torch.int64).view(-1, 3)}
         if self.last_logits is not None:
             extras["last_logits"] = self.last_logits
         states = {"decoder": self.state}
-        if isinstance(self.encoder, LocalEncoder):
-            states["encoder"] = self.encoder.state
+        encoder = self.encoder.saved_state()
+        if encoder is not None:
+            states["encoder"] = encoder
         return snapshot.encode(states, self.tokens, self.engine.identity, extras)
 
     @classmethod
     def restore(cls, engine: Engine, blob: bytes) -> Session:
-        states, tokens, extras = snapshot.decode(blob, engine.identity, engine.decoder.device)
-        if engine.encoder is not None:
-            if "encoder" not in states:
-                raise snapshot.SnapshotError("snapshot holds no encoder state (made with a box)")
-            s = cls(engine, LocalEncoder(engine.encoder, states["encoder"]))
-        else:
-            if extras.get("image_spans") is not None and extras["image_spans"].numel():
-                # the box would need the images' pixels to rebuild its side; a snapshot holds only their digests
-                raise snapshot.SnapshotError("a session with images cannot be resumed through a box")
-            s = cls(engine)
-            s.encoder.restore(tokens)
-        s.state, s.tokens = states["decoder"], tokens
-        s._main_hidden.data.copy_(extras["main_hidden"])
-        s.spans = [tuple(row) for row in extras.get("image_spans", torch.zeros(0, 3, dtype=torch.int64)).tolist()]
-        s.last_logits = extras.get("last_logits")
+        s = cls(engine)
+        s._load(blob)
         return s
+
+    def _load(self, blob: bytes) -> None:
+        """Take a snapshot's timeline in place of this one (nothing changes when it is refused)."""
+        states, tokens, extras = snapshot.decode(blob, self.engine.identity, self.device)
+        spans = extras.get("image_spans", torch.zeros(0, 3, dtype=torch.int64))
+        encoder = self.engine.encoder.resume(tokens, states.get("encoder"), bool(spans.numel()))
+        self.encoder.close()
+        self.encoder, self.state, self.tokens = encoder, states["decoder"], tokens
+        self._main_hidden.data.copy_(extras["main_hidden"])
+        self.spans = [tuple(row) for row in spans.tolist()]
+        self.last_logits = extras.get("last_logits")

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from dsflash.engine.state import GrowingRows, PositionRing, SequenceState
+from dsflash.model.state import GrowingRows, PositionRing, SequenceState
 from dsflash.numerics import NUMERICS_VERSION, packing
 
 MAGIC = b"DSFLSNAP"

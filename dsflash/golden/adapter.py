@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsflash.engine.state import SequenceState
 from dsflash.model.common import Selections
 from dsflash.model.load import load_model
+from dsflash.model.state import SequenceState
 
 
 def selections_from_arrays(sel: dict) -> Selections:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from dsflash.config import ModelArgs
-from dsflash.engine.state import GrowingRows, PositionRing
 from dsflash.model.common import Chunk
 from dsflash.model.rope import Rope
+from dsflash.model.state import GrowingRows, PositionRing
 from dsflash.model.weights import WeightLoader
 from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsflash.engine.state import SequenceState
+from dsflash.model.state import SequenceState
 
 
 def fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
-from dsflash.engine.state import PositionRing
 from dsflash.kernels.cpu import pad_rows
 from dsflash.model.attention import Attention
 from dsflash.model.common import Chunk
 from dsflash.model.graphs import SegmentGraphs, serialised
 from dsflash.model.mhc import Block
 from dsflash.model.rope import Rope
+from dsflash.model.state import PositionRing
 from dsflash.model.weights import WeightLoader
 
 

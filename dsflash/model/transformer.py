@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ModelArgs
-from dsflash.engine.state import SequenceState
 from dsflash.kernels import load_kernels
 from dsflash.model.attention import Attention, SourceWriter, source_rows
 from dsflash.model.common import Chunk, Selections, fit_rows
@@ -25,6 +24,7 @@ from dsflash.model.engram import Engram, EngramLayout
 from dsflash.model.graphs import SegmentGraphs, serialised
 from dsflash.model.mhc import Block
 from dsflash.model.rope import Rope
+from dsflash.model.state import SequenceState
 from dsflash.model.vision import Vision
 from dsflash.model.weights import WeightLoader
 

@@ -26,8 +26,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsflash.engine.generate_cmd import prepare_session
-from dsflash.engine.images import cache_key, span_keys
 from dsflash.engine.json_mode import JsonObject, Node, SchemaError, compile_schema, schema_start
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import Constraint, Forcing, SamplingParams, logprobs
@@ -232,27 +230,19 @@ class Worker:
                 self.metrics.running -= 1
 
     def _prepare(self, job: Job, stats: DecodeStats):
-        prompt, cache = job.prompt, self.cache
-        t0 = time.perf_counter()
+        prompt, t0 = job.prompt, time.perf_counter()
 
         def progress(done: int, total: int) -> None:
             job.progress = {"total": len(prompt), "cache": stats.cached_tokens, "processed": stats.cached_tokens + done,
                             "time_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
-        whole = cache is not None and cache.lookup(cache_key(prompt, span_keys(job.images)))[0] == len(prompt)
-        if cache is None or not 0 < job.split < len(prompt) or whole:
-            return prepare_session(self.engine, prompt, cache, self.chunk, stats, progress, job.images)
-        # Snapshot also at the split, so the next turn of the conversation (whose text differs from this
-        # prompt's generation-prompt tail, e.g. `<think>` vs `</think>`) resumes from there.
-        session, logits = prepare_session(self.engine, prompt[:job.split], cache, self.chunk, stats, progress,
-                                          job.images)
-        t0 = time.perf_counter()
-        logits = session.prefill(prompt[job.split:], chunk=self.chunk)
-        progress(len(prompt) - stats.cached_tokens, len(prompt) - stats.cached_tokens)
-        cache.put(session.cache_key(), session.snapshot())
-        stats.prefill_s += time.perf_counter() - t0
-        stats.prompt_tokens = len(prompt)
-        return session, logits
+        session = self.engine.session()
+        # also snapshot at the split, so the next turn of the conversation (whose text differs from this
+        # prompt's generation-prompt tail, e.g. `<think>` vs `</think>`) resumes from there
+        synced = session.sync(prompt, images=job.images, cache=self.cache, chunk=self.chunk,
+                              snapshot_at=job.split if 0 < job.split < len(prompt) else None, progress=progress)
+        stats.prompt_tokens, stats.cached_tokens, stats.prefill_s = len(prompt), synced.reused, synced.prefill_s
+        return session, synced.logits
 
     def _generate(self, job: Job, emit: Callable[[Any], None]) -> None:
         stats = DecodeStats()
@@ -623,8 +613,8 @@ class Server:
                  chunk: int = DEFAULT_CHUNK):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.metrics = Metrics()
-        if getattr(engine, "link", None) is not None:
-            self.metrics.box_reconnects = lambda: engine.link.reconnects
+        if engine.encoder.reconnects is not None:  # a box
+            self.metrics.box_reconnects = lambda: engine.encoder.reconnects
         self.worker = Worker(engine, tokenizer, cache, dspark, self.metrics, chunk)
         self.created = _now()
 

@@ -39,15 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-PAD = "<｜▁pad▁｜>"
-SYSTEM = "<｜System｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
+from dsflash.tokens import ASSISTANT, BOS, DSML, EOS, SYSTEM, THINK_END, THINK_START, USER
 
 DSML_CALLS_OPEN = f"<{DSML} calls>"
 DSML_CALLS_CLOSE = f"</{DSML} calls>"

@@ -13,6 +13,7 @@ def run(args: argparse.Namespace) -> int:
     from dsflash.engine.prefix_cache import PrefixCache
     from dsflash.engine.session import Engine, default_device
     from dsflash.server.app import create_app
+    from dsflash.split.link import box_half
     from dsflash.tokenizer import load_tokenizer
 
     model = args.model
@@ -21,8 +22,8 @@ def run(args: argparse.Namespace) -> int:
 
         model = builtin_checkpoint()
         print(f"dsflash serve: no --model given, using the built-in tiny checkpoint at {model}", file=sys.stderr)
-    engine = Engine.load(model, max_context=args.max_context, box=args.box, box_token=args.box_token,
-                         box_deadline=args.box_deadline, device=args.device or default_device(),
+    encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
+    engine = Engine.load(model, max_context=args.max_context, encoder=encoder, device=args.device or default_device(),
                          cuda_graphs=not args.eager)
     tokenizer = load_tokenizer(model)
     cache = PrefixCache(engine.identity, disk_dir=args.cache_dir) if args.cache_dir else None

@@ -26,11 +26,12 @@ from pathlib import Path
 import torch
 
 from dsflash.engine import snapshot
+from dsflash.engine.halves import LocalEncoder
 from dsflash.engine.images import SpanKey, cache_key, span_keys
 from dsflash.engine.prefix_cache import PrefixCache
-from dsflash.engine.session import MAX_STEP_ROWS, LocalEncoder, default_device, engine_identity
-from dsflash.engine.state import ROLLBACK_ROWS
+from dsflash.engine.session import MAX_STEP_ROWS, default_device, engine_identity
 from dsflash.model.load import load_model
+from dsflash.model.state import ROLLBACK_ROWS
 from dsflash.numerics import NUMERICS_VERSION
 from dsflash.split.protocol import (
     MAX_FRAME,

@@ -15,12 +15,15 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from dsflash.config import ModelArgs
-from dsflash.engine.session import HandOff
+from dsflash.engine.halves import HandOff
+from dsflash.engine.session import Engine
+from dsflash.engine.snapshot import SnapshotError
+from dsflash.model.state import SequenceState
 from dsflash.numerics import NUMERICS_VERSION
 from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
 from dsflash.split.protocol import (
@@ -248,9 +251,40 @@ class RemoteEncoder:
         """Adopt a committed history (a resumed snapshot); the box is synced on the next append."""
         self.tokens, self._epoch = list(tokens), 0
 
+    def saved_state(self) -> None:
+        return None  # the box keeps its own state: a resumed session re-syncs it from the tokens
+
     def close(self) -> None:
         try:
             if self._epoch == self.link.epoch:
                 self.link.request(Frame(FrameType.CLOSE, 0, {"session": self.sid}))
         except _Lost:
             pass
+
+
+class BoxHalf:
+    """The encoder half on a box: its sessions share one BoxLink."""
+
+    def __init__(self, link: BoxLink, args: ModelArgs):
+        self.link, self.args = link, args
+
+    @property
+    def reconnects(self) -> int:
+        return self.link.reconnects
+
+    def open(self) -> RemoteEncoder:
+        return RemoteEncoder(self.link, self.args)
+
+    def resume(self, tokens: list[int], state: SequenceState | None, has_images: bool) -> RemoteEncoder:
+        if has_images:
+            # the box would need the images' pixels to rebuild its side; a snapshot holds only their digests
+            raise SnapshotError("a session with images cannot be resumed through a box")
+        encoder = self.open()
+        encoder.restore(tokens)
+        return encoder
+
+
+def box_half(addr: str, token: str | None = None, deadline: float = 60.0) -> Callable[[Engine], BoxHalf]:
+    """For `Engine.load(..., encoder=box_half(...))`: the box at HOST:PORT, checked against the engine's
+    identity."""
+    return lambda engine: BoxHalf(BoxLink(addr, engine.identity, token, deadline), engine.args)

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
-from dsflash.engine.state import SequenceState
 from dsflash.golden.adapter import selections_from_arrays
 from dsflash.golden.case import load_case, replay_selections
 from dsflash.model.load import load_model
+from dsflash.model.state import SequenceState
 
 
 def read_prompts(path: Path) -> tuple[list[list[int]], bool]:
