@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from dsflash.engine.graphs import SegmentGraphs
+from dsflash.engine.runner import Runner
 from dsflash.kernels import cpu
-from dsflash.model.graphs import SegmentGraphs
 from dsflash.model.load import load_model
 from dsflash.model.state import SequenceState
 from tests.conftest import GOLDEN_CASES, interleaved_steps
@@ -68,8 +69,7 @@ def test_graph_shaped_forwards_are_bit_identical_on_cpu(model_and_ids):
     the graphed arithmetic, checked where CI runs (tests/test_cuda_model.py replays real graphs)."""
     case = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
     eager, _ = model_and_ids
-    shaped = load_model(case)
-    shaped.graphs = SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False)  # the CPU pads rows to its tile
+    shaped = Runner(load_model(case), graphs=SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False))  # rows pad to a tile
     assert torch.equal(interleaved_steps(eager, "cpu"), interleaved_steps(shaped, "cpu"))
 
 
@@ -81,11 +81,9 @@ def test_graph_shaped_drafts_are_bit_identical_on_cpu(model_and_ids):
     assert ids.numel() > window + 2
     results = []
     for graphs in (None, SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False)):
-        model.dspark.graphs = graphs
         state = SequenceState()
         out = model.forward(state, ids[: window + 2])
         model.dspark.write_context(state, out.main_hidden, torch.arange(window + 2))
-        results.append([model.dspark.draft(state, anchor) for anchor in (5, 17)])
-    model.dspark.graphs = None
+        results.append([model.dspark.draft(state, anchor, graphs=graphs) for anchor in (5, 17)])
     for (tokens, logits, confidence), (tokens2, logits2, confidence2) in zip(*results, strict=True):
         assert tokens == tokens2 and torch.equal(logits, logits2) and torch.equal(confidence, confidence2)

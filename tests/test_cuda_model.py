@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from dsflash.cli import main
+from dsflash.engine.runner import Runner
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.load import load_model
 from dsflash.model.state import SequenceState
+from dsflash.model.transformer import Debug
 from dsflash.split.link import box_half
 from tests.conftest import GOLDEN_CASES, interleaved_steps, partly_right_drafter
 
@@ -32,12 +34,12 @@ def test_chunking_steps_and_dspark_are_bit_identical_on_cuda():
     model = load_model(CASE, device="cuda")
     ids = torch.randint(3, 500, (90,), generator=torch.Generator().manual_seed(0)).cuda()
     trace_whole: dict = {}
-    whole = model.forward(SequenceState(device="cuda"), ids, trace=trace_whole).logits
+    whole = model.forward(SequenceState(device="cuda"), ids, debug=Debug(trace=trace_whole)).logits
     for size in (1, 7, 64):
         state, parts, layers = SequenceState(device="cuda"), [], []
         for i in range(0, ids.numel(), size):
             trace: dict = {}
-            parts.append(model.forward(state, ids[i:i + size], trace=trace).logits)
+            parts.append(model.forward(state, ids[i:i + size], debug=Debug(trace=trace)).logits)
             layers.append(trace["layer_out"])
         # name the first layer whose output moved, to say where invariance broke
         moved = [layer for layer, (h, _) in trace_whole["layer_out"].items()
@@ -96,8 +98,8 @@ def test_cuda_graph_replays_equal_eager_forwards():
     replays, row counts that come and go, two sessions taking turns (each reads and writes its own state
     through its own graphs), the sources' buffers growing (a new graph) and RoPE table rebuilds (which retire
     the graphs)."""
-    eager = load_model(CASE, device="cuda", cuda_graphs=False)
-    graphed = load_model(CASE, device="cuda")
+    eager = load_model(CASE, device="cuda")
+    graphed = Runner(load_model(CASE, device="cuda"))
     outs = [interleaved_steps(model, "cuda") for model in (eager, graphed)]
     runs = [key for key in graphed.graphs._graphs if key[0][0] == "layers"]
     # a whole forward is one graph, per row count, p0 % ratio and session (its state's buffers by address)
@@ -108,8 +110,8 @@ def test_cuda_graph_replays_equal_eager_forwards():
 def test_cuda_graphs_dropped_least_recently_replayed_keep_the_bits():
     """With room for 3 graphs, two interleaved sessions keep dropping and recapturing graphs (the least
     recently replayed first): still the eager forward's bits, and never more than 3 kept."""
-    eager = load_model(CASE, device="cuda", cuda_graphs=False)
-    graphed = load_model(CASE, device="cuda")
+    eager = load_model(CASE, device="cuda")
+    graphed = Runner(load_model(CASE, device="cuda"))
     graphed.graphs.max_kept = 3
     assert torch.equal(interleaved_steps(eager, "cuda"), interleaved_steps(graphed, "cuda"))
     assert len(graphed.graphs._graphs) <= 3

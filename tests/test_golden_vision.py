@@ -23,6 +23,7 @@ from dsflash.golden.case import GoldenCase, load_case, replay_selections
 from dsflash.golden.check import check_case
 from dsflash.golden.rules import FAIL, FAITHFUL, PASS, CaseVerdict, case_images, judge_image_case
 from dsflash.model.state import SequenceState
+from dsflash.model.transformer import Debug, Tokens
 from dsflash.model.vision import IMAGE, image_token_types, preprocess_image, span_length
 from tests.conftest import GOLDEN
 from tests.golden_reference import assert_same_as_reference
@@ -260,8 +261,8 @@ def _forward(model, ids, types, rows, select=None, chunks=None, trace=None):
     for size in chunks or [len(ids)]:
         t = types[pos : pos + size]
         n_img = int((t == IMAGE).sum())
-        out.append(model.forward(state, ids[pos : pos + size], token_types=t, image_rows=rows[k : k + n_img],
-                                 select=select, trace=trace).logits)
+        out.append(model.forward(state, Tokens(ids[pos : pos + size], t, rows[k : k + n_img]),
+                                 debug=Debug(select, trace)).logits)
         pos, k = pos + size, k + n_img
     return torch.cat(out)
 
@@ -284,12 +285,12 @@ def test_image_rows_route_with_bias_vl_and_are_dead_for_engram(case, engine, eng
     ids, types = torch.from_numpy(g["full.input_ids"]), torch.from_numpy(g["full.token_types"])
     rows = torch.from_numpy(engine_outputs["image_rows"]).bfloat16()
     trace: dict = {}
-    model.forward(SequenceState(), ids, token_types=types, image_rows=rows, trace=trace)
+    model.forward(SequenceState(), Tokens(ids, types, rows), debug=Debug(trace=trace))
     # the same input rows as text rows (no image mask): other routing on image rows, live Engram there
     text_trace: dict = {}
     embeds = trace["input_embeds"]
     state = SequenceState()
-    model.forward(state, ids, token_types=torch.full_like(types, -1), trace=text_trace)
+    model.forward(state, Tokens(ids, torch.full_like(types, -1)), debug=Debug(trace=text_trace))
     img = types >= 0
     moe, text_moe = trace["moe_ids"], text_trace["moe_ids"]
     assert not torch.equal(moe[0][img].sort(-1).values, text_moe[0][img].sort(-1).values)
@@ -299,7 +300,7 @@ def test_image_rows_route_with_bias_vl_and_are_dead_for_engram(case, engine, eng
     # the first text positions after it hash like the same tokens at positions 0, 1, ...
     end = int(np.nonzero(g["full.token_types"] >= 0)[0][-1]) + 1
     fresh: dict = {}
-    model.forward(SequenceState(), ids[end : end + 4], trace=fresh)
+    model.forward(SequenceState(), ids[end : end + 4], debug=Debug(trace=fresh))
     assert torch.equal(trace["engram_hash_ids"][end : end + 4], fresh["engram_hash_ids"])
     assert embeds.dtype == torch.bfloat16 and embeds.shape == (len(ids), case.args.dim)
 
@@ -310,13 +311,13 @@ def test_image_input_errors(case, engine, engine_outputs):
     ids, types = torch.from_numpy(g["full.input_ids"]), torch.from_numpy(g["full.token_types"])
     rows = torch.from_numpy(engine_outputs["image_rows"]).bfloat16()
     with pytest.raises(ValueError, match="IMAGE positions"):
-        model.forward(SequenceState(), ids, token_types=types, image_rows=rows[:-1])
+        model.forward(SequenceState(), Tokens(ids, types, rows[:-1]))
     with pytest.raises(ValueError, match="IMAGE positions"):
-        model.forward(SequenceState(), ids[:20], token_types=types[:20], image_rows=rows)
+        model.forward(SequenceState(), Tokens(ids[:20], types[:20], rows))
     with pytest.raises(ValueError, match="need token_types"):
-        model.forward(SequenceState(), ids, image_rows=rows)
+        model.forward(SequenceState(), Tokens(ids, image_rows=rows))
     with pytest.raises(ValueError, match="entries"):
-        model.forward(SequenceState(), ids, token_types=types[:-1], image_rows=rows)
+        model.forward(SequenceState(), Tokens(ids, types[:-1], rows))
     assert image_token_types(2, 2).tolist() == [0, 1, 1, 2, 1, 1, 2, 3]
 
 
@@ -331,15 +332,15 @@ def test_text_path_unchanged():
     g = load_case(text_case).golden
     ids = torch.from_numpy(g["full.input_ids"])
     select = selections_from_arrays(replay_selections(load_case(text_case), "full."))
-    plain = model.forward(SequenceState(), ids, select=select)
-    typed = model.forward(SequenceState(), ids, select=select, token_types=torch.full_like(ids, -1))
+    plain = model.forward(SequenceState(), ids, debug=Debug(select))
+    typed = model.forward(SequenceState(), Tokens(ids, torch.full_like(ids, -1)), debug=Debug(select))
     assert torch.equal(plain.logits, typed.logits) and torch.equal(plain.handoff_streams, typed.handoff_streams)
     assert np.abs(plain.logits.numpy() - g["full.logits"]).max() <= 1e-5  # the golden text case stays FAITHFUL
     assert np.array_equal(plain.handoff_streams.float().numpy(), g["full.handoff_streams"])
     with pytest.raises(ValueError, match="no vision tower"):
         types = torch.full_like(ids, -1)
         types[3:11] = torch.tensor([0, 1, 1, 2, 1, 1, 2, 3])
-        model.forward(SequenceState(), ids, token_types=types, image_rows=torch.zeros(4, 256, dtype=torch.bfloat16))
+        model.forward(SequenceState(), Tokens(ids, types, torch.zeros(4, 256, dtype=torch.bfloat16)))
     assert load_model(PUBLIC, half="decoder").vision is None and load_model(PUBLIC, half="encoder").vision is not None
 
 

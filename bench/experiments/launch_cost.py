@@ -59,7 +59,7 @@ def main() -> None:
     for _ in range(15):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        enc.model.forward(enc.state, ids)
+        enc.runner.forward(enc.state, ids)
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         host.append((t1 - t0) * 1e3)
@@ -82,13 +82,13 @@ def host_profile() -> None:
     keep, enc = s.pos, s.encoder
     ids = torch.tensor(prompt(1, args.vocab_size, seed=1), device="cuda")
     for _ in range(5):
-        enc.model.forward(enc.state, ids)
+        enc.runner.forward(enc.state, ids)
         enc.rollback(keep)
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     for _ in range(5):
         prof.enable()
-        enc.model.forward(enc.state, ids)
+        enc.runner.forward(enc.state, ids)
         prof.disable()
         torch.cuda.synchronize()
         enc.rollback(keep)

@@ -29,6 +29,7 @@ import torch
 
 from dsflash.config import ModelArgs, preset
 from dsflash.engine.halves import LocalEncoder, LocalHalf
+from dsflash.engine.runner import Runner
 from dsflash.engine.session import Engine, Session, engine_identity
 from dsflash.model.state import SequenceState
 from dsflash.model.transformer import Transformer
@@ -68,10 +69,10 @@ def build_engine(args: ModelArgs, device: str, reference: bool = False, cuda_gra
     ckpt = SyntheticCheckpoint(args, device)
     token_map = [i % args.engram_compressed_vocab_size for i in range(args.vocab_size)]
     d = args.first_decoder_layer
-    enc = Transformer(args, ckpt, token_map, range(0, d), device=device, reference=reference, cuda_graphs=cuda_graphs)
-    dec = Transformer(args, ckpt, None, range(d, args.n_layers), device=device, reference=reference,
-                      cuda_graphs=cuda_graphs)
-    return Engine(dec, LocalHalf(enc), 1 << 21, engine_identity(dec))
+    enc = Runner(Transformer(args, ckpt, token_map, range(0, d), device=device, reference=reference), cuda_graphs)
+    dec = Runner(Transformer(args, ckpt, None, range(d, args.n_layers), device=device, reference=reference),
+                 cuda_graphs)
+    return Engine(dec, LocalHalf(enc), 1 << 21, engine_identity(dec.model))
 
 
 def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -103,7 +104,7 @@ def bench_steps(engine: Engine, contexts: list[int], rows: list[int], reps: int,
         keep = s.pos
         fns = {n: _box_step(s.encoder, keep, prompt(n, a.vocab_size, seed=n)) for n in rows}
         fns["step"] = _step(s, keep)
-        if engine.decoder.dspark is not None:
+        if engine.decoder.model.dspark is not None:
             fns["draft"] = lambda s=s: s.draft(7)
         ms = timed_rounds(fns, dev, reps, warmup_s)
         out["box_step_ms"][ctx] = {n: ms[n] for n in rows}
@@ -120,8 +121,8 @@ def bench_prefill(engine: Engine, lengths: list[int], compare_full: bool) -> dic
     a, dev = engine.args, engine.decoder.device
     full = None
     if compare_full:
-        full = Transformer(a, engine.decoder.ckpt, [i % a.engram_compressed_vocab_size for i in range(a.vocab_size)],
-                           device=dev)
+        token_map = [i % a.engram_compressed_vocab_size for i in range(a.vocab_size)]
+        full = Transformer(a, engine.decoder.model.ckpt, token_map, device=dev)
     res: dict = {"tok_s": {}, "full_tok_s": {}, "decoder_rows": {}, "cache_bytes_per_token": {},
                  "snapshot_bytes_per_token": {}}
     # warm-up: a first prefill compiles the kernels of every shape class, which must not count
@@ -155,8 +156,8 @@ def _slice_times(args: ModelArgs, device: str, layers: int, reference: bool, rep
 
     dev = torch.device(device)
     token_map = [i % args.engram_compressed_vocab_size for i in range(args.vocab_size)]
-    model = Transformer(args, SyntheticCheckpoint(args, device), token_map, range(0, layers), device=device,
-                        reference=reference)
+    model = Runner(Transformer(args, SyntheticCheckpoint(args, device), token_map, range(0, layers), device=device,
+                               reference=reference))
     ids = torch.tensor(prompt(1024, args.vocab_size), device=dev)
     state = SequenceState(device=dev)
     model.forward(state, ids[:512])

@@ -15,9 +15,10 @@ from typing import Protocol
 import torch
 
 from dsflash.engine.images import ImageSpan, token_types
+from dsflash.engine.runner import Runner
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.model.state import SequenceState
-from dsflash.model.transformer import Transformer
+from dsflash.model.transformer import Tokens
 from dsflash.model.vision import IMAGE, IMAGE_START, TEXT
 
 
@@ -64,11 +65,11 @@ class EncoderHalf(Protocol):
 
 
 class LocalEncoder:
-    """An EncoderSession over a Transformer of the encoder layers, in this process."""
+    """An EncoderSession over the encoder layers, in this process."""
 
-    def __init__(self, model: Transformer, state: SequenceState | None = None):
-        self.model = model
-        self.state = state or SequenceState(device=model.device)
+    def __init__(self, runner: Runner, state: SequenceState | None = None):
+        self.runner = runner
+        self.state = state or SequenceState(device=runner.device)
 
     @property
     def pos(self) -> int:
@@ -81,10 +82,10 @@ class LocalEncoder:
         types = token_types(len(ids), list(images), keep)
         rows = None
         if images:
-            if self.model.vision is None:
+            vision, dev = self.runner.model.vision, self.runner.device
+            if vision is None:
                 raise ValueError("this model has no vision tower: it takes no images")
-            dev = self.model.device
-            rows = torch.cat([self.model.vision.encode(s.image.pixels.to(dev), s.image.n_vit_h, s.image.n_vit_w)[1]
+            rows = torch.cat([vision.encode(s.image.pixels.to(dev), s.image.n_vit_h, s.image.n_vit_w)[1]
                               for s in sorted(images, key=lambda s: s.start)])
         i = 0
         while i < len(ids):
@@ -99,14 +100,14 @@ class LocalEncoder:
                 done = int((types[:i] == IMAGE).sum())
                 here = int((types[i:end] == IMAGE).sum())
                 kwargs = {"token_types": types[i:end], "image_rows": rows[done:done + here]}
-            out = self.model.forward(self.state, torch.tensor(ids[i:end], dtype=torch.int64,
-                                                              device=self.model.device), **kwargs)
+            piece = torch.tensor(ids[i:end], dtype=torch.int64, device=self.runner.device)
+            out = self.runner.forward(self.state, Tokens(piece, **kwargs))
             skip = min(max(tail_from - start, 0), out.streams.size(0))
             yield HandOff(start + skip, out.streams[skip:], out.pre_mix[skip:], *out.source_entries, end - i)
             i = end
 
     def rollback(self, keep: int) -> None:
-        self.state.truncate(keep, self.model.args.compress_ratios)
+        self.state.truncate(keep, self.runner.args.compress_ratios)
 
     def saved_state(self) -> SequenceState:
         return self.state
@@ -120,13 +121,13 @@ class LocalHalf:
 
     reconnects = None
 
-    def __init__(self, model: Transformer):
-        self.model = model
+    def __init__(self, runner: Runner):
+        self.runner = runner
 
     def open(self) -> LocalEncoder:
-        return LocalEncoder(self.model)
+        return LocalEncoder(self.runner)
 
     def resume(self, tokens: list[int], state: SequenceState | None, has_images: bool) -> LocalEncoder:
         if state is None:
             raise SnapshotError("snapshot holds no encoder state (made with a box)")
-        return LocalEncoder(self.model, state)
+        return LocalEncoder(self.runner, state)

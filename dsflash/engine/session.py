@@ -24,11 +24,12 @@ from dsflash.engine import snapshot
 from dsflash.engine.halves import EncoderHalf, HandOff, LocalHalf
 from dsflash.engine.images import ImageSpan, SpanKey, cache_key, span_keys, token_types
 from dsflash.engine.prefix_cache import PrefixCache
+from dsflash.engine.runner import Runner
 from dsflash.model.attention import append_entries
 from dsflash.model.dspark import argmax_sampler
 from dsflash.model.load import load_model
 from dsflash.model.state import ROLLBACK_ROWS, PositionRing, SequenceState
-from dsflash.model.transformer import Transformer
+from dsflash.model.transformer import Streams, Transformer
 from dsflash.model.vision import TEXT
 from dsflash.numerics import NUMERICS_VERSION
 
@@ -67,7 +68,7 @@ def engine_identity(model: Transformer) -> str:
 class Engine:
     """The loaded model: the decoder half here, the encoder half handed in (here or on a box)."""
 
-    decoder: Transformer
+    decoder: Runner
     encoder: EncoderHalf
     max_context: int
     identity: str = ""
@@ -79,11 +80,13 @@ class Engine:
         """The decoder half from the checkpoint at `path`, and the encoder half from it too, or from
         `encoder(engine)` when given (e.g. `dsflash.split.link.box_half`, a box over TCP). `device`/
         `reference` pick the kernel backend (dsflash.kernels); `cuda_graphs` lets short forwards replay
-        captured segments (model/graphs.py)."""
-        decoder = load_model(path, half="decoder", device=device, reference=reference, cuda_graphs=cuda_graphs)
-        engine = cls(decoder, None, max_context or decoder.args.max_seq_len, engine_identity(decoder))
-        engine.encoder = encoder(engine) if encoder is not None else LocalHalf(
-            load_model(path, half="encoder", device=device, reference=reference, cuda_graphs=cuda_graphs))
+        captured segments (engine/graphs.py)."""
+        def half(name: str) -> Runner:
+            return Runner(load_model(path, half=name, device=device, reference=reference), cuda_graphs)
+
+        decoder = half("decoder")
+        engine = cls(decoder, None, max_context or decoder.args.max_seq_len, engine_identity(decoder.model))
+        engine.encoder = encoder(engine) if encoder is not None else LocalHalf(half("encoder"))
         return engine
 
     @property
@@ -136,8 +139,7 @@ class Session:
     def _decode_rows(self, hand: HandOff, tail_only: bool, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         self.state.pos = hand.start
         streams, pre_mix = hand.streams.to(self.device), hand.pre_mix.to(self.device)
-        out = self.decoder.forward(self.state, streams=streams, pre_mix=pre_mix, tail_only=tail_only,
-                                   image_mask=image_mask)
+        out = self.decoder.forward(self.state, Streams(streams, pre_mix, image_mask), tail_only=tail_only)
         if out.main_hidden is not None:
             self._main_hidden.write(torch.arange(out.first_row, self.pos, device=self.device), out.main_hidden)
         return out.logits
@@ -197,13 +199,12 @@ class Session:
 
     def draft(self, anchor: int, sampler: Callable[[torch.Tensor], int] = argmax_sampler) -> list[int]:
         """DSpark proposals for the positions after `anchor`, which is the token at position `pos`."""
-        dspark = self.decoder.dspark
         win = self.engine.args.window_size
         first = max(self.state.dspark_pos, self.pos - win)
         if first < self.pos:
             positions = torch.arange(first, self.pos, device=self.device)
-            dspark.write_context(self.state, self._main_hidden.read(positions), positions)
-        return dspark.draft(self.state, anchor, sampler)[0][1:]
+            self.decoder.write_context(self.state, self._main_hidden.read(positions), positions)
+        return self.decoder.draft(self.state, anchor, sampler)[0][1:]
 
     def cache_key(self) -> list[int]:
         """The prefix-cache key of the session's tokens (image spans by content, see engine/images.py)."""

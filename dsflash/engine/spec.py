@@ -98,7 +98,7 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
     a `constraint` restricts them (a forced tool call, JSON mode)."""
     stats = stats or DecodeStats()
     depth = None
-    if dspark and session.decoder.dspark:
+    if dspark and session.decoder.model.dspark:
         depth = DraftDepth(min(dspark, session.engine.args.dspark_block_size))
     t0 = time.perf_counter()
     history = History(session.tokens, first_logits.numel()) if params.adjusted else None

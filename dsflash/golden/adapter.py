@@ -13,6 +13,7 @@ import torch
 from dsflash.model.common import Selections
 from dsflash.model.load import load_model
 from dsflash.model.state import SequenceState
+from dsflash.model.transformer import Debug, Tokens
 
 
 def selections_from_arrays(sel: dict) -> Selections:
@@ -30,7 +31,7 @@ class GoldenEngine:
     def prefill(self, ids: np.ndarray, selections: dict | None) -> dict[str, np.ndarray]:
         select = selections_from_arrays(selections) if selections is not None else None
         ids = torch.from_numpy(np.asarray(ids)).long().to(self.device)
-        out = self.model.forward(SequenceState(device=self.device), ids, select=select)
+        out = self.model.forward(SequenceState(device=self.device), ids, debug=Debug(select))
         return {
             "logits": out.logits.cpu().numpy(),
             "handoff_streams": out.handoff_streams.float().cpu().numpy(),
@@ -54,10 +55,10 @@ class GoldenEngine:
         select = selections_from_arrays(selections) if selections is not None else None
         dev = self.device
         trace: dict = {}
-        out = self.model.forward(
-            SequenceState(device=dev), torch.from_numpy(np.asarray(ids)).long().to(dev), select=select, trace=trace,
-            token_types=torch.from_numpy(np.asarray(token_types)).long().to(dev),
-            image_rows=torch.from_numpy(np.asarray(image_rows, np.float32)).to(device=dev, dtype=torch.bfloat16))
+        x = Tokens(torch.from_numpy(np.asarray(ids)).long().to(dev),
+                   torch.from_numpy(np.asarray(token_types)).long().to(dev),
+                   torch.from_numpy(np.asarray(image_rows, np.float32)).to(device=dev, dtype=torch.bfloat16))
+        out = self.model.forward(SequenceState(device=dev), x, debug=Debug(select, trace))
         moe = trace["moe_ids"]
         result = {
             "logits": out.logits.cpu().numpy(),

@@ -15,6 +15,7 @@ from dsflash.golden.adapter import selections_from_arrays
 from dsflash.golden.case import load_case, replay_selections
 from dsflash.model.load import load_model
 from dsflash.model.state import SequenceState
+from dsflash.model.transformer import Debug
 
 
 def read_prompts(path: Path) -> tuple[list[list[int]], bool]:
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         state, ids, parts = SequenceState(), torch.tensor(s), []
         step = args.chunk or len(s)
         for i in range(0, len(s), step):
-            parts.append(model.forward(state, ids[i:i + step], select=select))
+            parts.append(model.forward(state, ids[i:i + step], debug=Debug(select)))
         outs.append({
             "logits": torch.cat([p.logits for p in parts]).numpy(),
             "handoff_streams": torch.cat([p.handoff_streams for p in parts]).float().numpy(),

@@ -207,6 +207,18 @@ class Attention:
             self.source_writer = SourceWriter(args, layer, w, prefix, self.rope)
         self.indexer = Indexer(args, layer, w, prefix + "indexer.") if self.is_index_source else None
 
+    def __call__(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """The attention sub-layer over the chunk's rows: normalised input x [rows, D] -> output [rows, D]."""
+        qr, q, kv = self.projections(x, chunk.positions)
+        return self.output(self.core(x, qr, q, kv, chunk), chunk.positions)
+
+    def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk
+             ) -> torch.Tensor:
+        """An index layer's selection, then the sparse attention of the queries q [rows, H, head_dim]."""
+        if self.indexer is not None:
+            self.select(x, qr, chunk)
+        return self.attend(q, kv, chunk)
+
     def projections(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qr, q, window kv) of the rows: q RoPE'd, kv RoPE'd and FP8-valued over all of its channels."""
         a = self.args

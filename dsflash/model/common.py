@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -14,6 +16,19 @@ def fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.size(0) >= rows:
         return t[:rows]
     return torch.cat([t, t[-1:].expand(rows - t.size(0), *t.shape[1:])])
+
+
+class Replayer(Protocol):
+    """What a forward needs of the engine's CUDA-graph store (engine/graphs.py): the model says what a
+    segment of it reads and computes, the store captures and replays it."""
+
+    def begin(self, rows: int, epoch: Hashable, eligible: bool = True) -> bool:
+        """Whether a forward of `rows` rows replays graphs; `epoch` names what graphs read by address besides
+        weights and the key's tensors (the RoPE tables), `eligible` is the model's own condition."""
+
+    def run(self, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor
+            ) -> tuple[torch.Tensor, ...]:
+        """fn(*inputs) from a graph keyed by `key` (which names every tensor fn reads in place)."""
 
 
 @dataclass

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from dsflash.config import ModelArgs
 from dsflash.kernels.cpu import pad_rows
 from dsflash.model.attention import Attention
-from dsflash.model.common import Chunk
-from dsflash.model.graphs import SegmentGraphs, serialised
+from dsflash.model.common import Chunk, Replayer
 from dsflash.model.mhc import Block
 from dsflash.model.rope import Rope
 from dsflash.model.state import PositionRing
@@ -63,10 +62,10 @@ def argmax_sampler(logits: torch.Tensor) -> int:
 
 class DSpark:
     def __init__(self, args: ModelArgs, w: WeightLoader, ropes: tuple[Rope, Rope], embed: torch.Tensor,
-                 head: torch.Tensor, graphs: SegmentGraphs | None = None):
+                 head: torch.Tensor):
         self.k = w.k
         self.args = args
-        self.ropes, self.graphs = ropes, graphs
+        self.ropes = ropes
         self.embed, self.head = embed, head
         self.stages = []
         for s in range(args.n_mtp_layers):
@@ -81,7 +80,6 @@ class DSpark:
         self.markov_head = w.linear(last + "markov_head.head", widen=True)
         self.confidence = w.linear(last + "confidence_head.proj", widen=True)
 
-    @serialised
     def write_context(self, state, main_hidden: torch.Tensor, positions: torch.Tensor) -> None:
         """Store the context KV of target rows (main_hidden = the taps' stream means, [N, n_taps*D])."""
         n = positions.numel()
@@ -94,13 +92,13 @@ class DSpark:
             block.attn.write_context(state, main_x, pos, n)
         state.dspark_pos = int(positions[-1]) + 1
 
-    @serialised
-    def draft(self, state, anchor: int, sampler: Callable[[torch.Tensor], int] = argmax_sampler
-              ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    def draft(self, state, anchor: int, sampler: Callable[[torch.Tensor], int] = argmax_sampler,
+              graphs: Replayer | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """One draft round after the target row at position state.dspark_pos - 1 produced `anchor`.
         Returns ([anchor, d_1..d_B], logits [B, V] with the Markov bias added, raw confidence [B]).
-        Once a whole window of context exists, the stages and the head replay one CUDA graph per session
-        (keyed by its context rings' addresses); the Markov chain samples token by token, eagerly."""
+        With `graphs` (the engine's store), once a whole window of context exists the stages and the head
+        replay one CUDA graph per session (keyed by its context rings' addresses); the Markov chain samples
+        token by token, eagerly."""
         a = self.args
         b = a.dspark_block_size
         p0 = state.dspark_pos
@@ -109,7 +107,6 @@ class DSpark:
         rows = b + (-b % self.k.row_tile)
         chunk = Chunk(state, torch.arange(p0, p0 + rows, device=dev), b, row_tile=self.k.row_tile, _p0=p0)
         self.stages[0].attn.rope.reserve(p0 + rows, dev)
-        graphs = self.graphs
         if graphs is not None and graphs.begin(rows, tuple(r.rebuilds for r in self.ropes)) and p0 >= a.window_size:
             rings = [stage.attn.history(state).data for stage in self.stages]
 
@@ -139,6 +136,6 @@ class DSpark:
         pre = torch.zeros(rows.size(0), a.hc_mult, device=rows.device)
         pre[:, 0] = 1.0
         for block in self.stages:
-            h, pre = block(h, pre, chunk)
+            h, pre = block.forward(h, pre, chunk)
         x = self.k.rms_norm(self.k.collapse(h, pre), self.norm, a.norm_eps)
         return x, self.k.linear(x.float(), self.head)[: chunk.n]

@@ -33,11 +33,10 @@ def engram_token_map(path: Path, vocab_size: int) -> tuple[list[int], int]:
     return compressed_token_map(source)
 
 
-def load_model(path: str | Path, half: str | None = None, device: str = "cpu", reference: bool = False,
-               cuda_graphs: bool = True) -> Transformer:
+def load_model(path: str | Path, half: str | None = None, device: str = "cpu", reference: bool = False
+               ) -> Transformer:
     """The whole model, or one half of the split: "encoder" (embed, Engram, layers [0, d) and layer d's
-    cache write) or "decoder" (layers [d, n), head, DSpark), d = the first decoder layer. `cuda_graphs`:
-    short forwards on the Triton backend replay captured segments (see model/graphs.py)."""
+    cache write) or "decoder" (layers [d, n), head, DSpark), d = the first decoder layer."""
     path = Path(path)
     ckpt = open_checkpoint(path)
     args = ckpt.args
@@ -49,5 +48,4 @@ def load_model(path: str | Path, half: str | None = None, device: str = "cpu", r
         if classes != args.engram_compressed_vocab_size:
             raise ValueError(f"{path}: the tokenizer gives {classes} Engram token classes, config "
                              f"engram_compressed_vocab_size is {args.engram_compressed_vocab_size}")
-    return Transformer(args, ckpt, token_map, layers=layers, device=device, reference=reference,
-                       cuda_graphs=cuda_graphs)
+    return Transformer(args, ckpt, token_map, layers=layers, device=device, reference=reference)

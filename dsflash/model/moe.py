@@ -15,6 +15,40 @@ from dsflash.model.common import Chunk
 from dsflash.model.weights import WeightLoader
 
 
+class Gate:
+    """MoE gating: the router's scores in fp32 from x / gate_temp; the correction bias (a separate one for
+    image-span rows, `bias_vl`) picks the top-k experts but does not scale them: their weights come from
+    the unbiased scores, normalised over the picks and times route_scale."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str):
+        self.k = w.k
+        self.layer, self.args = layer, args
+        self.n_experts, self.topk = args.moe_experts(layer)
+        self.weight = w.linear(prefix, widen=True)  # the router runs in fp32
+        self.bias = w.tensor(prefix + ".bias").float()
+        self.bias_vl = w.tensor(prefix + ".bias_vl").float() if w.has(prefix + ".bias_vl") else None
+
+    def __call__(self, x: torch.Tensor, chunk: Chunk | None, ascending: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] fp32, expert ids [N, k]) in the router's order, or by ascending id (the routed
+        experts' summation order); ids forced when the chunk carries selections."""
+        a = self.args
+        logits = self.k.linear(x, self.weight)  # fp32 router: x widens in the GEMM
+        bias = self.bias
+        if chunk is not None and chunk.image_mask is not None and self.bias_vl is not None:
+            bias = torch.where(chunk.image_mask.unsqueeze(-1), self.bias_vl, bias)
+        route = partial(self.k.moe_route, logits, bias, self.topk, a.score_func, a.gate_temp, a.norm_topk_prob,
+                        a.route_scale)
+        forced = None
+        if chunk is not None and chunk.select is not None:
+            forced = chunk.select.rows(chunk.select.moe_ids, self.layer, chunk.positions[: chunk.n])
+        if forced is None:
+            return route(ascending=ascending)
+        _, ids = route()
+        ids[: chunk.n] = forced
+        return route(ids=ids, ascending=ascending)
+
+
 class Expert:
     def __init__(self, k: Kernels, w1: Weight, w2: Weight, w3: Weight, swiglu_limit: float):
         self.k = k
@@ -37,9 +71,7 @@ class MoE:
         self.layer = layer
         self.n_experts, self.topk = args.moe_experts(layer)
         self.args = args
-        self.gate = w.linear(prefix + "gate", widen=True)  # the router runs in fp32
-        self.gate_bias = w.tensor(prefix + "gate.bias").float()
-        self.gate_bias_vl = w.tensor(prefix + "gate.bias_vl").float() if w.has(prefix + "gate.bias_vl") else None
+        self.gate = Gate(args, layer, w, prefix + "gate")
         # the routed experts' weights as two banks (w1 then w3 of every expert, and w2), so a step's gate
         # and up products are one launch; an expert's weights are views into them
         n = self.n_experts
@@ -49,30 +81,10 @@ class MoE:
         self.experts = [Expert(self.k, self.w13[e], self.w2[e], self.w13[n + e], args.swiglu_limit) for e in range(n)]
         self.shared = Expert.load(w, prefix + "shared_experts.", args.swiglu_limit)
 
-    def route(self, x: torch.Tensor, chunk: Chunk | None, ascending: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [N, k] fp32, expert ids [N, k]) in the router's order, or by ascending id (the routed
-        experts' summation order); ids forced when the chunk carries selections."""
-        a = self.args
-        logits = self.k.linear(x, self.gate)  # fp32 router: x widens in the GEMM
-        bias = self.gate_bias
-        if chunk is not None and chunk.image_mask is not None and self.gate_bias_vl is not None:
-            bias = torch.where(chunk.image_mask.unsqueeze(-1), self.gate_bias_vl, bias)
-        route = partial(self.k.moe_route, logits, bias, self.topk, a.score_func, a.gate_temp, a.norm_topk_prob,
-                        a.route_scale)
-        forced = None
-        if chunk is not None and chunk.select is not None:
-            forced = chunk.select.rows(chunk.select.moe_ids, self.layer, chunk.positions[: chunk.n])
-        if forced is None:
-            return route(ascending=ascending)
-        _, ids = route()
-        ids[: chunk.n] = forced
-        return route(ids=ids, ascending=ascending)
-
     def __call__(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
-        weights, ids = self.route(x, chunk, ascending=True)
+        weights, ids = self.gate(x, chunk, ascending=True)
         if chunk is not None and chunk.trace is not None:  # debugging: the router's own order, routed again
-            chunk.trace.setdefault("moe_ids", {})[self.layer] = self.route(x, chunk)[1][: chunk.n]
+            chunk.trace.setdefault("moe_ids", {})[self.layer] = self.gate(x, chunk)[1][: chunk.n]
         if x.size(0) <= self.k.slot_moe_rows:
             return self._routed_by_slot(x, weights, ids)
         y = self._routed_by_expert(x, weights, ids)

@@ -18,15 +18,41 @@ from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ModelArgs
 from dsflash.kernels import load_kernels
 from dsflash.model.attention import Attention, SourceWriter, source_rows
-from dsflash.model.common import Chunk, Selections, fit_rows
+from dsflash.model.common import Chunk, Replayer, Selections, fit_rows
 from dsflash.model.dspark import DSpark
 from dsflash.model.engram import Engram, EngramLayout
-from dsflash.model.graphs import SegmentGraphs, serialised
 from dsflash.model.mhc import Block
 from dsflash.model.rope import Rope
 from dsflash.model.state import SequenceState
 from dsflash.model.vision import Vision
 from dsflash.model.weights import WeightLoader
+
+
+@dataclass
+class Tokens:
+    """The first layer range's input: token ids, and for image prompts where the image spans sit."""
+
+    ids: torch.Tensor  # int64 [n]
+    # -1 text, 0 IMAGE_START, 1 IMAGE, 2 IMAGE_NEW_LINE, 3 IMAGE_END (model/vision.py); None: all text
+    token_types: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None  # bf16 [IMAGE rows of the chunk, dim]: aligner rows, reading order
+
+
+@dataclass
+class Streams:
+    """A later layer range's input: the hand-off of the range below (the encoder half's last layer)."""
+
+    h: torch.Tensor  # bf16 [n, hc, D]
+    pre_mix: torch.Tensor  # fp32 [n, hc]
+    image_mask: torch.Tensor | None = None  # bool [n]: image-span rows (they route with gate.bias_vl)
+
+
+@dataclass
+class Debug:
+    """Golden checks and debugging: forced selections, and a dict to fill with intermediate outputs."""
+
+    select: Selections | None = None
+    trace: dict | None = None
 
 
 @dataclass
@@ -43,13 +69,11 @@ class ForwardOutput:
 
 class Transformer:
     def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None,
-                 device: str | torch.device = "cpu", reference: bool = False, cuda_graphs: bool = True):
+                 device: str | torch.device = "cpu", reference: bool = False):
         self.args, self.ckpt = args, ckpt
         self.layers = layers if layers is not None else range(args.n_layers)
         self.k = load_kernels(device, reference)
         self.device = self.k.device
-        # short forwards replay CUDA graphs of each block's static segments (the Triton backend only)
-        self.graphs = SegmentGraphs() if cuda_graphs and self.k.name == "cuda" else None
         w = WeightLoader(ckpt, self.k)
         self.ropes = (Rope(args, compressed=False, kernels=self.k), Rope(args, compressed=True, kernels=self.k))
         self.embed = w.tensor("embed.weight")
@@ -78,86 +102,91 @@ class Transformer:
         self.head = w.linear("head", widen=True) if self.has_head else None  # fp32 logits
         self.dspark = None
         if self.has_head and args.n_mtp_layers and args.dspark_block_size:
-            self.dspark = DSpark(args, w, self.ropes, self.embed, self.head, self.graphs)
+            self.dspark = DSpark(args, w, self.ropes, self.embed, self.head)
 
-    @serialised
-    def forward(self, state: SequenceState, ids: torch.Tensor | None = None, *,
-                streams: torch.Tensor | None = None, pre_mix: torch.Tensor | None = None,
-                select: Selections | None = None, image_mask: torch.Tensor | None = None,
-                trace: dict | None = None, tail_only: bool = False, token_types: torch.Tensor | None = None,
-                image_rows: torch.Tensor | None = None) -> ForwardOutput:
+    @property
+    def rope_epoch(self) -> tuple[int, ...]:
+        """Changes whenever a RoPE table is rebuilt (CUDA graphs read the tables by address)."""
+        return tuple(r.rebuilds for r in self.ropes)
+
+    def forward(self, state: SequenceState, x: Tokens | Streams | torch.Tensor, *, tail_only: bool = False,
+                debug: Debug | None = None, graphs: Replayer | None = None) -> ForwardOutput:
         """Run the chunk's rows at positions state.pos .. state.pos+n-1 through this model's layers.
 
-        The first layer-range (starting at 0) takes token `ids`; a later range takes the incoming
-        `streams`/`pre_mix` of those rows instead. Rows are padded to a multiple of the backend's row tile.
+        The first layer range (starting at 0) takes `Tokens` (a bare tensor: token ids, all text); a later
+        range takes the `Streams` of those rows. Rows are padded to a multiple of the backend's row tile.
 
-        Images: token_types (int64 [n]; -1 text, 0 IMAGE_START, 1 IMAGE, 2 IMAGE_NEW_LINE, 3 IMAGE_END) marks
-        the image-span rows. On the first range their input rows are replaced (delimiters by the learned
-        vectors, IMAGE rows by `image_rows`, [number of IMAGE rows in the chunk, dim] aligner rows in reading
-        order, see model/vision.py). Span rows (type >= 0) are the image mask: they route with gate.bias_vl
-        and are Engram's dead positions. `image_mask` alone (a later range) gives the routing mask only.
-        Padding rows are text rows.
+        Images (`Tokens.token_types`): on the first range the image-span rows' inputs are replaced
+        (delimiters by the learned vectors, IMAGE rows by `image_rows`, see model/vision.py). Span rows
+        (type >= 0) are the image mask: they route with gate.bias_vl and are Engram's dead positions; a
+        later range gets the routing mask alone (`Streams.image_mask`). Padding rows are text rows.
 
-        trace (a dict, debugging and golden checks): also gets "input_embeds" (the merged input rows) and
-        "engram_hash_ids" (the Engram table rows per position) on the first range.
+        debug.trace (a dict) also gets "input_embeds" (the merged input rows) and "engram_hash_ids" (the
+        Engram table rows per position) on the first range, and each layer's output.
 
         tail_only (encoder-only prefill of the decoder): compute each layer only for the rows the final
         state needs, a triangle ending at the last row. The last layer needs its input on the last
         `window` rows (its window KV and the DSpark taps); each layer below needs `window - 1` more rows
         of input to attend over. Rows are dropped at a layer's entry once no later layer needs them;
         a kept row's arithmetic is that of a full prefill, so the state is bit-identical.
+
+        graphs: the engine's CUDA-graph store (engine/graphs.py); a short forward then runs its layers as
+        one replayed segment when it can (`_replay`), with the eager forward's bits.
         """
         a = self.args
-        n = ids.numel() if ids is not None else streams.size(0)
+        if isinstance(x, torch.Tensor):
+            x = Tokens(x)
+        debug = debug or Debug()
+        n = x.ids.numel() if isinstance(x, Tokens) else x.h.size(0)
         rows = n + (-n % self.k.row_tile)
         positions = torch.arange(state.pos, state.pos + rows, device=self.device)
         for rope in self.ropes:  # tail mode re-pads its shrinking row set: at most a tile past the last row
             rope.reserve(state.pos + n + self.k.row_tile, self.device)
-        if token_types is not None:
-            if token_types.numel() != n:
-                raise ValueError(f"token_types has {token_types.numel()} entries for {n} rows")
-            types_mask = token_types.to(self.device) >= 0
-            if image_mask is not None and not torch.equal(image_mask.to(self.device), types_mask):
-                raise ValueError("image_mask disagrees with token_types")
-            image_mask = types_mask
-        elif image_rows is not None:
-            raise ValueError("image_rows need token_types")
-        mask = None
-        if image_mask is not None:
-            mask = torch.cat([image_mask, image_mask.new_zeros(rows - n)])
-        chunk = Chunk(state, positions, n, select, mask, trace=trace, row_tile=self.k.row_tile, _p0=state.pos)
-        f = _Pass(chunk, n=n, end=state.pos + n, mask=mask, trace=trace, tail_only=tail_only)
-        if self.layers.start == 0:
-            f.ids, f.token_types, f.image_rows = ids, token_types, image_rows
+        image_mask = self._image_mask(x, n)
+        mask = None if image_mask is None else torch.cat([image_mask, image_mask.new_zeros(rows - n)])
+        chunk = Chunk(state, positions, n, debug.select, mask, trace=debug.trace, row_tile=self.k.row_tile,
+                      _p0=state.pos)
+        f = _Pass(chunk, n=n, end=state.pos + n, mask=mask, trace=debug.trace, tail_only=tail_only)
+        if isinstance(x, Tokens):
+            f.ids, f.token_types, f.image_rows = x.ids, x.token_types, x.image_rows
         else:
-            if image_rows is not None:
-                raise ValueError("image rows go to the first layer range (the one that embeds tokens)")
-            f.h, f.pre = fit_rows(streams, rows), fit_rows(pre_mix, rows)
-        graphs = self.graphs
-        eligible = trace is None and select is None and mask is None and not tail_only
-        if graphs is not None and not graphs.begin(rows, tuple(r.rebuilds for r in self.ropes), eligible):
-            graphs = None
-        if graphs is None or not self._replay(f, graphs):
-            graphs = None
+            f.h, f.pre = fit_rows(x.h, rows), fit_rows(x.pre_mix, rows)
+        eligible = debug.trace is None and debug.select is None and mask is None and not tail_only
+        replayed = graphs is not None and graphs.begin(rows, self.rope_epoch, eligible) and self._replay(f, graphs)
+        if not replayed:
             self._layers(f)
         h, pre, end = f.h, f.pre, f.end
         handoff = f.handoff
-        if graphs is not None:  # a graph's outputs are overwritten by its next replay
+        if replayed:  # a graph's outputs are overwritten by its next replay
             h, pre = h.clone(), pre.clone()
             handoff = handoff and (handoff[0].clone(), handoff[1].clone())
         taps, chunk, n = f.taps, f.chunk, f.n
         state.pos = end
         logits = None
         if self.has_head:
-            x = self.k.rms_norm(self.k.collapse(h, pre), self.norm, a.norm_eps)
-            logits = self.k.linear(x.float(), self.head)[:n]
+            y = self.k.rms_norm(self.k.collapse(h, pre), self.norm, a.norm_eps)
+            logits = self.k.linear(y.float(), self.head)[:n]
         entries = None
         if self.next_source is not None:
-            x = self.k.rms_norm(self.k.collapse(h, pre), self.next_attn_norm, a.norm_eps)
-            entries = self.next_source.entries(x, chunk)
+            y = self.k.rms_norm(self.k.collapse(h, pre), self.next_attn_norm, a.norm_eps)
+            entries = self.next_source.entries(y, chunk)
         main_hidden = torch.cat(taps, dim=-1)[:n] if taps else None
         return ForwardOutput(logits, *(handoff or (None, None)), main_hidden, h[:n], pre[:n], entries,
                              chunk.p0)
+
+    def _image_mask(self, x: Tokens | Streams, n: int) -> torch.Tensor | None:
+        """The image-span rows of the input (bool [n]), checked against the input's other fields."""
+        if isinstance(x, Tokens) != (self.layers.start == 0):
+            raise ValueError("the first layer range takes Tokens, a later one the Streams of the range below")
+        if isinstance(x, Streams):
+            return None if x.image_mask is None else x.image_mask.to(self.device)
+        if x.token_types is None:
+            if x.image_rows is not None:
+                raise ValueError("image_rows need token_types")
+            return None
+        if x.token_types.numel() != n:
+            raise ValueError(f"token_types has {x.token_types.numel()} entries for {n} rows")
+        return x.token_types.to(self.device) >= 0
 
     def _embed(self, f: _Pass) -> None:
         """The first range's input rows: the tokens' embeddings (image spans merged) as `hc_mult` streams,
@@ -182,8 +211,8 @@ class Transformer:
                 f.trace["engram_hash_ids"] = f.hashes[:n]
 
     def _layers(self, f: _Pass) -> None:
-        """The first range's embedding, then the layers over the pass: Engram, DSpark tap and attention
-        input, an index layer's selection, the attention, its output and the FFN."""
+        """The first range's embedding, then the layers over the pass: Engram before a block, the DSpark
+        taps of its input, the block (mHC around attention and MoE)."""
         a = self.args
         if f.h is None:
             self._embed(f)
@@ -202,17 +231,13 @@ class Transformer:
                 f.h = self.engram[i](f.h, f.hashes[:, a.engram_layer_ids.index(i)], f.mask)
             if i in a.dspark_target_layer_ids:
                 f.taps.append(self.k.stream_mean(f.h))
-            x, qr, q, kv, attn_pre, attn_post, attn_comb = block.attn_in(f.h, f.pre, f.chunk.positions)
-            if block.attn.indexer is not None:
-                block.attn.select(x, qr, f.chunk)
-            o = block.attn.attend(q, kv, f.chunk)
-            f.h, f.pre = block.out_ffn(o, f.h, attn_pre, attn_post, attn_comb, f.chunk.positions, chunk=f.chunk)
+            f.h, f.pre = block.forward(f.h, f.pre, f.chunk)
             if f.trace is not None:
                 f.trace.setdefault("layer_out", {})[i] = (f.h[:f.n], f.pre[:f.n])
             if i == a.first_decoder_layer - 1:
                 f.handoff = (f.h[:f.n], f.pre[:f.n])
 
-    def _replay(self, f: _Pass, graphs: SegmentGraphs) -> bool:
+    def _replay(self, f: _Pass, graphs: Replayer) -> bool:
         """`_layers(f)` as one CUDA graph, when every KV source the layers read holds an entry and the Engram
         hashes have a whole n-gram behind the chunk (else False: run them eagerly). The graph's inputs: the
         chunk's positions and its token ids (the first range) or streams; its outputs: the streams, the

@@ -29,6 +29,7 @@ from dsflash.engine import snapshot
 from dsflash.engine.halves import LocalEncoder
 from dsflash.engine.images import SpanKey, cache_key, span_keys
 from dsflash.engine.prefix_cache import PrefixCache
+from dsflash.engine.runner import Runner
 from dsflash.engine.session import MAX_STEP_ROWS, default_device, engine_identity
 from dsflash.model.load import load_model
 from dsflash.model.state import ROLLBACK_ROWS
@@ -84,9 +85,9 @@ class Connection:
 class Box:
     def __init__(self, model_path: str | Path, token: str | None = None, cache_dir: str | None = None,
                  max_frame: int = MAX_FRAME, device: str = "cpu", cuda_graphs: bool = True):
-        self.model = load_model(model_path, half="encoder", device=device, cuda_graphs=cuda_graphs)
+        self.model = Runner(load_model(model_path, half="encoder", device=device), cuda_graphs)
         self.args = self.model.args
-        self.identity = engine_identity(self.model)
+        self.identity = engine_identity(self.model.model)
         self.token = token
         self.max_frame = max_frame
         self.cache = PrefixCache(self.identity, ram_bytes=256 << 20, disk_dir=cache_dir)
@@ -164,7 +165,7 @@ class Box:
         a = self.args
         ids, images = tokens_and_images(f.meta, f.body, a.vision_patch_size, a.vision_downsample_ratio)
         self._check_tokens(ids)
-        if images and self.model.vision is None:
+        if images and self.model.model.vision is None:
             raise ProtocolError("images sent to a box whose model has no vision tower")
         return ids, images
 

@@ -1,26 +1,24 @@
 """CUDA graphs for the static parts of a short forward (decode steps, drafts, verification).
 
-A forward's work splits into segments whose shapes depend on the row count only, captured once per key
-(and input shapes) and replayed: a replay runs the same kernels on the same shapes as the eager call, so
-the bits are those of the eager forward. A short forward of the backbone is one segment, its state read
-and written in place (model/transformer.py); so is a DSpark draft's stages and head once a whole window of
-context exists (model/dspark.py). Graphs that read a session's state are that session's own: their keys
-name its tensors by address and size.
+The model describes a segment of its work (`dsflash.model.common.Replayer`: a function of tensors alone
+and a key naming everything it reads in place); this store captures it once per key (and input shapes)
+and replays it: a replay runs the same kernels on the same shapes as the eager call, so the bits are those
+of the eager forward. A short forward of the backbone is one segment, its state read and written in place
+(model/transformer.py); so is a DSpark draft's stages and head once a whole window of context exists
+(model/dspark.py). Graphs that read a session's state are that session's own: their keys name its tensors
+by address and size.
 
 Lifetime rules: a replay overwrites its outputs, so a forward copies out what it returns; graphs read
 the RoPE tables by address, so they are dropped when a table grows (`begin`). One forward at a time per
-model: the server runs generations on two threads, so forwards (and anything that may grow a RoPE
-table) hold `lock`.
+model half: engine/runner.py holds the lock.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +49,6 @@ class SegmentGraphs:
         self._warm: OrderedDict[Hashable, tuple[torch.Tensor, ...]] = OrderedDict()
         self._pools: dict[int, tuple] = {}
         self._epoch: Hashable = None
-        self.lock = threading.RLock()
 
     def begin(self, rows: int, epoch: Hashable, eligible: bool = True) -> bool:
         """Start a forward of `rows` rows; `epoch` names everything the graphs read by address besides
@@ -117,13 +114,3 @@ def _no_gc():
     finally:
         if enabled:
             gc.enable()
-
-
-def serialised(method: Callable) -> Callable:
-    """Run a method of an object with a `graphs` attribute under its forward lock, when it has graphs."""
-    @functools.wraps(method)
-    def locked(self, *args, **kwargs):
-        with self.graphs.lock if self.graphs is not None else nullcontext():
-            return method(self, *args, **kwargs)
-
-    return locked
