@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -197,6 +197,48 @@ class Failed:
     error: Exception
 
 
+class StopScanner:
+    """Stop strings over the text of a generation as it grows: what may be sent so far, holding back text
+    that could be the start of a stop string (and a partial UTF-8 character) until later text shows what
+    it is."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text = ""  # the text so far (cut before the stop string, once one matched)
+        self.sent = 0  # characters of it handed out
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """`text`: all the text decoded so far (not just the newest piece: a token's bytes can complete the
+        partial character that ended the text before). Returns the text that may be sent now and the stop
+        string that matched, if one did; after a match the text ends before it, and there is no next feed."""
+        hit = None
+        for s in self.stops:  # the earliest match; at one position, the first stop string listed
+            at = text.find(s, max(0, self.sent - len(s)))
+            if at != -1 and (hit is None or at < hit[0]):
+                hit = (at, s)
+        if hit is not None:
+            self.text = text[:hit[0]]
+            return self.flush(), hit[1]
+        self.text = text
+        safe = len(text)
+        if text.endswith("\ufffd"):  # a partial UTF-8 sequence: wait for its next bytes
+            safe = len(text.rstrip("\ufffd"))
+        for k in range(min(self.longest - 1, safe - self.sent), 0, -1):
+            if any(s.startswith(text[safe - k:safe]) for s in self.stops):
+                safe -= k
+                break
+        if safe <= self.sent:
+            return "", None
+        piece, self.sent = text[self.sent:safe], safe
+        return piece, None
+
+    def flush(self) -> str:
+        """What is held back, sent when the generation ends (EOS, length, cancelled)."""
+        piece, self.sent = self.text[self.sent:], max(self.sent, len(self.text))
+        return piece
+
+
 class Worker:
     def __init__(self, engine: Engine, tokenizer, cache: PrefixCache | None, dspark: int, metrics: Metrics,
                  chunk: int = DEFAULT_CHUNK, concurrency: int = 2):
@@ -259,10 +301,10 @@ class Worker:
             m.cached_tokens += stats.cached_tokens
             m.prefill_tokens += stats.prompt_tokens - stats.cached_tokens
         dspark = 0 if job.top_logprobs is not None else self.dspark  # logprobs need each token's own row
-        longest_stop = max((len(s) for s in job.stop), default=0)
+        stops = StopScanner(job.stop)
         out: list[int] = []
         emitted = 0  # tokens yielded, EOS included
-        full, sent, finish, stop_string = "", 0, "length", None
+        finish, stop_string = "length", None
         pending_lp: list[dict] = []
         last = None
         t_dec = time.perf_counter()
@@ -287,35 +329,22 @@ class Worker:
                 finish = "stop"
                 break
             out.append(tok)
-            full = self.tokenizer.decode(out, skip_special_tokens=False)
-            if job.stop:
-                hit = None
-                for s in job.stop:
-                    at = full.find(s, max(0, sent - len(s)))
-                    if at != -1 and (hit is None or at < hit[0]):
-                        hit = (at, s)
-                if hit is not None:
-                    full = full[:hit[0]]
-                    finish, stop_string = "stop", hit[1]
-                    break
-            safe = len(full)
-            if full.endswith("\ufffd"):  # a partial UTF-8 sequence: wait for its next bytes
-                safe = len(full.rstrip("\ufffd"))
-            for k in range(min(longest_stop - 1, safe - sent), 0, -1):
-                if any(s.startswith(full[safe - k:safe]) for s in job.stop):
-                    safe -= k
-                    break
-            if safe > sent or pending_lp:
-                emit(Text(full[sent:safe], pending_lp))
-                sent, pending_lp = safe, []
+            piece, stop_string = stops.feed(self.tokenizer.decode(out, skip_special_tokens=False))
+            if piece or pending_lp:
+                emit(Text(piece, pending_lp))
+                pending_lp = []
+            if stop_string is not None:
+                finish = "stop"
+                break
         stats.decode_s = time.perf_counter() - t_dec
         with m.lock:
             m.drafted += stats.drafted
             m.accepted += stats.accepted
         if job.cancel.is_set():
             finish = "cancelled"
-        if len(full) > sent or pending_lp:
-            emit(Text(full[sent:], pending_lp))
+        piece = stops.flush()
+        if piece or pending_lp:
+            emit(Text(piece, pending_lp))
         if finish == "stop" and stop_string is None and self.cache is not None:
             try:  # the finished turn, for the conversation's next request
                 self.cache.put(session.cache_key(), session.snapshot())
