@@ -265,8 +265,9 @@ def test_tool_calls_formatting_in_process():
 
     from fastapi.testclient import TestClient
 
-    from dsflash.server.app import Done, Text, create_app
+    from dsflash.server.app import create_app
     from dsflash.server.encoding import ToolCall, render_assistant_completion
+    from dsflash.server.worker import Done, Text
     from dsflash.tokenizer import build_tiny_tokenizer
 
     completion = render_assistant_completion("Let me look.", [ToolCall("get_weather", '{"city": "Paris", "days": 2}')],

@@ -3,7 +3,7 @@ decodes after each token)."""
 
 import itertools
 
-from dsflash.server.app import StopScanner
+from dsflash.server.worker import StopScanner
 
 
 def scan(stops: list[str], pieces: list[str]) -> tuple[list[str], str | None, str]:
