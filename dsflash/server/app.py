@@ -70,7 +70,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
     @app.get("/health")
     async def health():
         out = {"status": "ok", "model": model_name, "queued": m.queued, "running": m.running}
-        link = getattr(engine, "link", None)
+        link = getattr(engine.encoder, "link", None)  # a box half holds its link; the local half has none
         if link is not None:
             out["box"] = {"address": f"{link.addr[0]}:{link.addr[1]}", "connected": link.connected,
                           "reconnects": link.reconnects}
