@@ -265,8 +265,9 @@ def test_tool_calls_formatting_in_process():
 
     from fastapi.testclient import TestClient
 
-    from dsflash.server.app import Done, Text, create_app
+    from dsflash.server.app import create_app
     from dsflash.server.encoding import ToolCall, render_assistant_completion
+    from dsflash.server.worker import Done, Text
     from dsflash.tokenizer import build_tiny_tokenizer
 
     completion = render_assistant_completion("Let me look.", [ToolCall("get_weather", '{"city": "Paris", "days": 2}')],
@@ -278,7 +279,8 @@ def test_tool_calls_formatting_in_process():
                 emit(Text(completion[i:i + 7], []))
             emit(Done("stop", None, len(job.prompt), 0, 12, {}))
 
-    engine = SimpleNamespace(max_context=4096, args=SimpleNamespace(vocab_size=512))
+    engine = SimpleNamespace(max_context=4096, args=SimpleNamespace(vocab_size=512),
+                             encoder=SimpleNamespace(reconnects=None))  # a local encoder half: no box
     app = create_app(engine, build_tiny_tokenizer(512), prefix_cache=False, model_name="tiny")
     app.state.server.worker = ScriptedWorker()
     client = TestClient(app)

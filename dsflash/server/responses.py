@@ -16,27 +16,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import Field
 
-from dsflash.server.app import (
-    ApiError,
-    Done,
-    Server,
-    _reasoning_effort,
-    _Sampling,
-    _sampling,
-    _stop_list,
-    json_mode,
-    offered_tools,
-    with_keepalive,
-)
 from dsflash.server.dsml import Collected, ContentDelta, DsmlParser, ToolCallArgumentsDelta, ToolCallStart
-from dsflash.server.encoding import EncodingError, encode_messages
+from dsflash.server.errors import ApiError
 from dsflash.server.images import ImageError, Images
+from dsflash.server.params import Sampling, offered_tools, reasoning_effort
+from dsflash.server.server import Server
+from dsflash.server.sse import event_stream
+from dsflash.server.worker import Done, Job
 
 
-class ResponsesRequest(_Sampling):
+class ResponsesRequest(Sampling):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
@@ -124,11 +115,11 @@ def output_items(got: Collected, msg_id: str, call_ids: dict[int, tuple[str, str
     return out
 
 
-def add_routes(app: FastAPI, srv: Server, model_name: str) -> None:
+def add_routes(app: FastAPI, srv: Server) -> None:
     m = srv.metrics
 
     def response_object(rid: str, created: float, status: str, output: list, done: Done | None) -> dict:
-        obj = {"id": rid, "object": "response", "created_at": created, "status": status, "model": model_name,
+        obj = {"id": rid, "object": "response", "created_at": created, "status": status, "model": srv.model_name,
                "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
                "incomplete_details": None, "error": None}
         if done is not None:
@@ -141,28 +132,21 @@ def add_routes(app: FastAPI, srv: Server, model_name: str) -> None:
     async def responses(req: ResponsesRequest, request: Request):
         arrived = time.perf_counter()
         m.inc(m.requests, "responses")
-        thinking, effort = _reasoning_effort((req.reasoning or {}).get("effort"))
+        thinking, effort = reasoning_effort((req.reasoning or {}).get("effort"))
         thinking = bool(req.reasoning) if thinking is None else thinking
         images = Images()
         messages, tools = to_messages(req, images)
         tools, forced = offered_tools(tools, req.tool_choice)
-        try:
-            text = encode_messages(messages, tools, thinking, effort)
-        except EncodingError as e:
-            raise ApiError(400, str(e), str(e).split(":")[0]) from e
-        prompt, spans = srv.prompt_ids(text, images)
-        job = srv.job(prompt, req.max_output_tokens or req.max_tokens, _sampling(req), _stop_list(req.stop), None,
-                      len(prompt) - 1, arrived)
-        job.images, job.forced_tools, job.thinking = spans, forced, thinking
-        job.json_mode, job.json_schema = json_mode((req.text or {}).get("format"), "text.format", forced)
+        job = srv.chat_job(req, messages, tools, forced, thinking, images, arrived, effort=effort,
+                           max_tokens=req.max_output_tokens or req.max_tokens, stop=req.stop,
+                           fmt=(req.text or {}).get("format"), fmt_field="text.format")
         rid, created = f"resp_{uuid.uuid4().hex}", time.time()
         if req.stream:
-            return StreamingResponse(with_keepalive(stream(job, request, rid, created, thinking), job, None),
-                                     media_type="text/event-stream")
+            return event_stream(stream(job, request, rid, created, thinking), job)
         got, _, done = await srv.collect(job, request, thinking)
         return response_object(rid, created, "completed", output_items(got, f"msg_{uuid.uuid4().hex[:24]}", {}), done)
 
-    async def stream(job, request: Request, rid: str, created: float, thinking: bool) -> AsyncIterator[str]:
+    async def stream(job: Job, request: Request, rid: str, created: float, thinking: bool) -> AsyncIterator[str]:
         seq = 0
 
         def event(kind: str, **data) -> str:

@@ -1,0 +1,196 @@
+"""Request schemas and their parameters: the pydantic bodies of the chat, completions and Anthropic
+messages requests, and what their fields become (sampling parameters, stop strings, the reasoning effort,
+the offered and forced tools, JSON mode), each refused with a 400 naming the field when out of range."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsflash.engine.json_mode import Node, SchemaError, compile_schema, schema_start
+from dsflash.engine.sampling import SamplingParams
+from dsflash.server.errors import ApiError
+from dsflash.tokenizer import EOS_ID
+
+REASONING_LEVELS = {"none": None, "minimal": 10, "low": 25, "medium": 50, "high": 75, "xhigh": 100, "max": 100}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class Sampling(_Body):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions: generation ends at EOS (unless ignore_eos) or at any of stop_token_ids, neither of
+    # which may come before min_tokens tokens
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=16)  # choice i samples with seed + i
+    return_progress: bool = False  # llama.cpp's prompt_progress chunks while prefilling (streaming only)
+
+
+class ChatRequest(Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning_effort: str | int | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class AnthropicThinking(_Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class MessagesRequest(_Body):
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    max_tokens: int = Field(ge=1)
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stop_sequences: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    thinking: AnthropicThinking | None = None
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    """The stop strings of a request: at most 4, none empty."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > 4:
+        raise ApiError(400, "stop: at most 4 stop strings", "stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop: stop strings must be non-empty", "stop")
+    return stops
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    try:
+        return tuple(sorted((int(k), float(v)) for k, v in (bias or {}).items()))
+    except ValueError as e:
+        raise ApiError(400, "logit_bias: keys must be token ids", "logit_bias") from e
+
+
+def _end_ids(req: Sampling | MessagesRequest) -> tuple[int, ...]:
+    ids = set(getattr(req, "stop_token_ids", None) or ())
+    if not getattr(req, "ignore_eos", False):
+        ids.add(EOS_ID)
+    if any(i < 0 for i in ids):
+        raise ApiError(400, "stop_token_ids: must be token ids", "stop_token_ids")
+    return tuple(sorted(ids))
+
+
+def json_mode(fmt: Any, field: str, forced_tools: tuple[str, ...] = ()) -> tuple[bool, Node | None]:
+    """What a response format (OpenAI's response_format, the Responses API's text.format) asks for: (a JSON
+    object?, the schema it follows). A schema outside the supported subset is refused, not ignored, and so
+    is JSON output together with a forced tool call (the answer cannot be both)."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if kind in (None, "text"):
+        return False, None
+    if kind not in ("json_object", "json_schema"):
+        raise ApiError(400, f"{field}: unknown type {kind!r}; one of text, json_object, json_schema", field)
+    if forced_tools:
+        raise ApiError(400, f"{field}: {kind} and a forced tool call exclude each other", field)
+    node = None
+    if kind == "json_schema":
+        spec = fmt.get("json_schema", fmt)  # chat nests it under json_schema, Responses does not
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        try:
+            node = compile_schema(schema, f"{field}.schema")
+            schema_start(node)
+        except SchemaError as e:
+            raise ApiError(400, str(e), field) from e
+    return True, node
+
+
+def sampling_params(req: Sampling | MessagesRequest) -> SamplingParams:
+    """The sampling parameters of a request (the fields it lacks at their neutral values)."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    seed = req.seed if getattr(req, "seed", None) is not None else secrets.randbits(63)
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    try:
+        return SamplingParams(temperature, req.top_p if req.top_p is not None else 1.0, top_k,
+                              getattr(req, "min_p", None) or 0.0, seed,
+                              getattr(req, "presence_penalty", None) or 0.0,
+                              getattr(req, "frequency_penalty", None) or 0.0,
+                              getattr(req, "repetition_penalty", None) or 1.0,
+                              _logit_bias(getattr(req, "logit_bias", None)), getattr(req, "min_tokens", 0),
+                              _end_ids(req))
+    except ValueError as e:
+        raise ApiError(400, str(e), str(e).split(" ")[0]) from e
+
+
+def reasoning_effort(value: str | int | None) -> tuple[bool | None, int | None]:
+    """(thinking override, effort) from OpenAI's reasoning_effort (named level or int 1..100)."""
+    if value is None:
+        return None, None
+    if isinstance(value, int):
+        if not 1 <= value <= 100:
+            raise ApiError(400, "reasoning_effort: must be an integer in [1, 100] or a level name",
+                           "reasoning_effort")
+        return None, value
+    if value not in REASONING_LEVELS:
+        raise ApiError(400, f"reasoning_effort: unknown level {value!r}; one of {sorted(REASONING_LEVELS)}",
+                       "reasoning_effort")
+    effort = REASONING_LEVELS[value]
+    return (False, None) if effort is None else (None, effort)
+
+
+def offered_tools(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict] | None, tuple[str, ...]]:
+    """The tools put in the prompt under `tool_choice` (OpenAI, Responses or Anthropic spelling, tools in
+    OpenAI's form) and the names of those of which one must be called: auto → all tools, nothing forced;
+    none → no tools; required / any → all, one of them forced; a named tool → all, that one forced."""
+    kind = tool_choice.get("type") if isinstance(tool_choice, dict) else tool_choice
+    if kind in (None, "auto"):
+        return tools, ()
+    if kind == "none":
+        return None, ()
+    # (malformed tools are refused by encode_messages, which renders them next)
+    names = tuple(t["function"].get("name") for t in tools or () if isinstance(t, dict)
+                  and isinstance(t.get("function"), dict))
+    if kind in ("required", "any"):
+        if not names:
+            raise ApiError(400, f"tool_choice: {kind!r} needs at least one tool", "tool_choice")
+        return tools, names
+    if kind in ("function", "tool") and isinstance(tool_choice, dict):
+        name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
+        if name not in names:
+            raise ApiError(400, f"tool_choice: no tool named {name!r} among the tools", "tool_choice")
+        return tools, (name,)
+    raise ApiError(400, f"tool_choice: {tool_choice!r} is not auto, none, required/any or a named tool",
+                   "tool_choice")
