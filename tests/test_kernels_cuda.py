@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsflash.kernels import cpu, load_kernels
-from dsflash.numerics import exact_div
+from dsflash.numerics import BLOCK, exact_div
 from dsflash.numerics.quant import fp8_act_codes
 from tests.test_kernels_cpu import block_weight
 
@@ -94,7 +94,7 @@ def gen(seed: int) -> torch.Generator:
 def rand_act(m: int, k: int, g: torch.Generator) -> torch.Tensor:
     """bf16 activations whose 32-blocks span many binades (exercises the per-block scales)."""
     x = torch.randn(m, k, generator=g)
-    block_mag = torch.exp2(torch.randint(-6, 7, (m, -(-k // 32)), generator=g).float()).repeat_interleave(32, 1)
+    block_mag = torch.exp2(torch.randint(-6, 7, (m, -(-k // BLOCK)), generator=g).float()).repeat_interleave(BLOCK, 1)
     x = x * block_mag[:, :k]
     x[:, :: 97] *= 40.0  # outliers
     return x.bfloat16()
@@ -104,12 +104,12 @@ def rand_weight(kind: str, n: int, k: int, g: torch.Generator) -> cpu.Weight:
     """A CPU-reference Weight as model/weights.py builds it from a checkpoint."""
     if kind == "fp8":
         codes = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-        tiles = torch.exp2(torch.randint(-14, -6, (-(-n // 32), k // 32), generator=g).float())
-        return cpu.Weight("fp8", codes, tiles.repeat_interleave(32, 0)[:n].contiguous())
+        tiles = torch.exp2(torch.randint(-14, -6, (-(-n // BLOCK), k // BLOCK), generator=g).float())
+        return cpu.Weight("fp8", codes, tiles.repeat_interleave(BLOCK, 0)[:n].contiguous())
     if kind == "fp4":
         table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
         codes = table[torch.randint(0, 16, (n, k), generator=g)]
-        return cpu.Weight("fp4", codes, torch.exp2(torch.randint(-10, -3, (n, k // 32), generator=g).float()))
+        return cpu.Weight("fp4", codes, torch.exp2(torch.randint(-10, -3, (n, k // BLOCK), generator=g).float()))
     w = torch.randn(n, k, generator=g) / k**0.5
     return cpu.Weight(kind, w.bfloat16() if kind == "bf16" else w)
 
@@ -126,9 +126,9 @@ def act_for(kind: str, m: int, k: int, g: torch.Generator) -> torch.Tensor:
 def test_quant_act_bit_exact(m, k):
     g = gen(1)
     x = rand_act(m, k, g)
-    x[0, :32] = 0  # an all-zero block takes the 1e-4 floor
-    x[-1, 32:64] = torch.tensor(3.0e38).bfloat16()  # near the top of bf16
-    x[-1, 64:96] = torch.tensor(1e-30).bfloat16()  # tiny block
+    x[0, :BLOCK] = 0  # an all-zero block takes the 1e-4 floor
+    x[-1, BLOCK:2 * BLOCK] = torch.tensor(3.0e38).bfloat16()  # near the top of bf16
+    x[-1, 2 * BLOCK:3 * BLOCK] = torch.tensor(1e-30).bfloat16()  # tiny block
     q, words = kc.quant_act(x.to(DEV))
     q_ref, s_ref = fp8_act_codes(x)
     assert torch.equal(q.float().cpu(), q_ref)
@@ -276,7 +276,7 @@ def test_softmax_pool_kernel_gives_the_composed_ops_bits():
 
 def engram_inputs(n, hc, d, rows, de, cols, g):
     table = (torch.randn(rows, de, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.randint(110, 135, (rows, de // 32), dtype=torch.uint8, generator=g)  # E8M0: 2^-17 .. 2^7
+    scale = torch.randint(110, 135, (rows, de // BLOCK), dtype=torch.uint8, generator=g)  # E8M0: 2^-17 .. 2^7
     ids = torch.randint(0, rows, (n, cols), generator=g)
     h = (torch.randn(n, hc, d, generator=g) * 2).bfloat16()
     kv = torch.randn(n, (hc + 1) * d, generator=g).bfloat16()
@@ -321,8 +321,8 @@ def test_bf16_activations_widen_in_the_kernels():
 def test_k_ranges_on_the_gpu():
     """The sum that one K-order pass gets wrong by 15 (tests/test_kernels_cpu.py), at decode and prefill sizes."""
     x = torch.zeros(200, 1024)
-    x[:, ::32] = 1.0
-    x[:, 0], x[:, 31 * 32] = 2.0 ** 24, -(2.0 ** 24)
+    x[:, ::BLOCK] = 1.0
+    x[:, 0], x[:, 31 * BLOCK] = 2.0 ** 24, -(2.0 ** 24)
     w = kc.to_cuda_weight(block_weight(1024))
     for m in (1, 16, 200):
         for spread in (False, True):
@@ -411,7 +411,7 @@ def test_to_cuda_weight_roundtrip():
     g = gen(7)
     w8 = rand_weight("fp8", 100, 256, g)
     c8 = kc.to_cuda_weight(w8)
-    assert c8.values.dtype == torch.float8_e4m3fn and c8.scale_rows == 32 and c8.scale_e8m0
+    assert c8.values.dtype == torch.float8_e4m3fn and c8.scale_rows == BLOCK and c8.scale_e8m0
     assert torch.equal(c8.values.float().cpu(), w8.values)
     w4 = rand_weight("fp4", 64, 192, g)
     c4 = kc.to_cuda_weight(w4)

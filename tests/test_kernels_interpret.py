@@ -44,6 +44,7 @@ KERNEL_SCRIPT = """
 import interpreter_fixes  # noqa: F401  (before any kernel runs)
 import torch
 from dsflash.kernels import cpu, cuda
+from dsflash.numerics import BLOCK
 from dsflash.numerics.quant import fp8_act_codes, k_range_blocks
 from test_kernels_cuda import act_for, attn_inputs, rand_act, rand_weight
 
@@ -55,7 +56,7 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
     wc = cuda.to_cuda_weight(w, "cpu")
     x = rand_act(5, k, g)
     full = cuda.linear(x, wc)
-    assert (k_range_blocks(n, k // 32) < k // 32) == (k == 1280), k  # 1280: two K ranges
+    assert (k_range_blocks(n, k // BLOCK) < k // BLOCK) == (k == 1280), k  # 1280: two K ranges
     assert rel(full, cpu.linear(x, w)) < 1e-5, (kind, rel(full, cpu.linear(x, w)))
     # every route that must not change bits, and a row's bits whatever the other rows
     for m in (1, 5):
@@ -102,8 +103,8 @@ for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMM
 # the K ranges: a sum that one K-order pass gets wrong by 15 (tests/test_kernels_cpu.py), in one program and spread
 from test_kernels_cpu import block_weight
 xr = torch.zeros(1, 1024)
-xr[0, ::32] = 1.0
-xr[0, 0], xr[0, 31 * 32] = 2.0 ** 24, -(2.0 ** 24)
+xr[0, ::BLOCK] = 1.0
+xr[0, 0], xr[0, 31 * BLOCK] = 2.0 ** 24, -(2.0 ** 24)
 wr = cuda.to_cuda_weight(block_weight(1024), "cpu")
 for spread in (False, True):
     assert float(cuda.linear(xr.bfloat16(), wr, spread=spread)[0, 0]) == 15.0, spread
@@ -204,7 +205,7 @@ for got, ref in zip(cuda.hc_split_sinkhorn(mixes, hc_scale, hc_base, 4, 20, 1e-6
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6), float((got - ref).abs().max())
 # activation quantisation: bit-exact with numerics/quant.py
 xq = rand_act(5, 192, g)
-xq[0, :32] = 0
+xq[0, :BLOCK] = 0
 codes, words = cuda.quant_act(xq)
 ref_codes, ref_scales = fp8_act_codes(xq)
 assert torch.equal(codes.float(), ref_codes) and torch.equal(cuda.act_scales(words, 192), ref_scales)

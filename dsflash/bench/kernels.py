@@ -27,7 +27,8 @@ import triton.testing
 from dsflash.kernels import cpu
 from dsflash.kernels import cuda as kc
 from dsflash.model.attention import INDEXER_ROWS
-from dsflash.numerics import packing
+from dsflash.numerics import BLOCK, packing
+from dsflash.numerics.quant import K_RANGE_GROUP
 
 M_VALUES = (1, 5, 8, 512, 8192)
 L2_ROTATE_BYTES = 256 << 20
@@ -97,15 +98,15 @@ def measure_ceilings() -> dict:
 def random_cuda_weight(kind: str, n: int, k: int) -> kc.CudaWeight:
     """A CUDA-layout weight filled with random valid codes and E8M0 scales (built on the GPU)."""
     dev = "cuda"
-    kb = k // 32
-    kc_ = triton.cdiv(kb, kc.SCALE_GROUP)
+    kb = k // BLOCK
+    kc_ = triton.cdiv(kb, K_RANGE_GROUP)
     if kind == "fp8":
         vals = (torch.randn(n, k, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        words = torch.randint(118, 126, (kc_, triton.cdiv(n, 32), 4), dtype=torch.uint8, device=dev)
-        return kc.CudaWeight("fp8", vals, words.view(torch.int32)[..., 0].contiguous(), 32)
+        words = torch.randint(118, 126, (kc_, triton.cdiv(n, BLOCK), K_RANGE_GROUP), dtype=torch.uint8, device=dev)
+        return kc.CudaWeight("fp8", vals, words.view(torch.int32)[..., 0].contiguous(), BLOCK)
     if kind == "fp4":
         vals = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
-        words = torch.randint(118, 126, (kc_, n, 4), dtype=torch.uint8, device=dev)
+        words = torch.randint(118, 126, (kc_, n, K_RANGE_GROUP), dtype=torch.uint8, device=dev)
         return kc.CudaWeight("fp4", vals, words.view(torch.int32)[..., 0].contiguous(), 1)
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     return kc.CudaWeight(kind, (torch.randn(n, k, device=dev) / k**0.5).to(dtype))
@@ -281,7 +282,7 @@ def bench_quant(ceil, ms_values) -> list[dict]:
         for m in ms_values:
             x = torch.randn(m, k, device="cuda").bfloat16()
             ms = bench_both(lambda x=x: kc.quant_act(x))
-            rows.append(row("quant_act", f"K={k}", m, ms, m * k * 3 + m * k // 32, 0, ceil))
+            rows.append(row("quant_act", f"K={k}", m, ms, m * k * 3 + m * k // BLOCK, 0, ceil))
     # the packed FP4 state: quantise-and-pack new entries / keys, and read entries back (a step's picks,
     # a prefill's whole source)
     for name, d, (block, e4m3) in (("entry", 512, packing.ENTRY), ("index key", 128, packing.INDEX_KEY)):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dsflash.kernels import cpu
-from dsflash.numerics import exact_div
+from dsflash.numerics import BLOCK, exact_div
 from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
 from dsflash.numerics.packing import dequant_packed, quant_packed
 from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
@@ -65,10 +65,10 @@ class Kernels:
 
 def _reference_weight(device: torch.device):
     def weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> cpu.Weight:
-        """Exact float32 code values and per-(row, 32-input block) float32 scales."""
+        """Exact float32 code values and per-(row, BLOCK-input block) float32 scales."""
         stored = stored.cpu()  # the codecs' tables live on the CPU; the result moves to `device`
         if kind == "fp8":
-            rows = scale.float().cpu().repeat_interleave(32, dim=0)[: stored.size(0)]
+            rows = scale.float().cpu().repeat_interleave(BLOCK, dim=0)[: stored.size(0)]
             return cpu.Weight("fp8", stored.float().to(device), rows.contiguous().to(device))
         if kind == "fp4":
             return cpu.Weight("fp4", decode_e2m1(unpack_fp4(stored)).to(device), scale.float().cpu().to(device))

@@ -51,9 +51,10 @@ from triton.language.extra import libdevice
 
 from dsflash.kernels import cpu
 from dsflash.kernels.cpu import Weight
-from dsflash.numerics.codecs import encode_e2m1, pack_fp4
+from dsflash.numerics import BLOCK
+from dsflash.numerics.codecs import E2M1_MAX, E4M3_MAX, decode_e2m1, encode_e2m1, pack_fp4
 from dsflash.numerics.packing import check_width, packed_width
-from dsflash.numerics.quant import ACT_BLOCK, FP4_MAX, FP8_MAX, K_RANGE_GROUP, k_range_blocks
+from dsflash.numerics.quant import K_RANGE_GROUP, k_range_blocks
 
 __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", "fp4_to_fp8", "linear",
            "expert_bank", "expert_linear", "ExpertBank", "moe_route", "sparse_attn", "hc_split_sinkhorn",
@@ -62,8 +63,9 @@ __all__ = ["Weight", "CudaWeight", "to_cuda_weight", "quant_act", "act_scales", 
            "fp4_fake_quant", "fp4_quant_packed", "fp4_dequant_packed", "rope_rotate", "index_scores", "topk_indices",
            "candidate_blocks"]
 
-_FP8_MAX_INV = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the product, as quant.py's constant
-_FP4_MAX_INV = tl.constexpr(1.0 / FP4_MAX)
+_E4M3_MAX_INV = tl.constexpr(1.0 / E4M3_MAX)  # rounded to float32 in the product, as codecs.E4M3_MAX_INV
+_E2M1_MAX_INV = tl.constexpr(1.0 / E2M1_MAX)
+_BLOCK = tl.constexpr(BLOCK)  # numerics.BLOCK in the kernels (a kernel reads only constexpr globals)
 _FP4_E4M3_SCALE_FLOOR = tl.constexpr(6 * 2.0 ** -9)  # quant.fp4_fake_quant's clamps of a group's amax
 _FP4_POW2_SCALE_FLOOR = tl.constexpr(6 * 2.0 ** -126)
 # M-dependent choices that never change bits (see the module docstring and the invariance tests):
@@ -83,7 +85,6 @@ SLOT_MOE_ROWS = 1 << 62
 # ---------------------------------------------------------------------------------------------
 # weights
 # ---------------------------------------------------------------------------------------------
-SCALE_GROUP = K_RANGE_GROUP  # K blocks whose E8M0 scale bytes share one int32 word (a K range is whole words)
 _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
 
 
@@ -137,12 +138,12 @@ def _pack_scales(scale: torch.Tensor) -> torch.Tensor:
     """float32 [rows, KB] -> K-block-major int32 words [ceil(KB/4), rows] of E8M0 bytes when every scale
     is exactly 2^(b-127) with b in 1..254, else float32 [4*ceil(KB/4), rows] padded with 1.0."""
     rows, kb = scale.shape
-    pad = -kb % SCALE_GROUP
+    pad = -kb % K_RANGE_GROUP
     bits = scale.contiguous().view(torch.int32)
     exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
     if bool(((mantissa == 0) & (exponent >= 1) & (exponent <= 254) & (bits >= 0)).all()):
         e = torch.nn.functional.pad(exponent.to(torch.uint8), (0, pad), value=127)
-        return e.t().contiguous().view(-1, SCALE_GROUP, rows).permute(0, 2, 1).contiguous().view(torch.int32)[..., 0]
+        return e.t().contiguous().view(-1, K_RANGE_GROUP, rows).permute(0, 2, 1).contiguous().view(torch.int32)[..., 0]
     return torch.nn.functional.pad(scale, (0, pad), value=1.0).t().contiguous()
 
 
@@ -151,7 +152,7 @@ def weight_from_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, devic
     E8M0 tile scales [ceil(out/32), in/32], or fp4 bytes [out, in/2] with E8M0 scales [out, in/32]."""
     packed = _pack_scales(scale.to(device).float())
     if kind == "fp8":
-        return CudaWeight("fp8", codes.to(device).contiguous(), packed, 32)
+        return CudaWeight("fp8", codes.to(device).contiguous(), packed, BLOCK)
     return CudaWeight("fp4", fp4_words(codes.to(device).view(torch.uint8)), packed, 1)
 
 
@@ -169,30 +170,28 @@ def to_cuda_weight(w: Weight, device: torch.device | str | None = None) -> CudaW
     if w.kind not in ("fp8", "fp4"):
         raise ValueError(f"unknown weight kind {w.kind!r}")
     n, k = w.values.shape
-    if k % ACT_BLOCK:
-        raise ValueError(f"{w.kind} weight needs in_features divisible by {ACT_BLOCK}, got {k}")
+    if k % BLOCK:
+        raise ValueError(f"{w.kind} weight needs in_features divisible by {BLOCK}, got {k}")
     vals = w.values.float().cpu()
     scale = w.scale.float().cpu()
-    assert scale.shape == (n, k // ACT_BLOCK), (scale.shape, (n, k // ACT_BLOCK))
+    assert scale.shape == (n, k // BLOCK), (scale.shape, (n, k // BLOCK))
     rows = 1
     if w.kind == "fp8":
         codes = vals.to(torch.float8_e4m3fn)
         if not torch.equal(codes.float(), vals):
             raise ValueError("fp8 weight values are not all E4M3 values")
-        # one scale per 32x32 tile: keep one row of scales per 32 weight rows when the rows agree
-        groups = torch.nn.functional.pad(scale, (0, 0, 0, -n % 32), value=float("nan")).view(-1, 32, k // ACT_BLOCK)
+        # one scale per BLOCK x BLOCK tile: keep one row of scales per BLOCK weight rows when the rows agree
+        groups = torch.nn.functional.pad(scale, (0, 0, 0, -n % BLOCK), value=float("nan")).view(-1, BLOCK, k // BLOCK)
         if bool(((groups == groups[:, :1]) | torch.isnan(groups)).all()):
-            scale, rows = scale[::32].contiguous(), 32
+            scale, rows = scale[::BLOCK].contiguous(), BLOCK
         values = codes.to(device)
     else:
         codes = encode_e2m1(vals)
-        if not torch.equal(_E2M1[codes.long()], vals):
+        if not torch.equal(decode_e2m1(codes), vals):
             raise ValueError("fp4 weight values are not all E2M1 values")
         values = fp4_words(pack_fp4(codes).to(device))
     return CudaWeight(w.kind, values, _pack_scales(scale).to(device), rows)
 
-
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +203,7 @@ def _quant_tile(xf):
     exactly as quant.fp8_act_codes: s = 2^ceil(log2(max(amax, 1e-4) * f32(1/448))),
     q = e4m3_rne(clamp(x/s, ±448))."""
     amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-4)
-    bits = (amax * _FP8_MAX_INV).to(tl.int32, bitcast=True)
+    bits = (amax * _E4M3_MAX_INV).to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     s = (e << 23).to(tl.float32, bitcast=True)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s exactly (s is a normal power of two)
@@ -222,7 +221,7 @@ def _act_quant_kernel(x_ptr, q_ptr, e_ptr, M, KB, stride_xm, stride_qm,
     for j in tl.static_range(BLOCK_KB):
         kb = pid_k * BLOCK_KB + j
         if kb < KB:
-            cols = kb * 32 + tl.arange(0, 32)
+            cols = kb * _BLOCK + tl.arange(0, _BLOCK)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=rmask[:, None], other=0.0)
             q, e, _s = _quant_tile(x.to(tl.float32))
             tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=rmask[:, None])
@@ -234,14 +233,14 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 [M, K] -> (E4M3 codes float8_e4m3fn [M, K], scale words int32 [ceil(K/128), M]: byte j of
     word c is the E8M0 exponent of row's K block 4c+j, padded with 127). Bit-exact with
     quant.fp8_act_codes; `act_scales` decodes the words to its [M, K/32] float32 form."""
-    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.size(1) % ACT_BLOCK == 0
+    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.size(1) % BLOCK == 0
     x = x.contiguous()
     m, k = x.shape
-    kb = k // ACT_BLOCK
-    kc = triton.cdiv(kb, SCALE_GROUP)
+    kb = k // BLOCK
+    kc = triton.cdiv(kb, K_RANGE_GROUP)
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    e = torch.empty((kc, m, SCALE_GROUP), dtype=torch.uint8, device=x.device)
-    if kb % SCALE_GROUP:
+    e = torch.empty((kc, m, K_RANGE_GROUP), dtype=torch.uint8, device=x.device)
+    if kb % K_RANGE_GROUP:
         e[-1] = 127  # bytes past the last K block: 2^0
     if m:
         bkb = 8
@@ -254,7 +253,7 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def act_scales(words: torch.Tensor, k: int) -> torch.Tensor:
     """Scale words [ceil(K/128), M] -> float32 scales [M, K/32] (for tests)."""
     e = words.contiguous().unsqueeze(-1).view(torch.uint8)  # [KC, M, 4]
-    e = e.permute(1, 0, 2).reshape(words.size(1), -1)[:, : k // ACT_BLOCK]
+    e = e.permute(1, 0, 2).reshape(words.size(1), -1)[:, : k // BLOCK]
     return (e.to(torch.int32) << 23).view(torch.float32)
 
 
@@ -277,9 +276,9 @@ def _fp4_word_values(w, BN: tl.constexpr):
     i = tl.arange(0, 4)[None, None, :]
     # register i of a word: elements 2i and 2i + 1 as its two f16 halves
     r = ((w[:, :, None] << (3 * i)) & 0x0E000E00) | ((w[:, :, None] << i) & -2147450880)  # 0x80008000
-    r = tl.reshape(r, [BN, 16])
+    r = tl.reshape(r, [BN, _BLOCK // 2])
     pairs = tl.join((r & 0xFFFF).to(tl.int16), (r >> 16).to(tl.int16))
-    return tl.trans(tl.reshape(pairs, [BN, 32]).to(tl.float16, bitcast=True))
+    return tl.trans(tl.reshape(pairs, [BN, _BLOCK]).to(tl.float16, bitcast=True))
 
 
 @triton.jit
@@ -306,11 +305,11 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 def _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4: tl.constexpr):
     """K block kb's activation and weight tiles as stored (zeros past the KB blocks of K)."""
     kin = kb < KB
-    a = tl.load(x_rows + kb * 32, mask=mmask[:, None] & kin, other=0.0)
+    a = tl.load(x_rows + kb * _BLOCK, mask=mmask[:, None] & kin, other=0.0)
     if FP4:
         w = tl.load(w_rows + kb * 4, mask=nmask[:, None] & kin, other=0)
     else:
-        w = tl.load(w_rows + kb * 32, mask=nmask[None, :] & kin, other=0.0)
+        w = tl.load(w_rows + kb * _BLOCK, mask=nmask[None, :] & kin, other=0.0)
     return a, w
 
 
@@ -377,7 +376,7 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
     rn = pid_n * BN + tl.arange(0, BN)
     mmask = rm < M
     nmask = rn < N
-    rk = tl.arange(0, 32)
+    rk = tl.arange(0, _BLOCK)
     in_rows = rm  # activation rows
     out_rows = rm  # output rows
     KC = tl.cdiv(KB, 4)
@@ -770,9 +769,9 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: 
     `tiles` too (_expert_tiles), `slots` is the slot order grouped by expert and tile t takes up to BM of them,
     only those of `experts` (lo, hi) when given, the bank then holding experts lo .. hi - 1."""
     n, k = y.size(1), a.size(1)
-    kb = k // ACT_BLOCK
-    cps = k_range_blocks(n, kb) // SCALE_GROUP
-    splits = triton.cdiv(triton.cdiv(kb, SCALE_GROUP), cps)
+    kb = k // BLOCK
+    cps = k_range_blocks(n, kb) // K_RANGE_GROUP
+    splits = triton.cdiv(triton.cdiv(kb, K_RANGE_GROUP), cps)
     rows = y.size(0)
     stacked = slots is not None and tiles is None
     m = 1 if slots is not None else rows  # rows per program column: a slot is a one-row call
@@ -1259,7 +1258,7 @@ def _fp4_codes(x, E4M3_SCALE: tl.constexpr):
         s = tl.clamp(tl.math.div_rn(tl.maximum(amax, _FP4_E4M3_SCALE_FLOOR), 6.0), -448.0, 448.0)
         s = s.to(tl.float8e4nv).to(tl.float32)
     else:  # 2^ceil(log2(amax / 6)) from the exponent bits, as quant.pow2_scale
-        bits = (tl.maximum(amax, _FP4_POW2_SCALE_FLOOR) * _FP4_MAX_INV).to(tl.int32, bitcast=True)
+        bits = (tl.maximum(amax, _FP4_POW2_SCALE_FLOOR) * _E2M1_MAX_INV).to(tl.int32, bitcast=True)
         s = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
     v = tl.clamp(tl.math.div_rn(x, s[:, None]), -6.0, 6.0)
     # the code counts the midpoints below |v|, and the ties that round up
@@ -1389,7 +1388,7 @@ def fp4_dequant_packed(packed: torch.Tensor, d: int, block: int, e4m3_scale: boo
 
 def fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
     """quant.fp8_fake_quant in one kernel (bf16 [..., K], K a multiple of 32), bit for bit."""
-    return _fake_quant(x, ACT_BLOCK, False, False)
+    return _fake_quant(x, BLOCK, False, False)
 
 
 def fp4_fake_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
@@ -1584,7 +1583,7 @@ def _engram_rows_kernel(t_ptr, s_ptr, id_ptr, o_ptr, DE, BLOCK: tl.constexpr):
     mask = offs < DE
     row = tl.load(id_ptr + r)
     v = tl.load(t_ptr + row * DE + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(s_ptr + row * (DE // 32) + offs // 32, mask=mask, other=127).to(tl.int32)
+    b = tl.load(s_ptr + row * (DE // _BLOCK) + offs // _BLOCK, mask=mask, other=127).to(tl.int32)
     # E8M0 byte -> 2^(b - 127) as torch converts it: 0 -> 2^-127 (subnormal), 255 -> NaN
     bits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
     tl.store(o_ptr + r * DE + offs, (v * bits.to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
