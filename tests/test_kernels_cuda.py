@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 if torch.cuda.is_available():
     from dsflash.bench.kernels import composed_index_scores
     from dsflash.kernels import cuda as kc
+    from dsflash.kernels.cuda import configs, experts
 
 DEV = "cuda"
 
@@ -174,7 +175,7 @@ def test_linear_matches_cpu(kind, n, k):
     assert torch.equal(kc.linear(x[:5].to(DEV), wc), y[:5])
     assert torch.equal(kc.linear(x[3:4].to(DEV), wc), y[3:4])
     if kind in ("fp8", "fp4"):  # the other quantisation path gives the same bits
-        y2 = kc.linear(x.to(DEV), wc, fuse_quant=not (m <= kc.FUSE_QUANT_MAX_M))
+        y2 = kc.linear(x.to(DEV), wc, fuse_quant=not (m <= configs.FUSE_QUANT_MAX_M))
         assert torch.equal(y, y2)
 
 
@@ -311,7 +312,7 @@ def test_bf16_activations_widen_in_the_kernels():
     the bits of an fp32 copy (narrow and wide GEMM routes)."""
     g = gen(18)
     wf = kc.to_cuda_weight(rand_weight("fp32", 384, 5120, g))
-    for rows in (1, 7, kc.PLAIN_WIDE_MIN_M + 8):
+    for rows in (1, 7, configs.PLAIN_WIDE_MIN_M + 8):
         x = torch.randn(rows, 5120, generator=g).bfloat16().to(DEV)
         assert torch.equal(kc.linear(x, wf), kc.linear(x.float(), wf)), rows
     mixes = torch.randn(7, 24, generator=g).to(DEV)
@@ -432,7 +433,7 @@ INVARIANCE_SHAPES = [("fp8", 1280, 5120), ("fp4", 2304, 5120), ("fp8", 96, 160),
 def test_linear_batch_invariant(kind, n, k):
     g = gen(11)
     wc = kc.to_cuda_weight(rand_weight(kind, n, k, g))
-    rows_all = kc.PLAIN_WIDE_MIN_M + 88  # plain GEMMs: the wide-tile, one-program-ranges route
+    rows_all = configs.PLAIN_WIDE_MIN_M + 88  # plain GEMMs: the wide-tile, one-program-ranges route
     x = act_for(kind, rows_all, k, g).to(DEV)
     full = kc.linear(x, wc)
     perm = torch.randperm(rows_all, generator=g).to(DEV)
@@ -576,7 +577,7 @@ def test_sparse_attn_batch_invariant():
         assert torch.equal(kc.sparse_attn(q[rows], kv, sink, idx[rows], scale), full[rows]), f"M={m}"
         assert torch.equal(kc.sparse_attn(q[:m], kv, sink, idx[:m], scale), full[:m]), f"prefix M={m}"
     # a query's output channels split over programs (decode) give the unsplit kernel's bits
-    for block_o in (kc.SPARSE_ATTN_SLICE, 512):  # the split a few queries take, and none
+    for block_o in (configs.SPARSE_ATTN_SLICE, 512):  # the split a few queries take, and none
         assert torch.equal(kc.sparse_attn(q, kv, sink, idx, scale, block_o=block_o), full), f"block_o={block_o}"
 
 
@@ -657,12 +658,12 @@ def test_prefill_expert_tiles_widened_in_groups_give_one_row_bits(n, k, monkeypa
     bank = kc.expert_bank([kc.to_cuda_weight(rand_weight("fp4", n, k, g), DEV) for _ in range(10)])
     x = rand_act(120, k, g).to(DEV)
     ids = torch.stack([torch.randperm(9, generator=g)[:6] + 1 for _ in range(120)]).to(DEV)
-    assert ids.numel() >= kc.EXPERT_TILE_MIN_SLOTS
-    monkeypatch.setattr(kc, "EXPERT_WIDEN_BYTES", 3 * 2 * bank.values[0].numel())
+    assert ids.numel() >= configs.EXPERT_TILE_MIN_SLOTS
+    monkeypatch.setattr(experts, "EXPERT_WIDEN_BYTES", 3 * 2 * bank.values[0].numel())
     got = kc.expert_linear(x, bank, ids, 6, preconvert=True)
     assert torch.equal(got, kc.expert_linear(x, bank, ids, 6))  # 72 slots an expert: not widened
     assert torch.equal(got, kc.expert_linear(x, bank, ids, 6, preconvert=False))
-    assert torch.equal(got, kc.expert_linear(x, bank, ids, 6, config=kc.linear_config("fp4", n, k, m=1)))
+    assert torch.equal(got, kc.expert_linear(x, bank, ids, 6, config=configs.linear_config("fp4", n, k, m=1)))
     for slot in (0, 5, 377, 719):
         assert torch.equal(got[slot:slot + 1], kc.linear(x[slot // 6: slot // 6 + 1], bank[int(ids.flatten()[slot])]))
 
@@ -674,11 +675,11 @@ def test_narrow_and_large_tiles_give_the_wide_tiles_bits(kind, n, k):
     g = gen(n * 31 + k)
     wc = kc.to_cuda_weight(rand_weight(kind, n, k, g))
     x = rand_act(16, k, g).to(DEV)
-    wide = kc.linear_config(kind, n, k)
-    assert kc.linear_config(kind, n, k, 16) != wide
+    wide = configs.linear_config(kind, n, k)
+    assert configs.linear_config(kind, n, k, 16) != wide
     for spread in (False, None):
         assert torch.equal(kc.linear(x, wc, spread=spread), kc.linear(x, wc, config=wide, spread=False))
-    x = rand_act(kc.LARGE_TILE_MIN_M + 40, k, g).to(DEV)
-    large = kc.linear_config(kind, n, k, x.size(0))
+    x = rand_act(configs.LARGE_TILE_MIN_M + 40, k, g).to(DEV)
+    large = configs.linear_config(kind, n, k, x.size(0))
     assert (large != wide) == (kind == "fp8")
     assert torch.equal(kc.linear(x, wc), kc.linear(x, wc, config=wide))

@@ -1,4 +1,4 @@
-"""Time the CUDA kernels (dsflash/kernels/cuda.py) at real V4.1-Flash shapes.
+"""Time the CUDA kernels (dsflash/kernels/cuda/) at real V4.1-Flash shapes.
 
     DSFLASH_COMMIT=$(git rev-parse HEAD) python -m dsflash.bench.kernels --out bench/results [--sweep]
 
@@ -26,6 +26,7 @@ import triton.testing
 
 from dsflash.kernels import cpu
 from dsflash.kernels import cuda as kc
+from dsflash.kernels.cuda import configs
 from dsflash.model.attention import INDEXER_ROWS
 from dsflash.numerics import BLOCK, packing
 from dsflash.numerics.quant import K_RANGE_GROUP
@@ -163,18 +164,18 @@ def bench_linears(ceil, ms_values, sweep: bool) -> list[dict]:
             out_b = 4 if kind == "fp32" else 2
             nbytes = wb + x.numel() * x.element_size() + m * n * out_b
             flops = 2 * m * n * k
-            cfg = kc.linear_config(kind, n, k, m)
+            cfg = configs.linear_config(kind, n, k, m)
             fn = _rotating([lambda w=w, x=x: kc.linear(x, w) for w in copies])
             ms = bench_both(fn)
             extra = {"fp8": kind in ("fp8", "fp4"), "layer": name, "kind": kind,
                      "config": f"BM{cfg.BM} BN{cfg.BN} w{cfg.num_warps} s{cfg.num_stages}"}
             if kind in ("fp8", "fp4"):
-                extra["fused_quant"] = m <= kc.FUSE_QUANT_MAX_M
+                extra["fused_quant"] = m <= configs.FUSE_QUANT_MAX_M
             rows.append(row(f"linear {kind}", f"{name} {k}->{n}", m, ms, nbytes, flops, ceil, extra))
             alts = []  # the same bits by another route: record what each M-dependent choice buys
-            if kind in ("fp8", "fp4") and m <= kc.SPREAD_MAX_M:
-                alts += [{"fuse_quant": m > kc.FUSE_QUANT_MAX_M}, {"spread": False}]
-            if kind == "fp4" and m >= kc.FP4_PRECONVERT_M:
+            if kind in ("fp8", "fp4") and m <= configs.SPREAD_MAX_M:
+                alts += [{"fuse_quant": m > configs.FUSE_QUANT_MAX_M}, {"spread": False}]
+            if kind == "fp4" and m >= configs.FP4_PRECONVERT_M:
                 alts += [{"preconvert": False}]
             if kind == "fp32":
                 alts += [{"fp32_precision": "ieee"}]
@@ -270,9 +271,9 @@ def bench_prefill_experts(ceil, m=8192, top_k=6) -> list[dict]:
 
 
 SWEEP_CONFIGS = [
-    kc.LinearConfig(64, 64, 32, 4, 4),
-    kc.LinearConfig(128, 64, 32, 8, 3),
-    kc.LinearConfig(128, 128, 32, 8, 3),
+    configs.LinearConfig(64, 64, 32, 4, 4),
+    configs.LinearConfig(128, 64, 32, 8, 3),
+    configs.LinearConfig(128, 128, 32, 8, 3),
 ]
 
 

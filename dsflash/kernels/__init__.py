@@ -5,7 +5,7 @@ expansion, SwiGLU, the MoE sum, RoPE, the compressor's pooling, Engram's row gat
 fake-quantisation), the packed FP4 state's quantise-and-pack and read-back, and `weight` (a checkpoint
 weight in the form the backend's GEMM takes). The backend is chosen once, when a model is built for a
 device: CPU tensors take the reference backend (kernels/cpu.py, the oracle); CUDA tensors take the Triton
-backend (kernels/cuda.py), or the reference ops run on the GPU with `reference=True`
+backend (the kernels/cuda/ package), or the reference ops run on the GPU with `reference=True`
 (what `dsflash bench` compares against)."""
 
 from __future__ import annotations
