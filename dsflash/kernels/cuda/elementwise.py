@@ -1,7 +1,7 @@
 """The ops a layer runs on every row, each one launch with the rounding points of the torch composition it
 replaces (IEEE divisions, fp fusion off where products must round): the fixed-order row sums and what is
-built on them (RMSNorm, the mHC mix scale), the MoE sum, SwiGLU, the compressor's pooling, Engram's row
-gather and gate, RoPE."""
+built on them (mean square, RMSNorm, the mHC mix scale, the stream mean), the MoE sum, SwiGLU, the
+compressor's pooling, Engram's row gather and gate, RoPE."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from dsflash.numerics import exact_div
 
 from .common import FP_FUSION, TL_BLOCK, sigmoid
 from .configs import ENGRAM_ROWS_BLOCK, MHC_BLOCK, RMS_BLOCK, ROPE_ROWS, ROW_SUM_BLOCK
@@ -98,6 +100,16 @@ def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     for p in parts[1:]:
         acc = acc + p
     return acc.to(x.dtype)
+
+
+def mean_square(x: torch.Tensor) -> torch.Tensor:
+    """mean(x^2) over the last dim, keepdim, from the fixed-order row sum of squares."""
+    return exact_div(row_sum(x, square=True), x.size(-1)).unsqueeze(-1)
+
+
+def stream_mean(h: torch.Tensor) -> torch.Tensor:
+    """Mean over the mHC streams (dim 1), in h's dtype, from small_sum."""
+    return exact_div(small_sum(h.float(), 1), h.size(1)).to(h.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
