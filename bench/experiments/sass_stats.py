@@ -10,6 +10,7 @@ the compiled code before timing it.
 """
 
 import collections
+import functools
 import importlib.util
 import os
 import re
@@ -36,6 +37,7 @@ VARIANTS = [
 ]
 
 
+@functools.cache
 def gemm_module():
     """This tree's gemm module, or a variant's: a package folder (its modules import each other relatively:
     the copy's own load, under its name) or an older single-module kernel file."""
