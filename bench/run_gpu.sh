@@ -6,10 +6,11 @@
 # benchmark with and without CUDA graphs, and the profile). `... open` runs the measurements the open
 # questions of docs/perf-record.md need first: the prefill profile and the sparse-attention head split;
 # `... prefill-gap` the prefill profile and prefill up to 512K tokens.
-# `... patch FILE` A/Bs a variant of dsflash/kernels/cuda.py against this tree (FILE: a whole module, or a
-# patch from the repository root, applied with `git apply` or `patch -p1` to take the patched cuda.py, then
-# reverted): the GEMM experiment (DIFF where the variant's bits differ) and the encoder prefill with each
-# kernel module. `... patch-step FILE...`: engine patches (git apply, in order): the CUDA kernel and model
+# `... patch FILE` A/Bs a variant of the kernel package dsflash/kernels/cuda/ against this tree (FILE: a copy
+# of the package folder, or a patch from the repository root, applied with `git apply` or `patch -p1` to take
+# the patched package, then reverted): the GEMM experiment (DIFF where the variant's bits differ) and the
+# encoder prefill with each package (a single-module kernel file of the trees before the package: the GEMM
+# experiment only). `... patch-step FILE...`: engine patches (git apply, in order): the CUDA kernel and model
 # tests with them, the step benchmark before, with (twice) and after them, and the prefill before and with
 # them, in one session (steps vary ~5 ms between machines).
 set -u
@@ -41,19 +42,21 @@ if [ "$part" = prefill-gap ]; then  # the per-kernel prefill breakdown the issue
     --lengths 8192,131072,524288 --out "$out" 2>&1 | tail -5
 fi
 if [ "$part" = patch ]; then
-  variant=/tmp/variant_cuda.py
-  case "$2" in
-    *.py) cp "$2" "$variant" ;;
-    *) { git apply "$2" || patch -p1 -s < "$2"; } && cp dsflash/kernels/cuda.py "$variant" \
-         && { git apply -R "$2" || patch -R -p1 -s < "$2"; } || exit 1 ;;
-  esac
+  variant=/tmp/variant_cuda && rm -rf "$variant" "$variant.py"
+  if [ -d "$2" ]; then cp -r "$2" "$variant"
+  elif [[ "$2" == *.py ]]; then variant=$variant.py && cp "$2" "$variant"
+  else { git apply "$2" || patch -p1 -s < "$2"; } && cp -r dsflash/kernels/cuda "$variant" \
+         && { git apply -R "$2" || patch -R -p1 -s < "$2"; } || exit 1
+  fi
   timeout 300 python bench/experiments/decode_gemm.py "$variant" 2>&1 | grep -v -i warn | tee "$out/decode-gemm-patch.txt"
-  prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
-  mkdir -p "$out/this" "$out/patched"
-  timeout 90 $prefill --out "$out/this" 2>&1 | tail -3
-  this=/tmp/this_cuda.py && cp dsflash/kernels/cuda.py "$this" && cp "$variant" dsflash/kernels/cuda.py
-  timeout 90 $prefill --out "$out/patched" 2>&1 | tail -3
-  cp "$this" dsflash/kernels/cuda.py
+  if [ -d "$variant" ]; then
+    prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
+    mkdir -p "$out/this" "$out/patched"
+    timeout 90 $prefill --out "$out/this" 2>&1 | tail -3
+    this=/tmp/this_cuda && rm -rf "$this" && mv dsflash/kernels/cuda "$this" && cp -r "$variant" dsflash/kernels/cuda
+    timeout 90 $prefill --out "$out/patched" 2>&1 | tail -3
+    rm -rf dsflash/kernels/cuda && mv "$this" dsflash/kernels/cuda
+  fi
 fi
 if [ "$part" = patch-step ]; then  # engine patches (git apply, in order): the CUDA kernel and model tests with
   # them, and the step benchmark (steps and drafts) before, with (twice) and after them, in one session

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from dsflash.numerics import BLOCK
+
 
 class ConfigError(ValueError):
     """A config value is missing or violates a constraint; the message names the field."""
@@ -23,8 +25,6 @@ class ConfigError(ValueError):
 # not model shape: excluded from the model identity
 RUNTIME_FIELDS = ("max_batch_size", "max_seq_len", "temperature")
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
-# FP8 activations and weight tiles are quantised in blocks of 32 along every linear input
-QUANT_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -307,7 +307,7 @@ def _quantization(qc) -> dict:
         return {"dtype": "bf16"}  # HF writes no quantization_config for an unquantised checkpoint
     if not isinstance(qc, dict):
         raise ConfigError(f"quantization_config: expected an object, got {qc!r}")
-    expected = {"quant_method": "fp8", "weight_block_size": [QUANT_BLOCK, QUANT_BLOCK], "scale_fmt": "ue8m0"}
+    expected = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"}
     for k, want in expected.items():
         if k in qc and qc[k] != want:
             raise ConfigError(f"quantization_config.{k}: expected {want!r}, got {qc[k]!r}")
@@ -429,7 +429,7 @@ def validate(args: ModelArgs) -> None:
     if a.engram_layer_ids:
         widths["engram_head_dim"] = a.engram_head_dim
     for name, width in widths.items():
-        _check(width % QUANT_BLOCK == 0, name, f"a multiple of {QUANT_BLOCK}", width)
+        _check(width % BLOCK == 0, name, f"a multiple of {BLOCK}", width)
     _check(a.rope_head_dim % 2 == 0, "rope_head_dim", "an even number (RoPE rotates pairs)", a.rope_head_dim)
     _check(a.rope_head_dim <= a.index_head_dim, "rope_head_dim", f"<= index_head_dim={a.index_head_dim}",
            a.rope_head_dim)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import (
     E2M1_VALUES,
     ceil_pow2_e8m0,
@@ -211,7 +212,7 @@ def test_quantize_fp8_blocks_as_the_reference_recipe():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 96, generator=g) * 0.05
     codes, scale = quantize_fp8_blocks(w)
-    tiles = w.unflatten(0, (2, 32)).unflatten(-1, (3, 32))
+    tiles = w.unflatten(0, (2, BLOCK)).unflatten(-1, (3, BLOCK))
     ratio = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4) * torch.tensor(1 / 448, dtype=torch.float32)
     s = torch.exp2(torch.ceil(torch.log2(ratio.double()))).float()
     assert torch.equal(decode_e8m0(scale), s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from dsflash.kernels import cpu
+from dsflash.numerics import BLOCK
 from dsflash.numerics.quant import K_RANGE_GROUP, k_range_blocks
 
 
@@ -16,7 +17,7 @@ def test_k_ranges_are_fixed_by_the_weight_shape():
             ranges = -(-kb // per)
             assert per % K_RANGE_GROUP == 0 and 1 <= ranges <= 16, (n, kb)
             assert ranges == 1 or per >= 16, (n, kb)
-            if kb * 32 < 928:
+            if kb * BLOCK < 928:
                 assert ranges == 1, (n, kb)  # the tiny golden models never have a second range
     # the V4.1 decode shapes: (outputs, K blocks) -> blocks per range
     assert [k_range_blocks(n, kb) for n, kb in ((1280, 160), (32768, 40), (512, 160), (5120, 256), (2304, 160),
@@ -24,10 +25,10 @@ def test_k_ranges_are_fixed_by_the_weight_shape():
 
 
 def block_weight(k: int) -> cpu.Weight:
-    """An FP8 weight row whose K block kb holds a single 1 (scale 1): block kb's product is x[32 kb]."""
+    """An FP8 weight row whose K block kb holds a single 1 (scale 1): block kb's product is x[BLOCK kb]."""
     values = torch.zeros(1, k)
-    values[0, ::32] = 1.0
-    return cpu.Weight("fp8", values, torch.ones(1, k // 32))
+    values[0, ::BLOCK] = 1.0
+    return cpu.Weight("fp8", values, torch.ones(1, k // BLOCK))
 
 
 def test_block_scaled_gemm_sums_each_k_range_then_the_ranges():
@@ -36,8 +37,8 @@ def test_block_scaled_gemm_sums_each_k_range_then_the_ranges():
     # per range, range 1 is 2^24 and range 2 is exactly 15 - 2^24, so the result is 15.
     assert k_range_blocks(1, 32) == 16
     x = torch.zeros(1, 1024)
-    x[0, ::32] = 1.0
+    x[0, ::BLOCK] = 1.0
     x[0, 0] = 2.0 ** 24
-    x[0, 31 * 32] = -(2.0 ** 24)
+    x[0, 31 * BLOCK] = -(2.0 ** 24)
     y = cpu.linear(x.bfloat16(), block_weight(1024))
     assert y.dtype == torch.bfloat16 and float(y[0, 0]) == 15.0

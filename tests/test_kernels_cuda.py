@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsflash.kernels import cpu, load_kernels
-from dsflash.numerics import exact_div
+from dsflash.numerics import BLOCK, exact_div
 from dsflash.numerics.quant import fp8_act_codes
 from tests.test_kernels_cpu import block_weight
 
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 if torch.cuda.is_available():
     from dsflash.bench.kernels import composed_index_scores
     from dsflash.kernels import cuda as kc
+    from dsflash.kernels.cuda import configs, experts
 
 DEV = "cuda"
 
@@ -94,7 +95,7 @@ def gen(seed: int) -> torch.Generator:
 def rand_act(m: int, k: int, g: torch.Generator) -> torch.Tensor:
     """bf16 activations whose 32-blocks span many binades (exercises the per-block scales)."""
     x = torch.randn(m, k, generator=g)
-    block_mag = torch.exp2(torch.randint(-6, 7, (m, -(-k // 32)), generator=g).float()).repeat_interleave(32, 1)
+    block_mag = torch.exp2(torch.randint(-6, 7, (m, -(-k // BLOCK)), generator=g).float()).repeat_interleave(BLOCK, 1)
     x = x * block_mag[:, :k]
     x[:, :: 97] *= 40.0  # outliers
     return x.bfloat16()
@@ -104,12 +105,12 @@ def rand_weight(kind: str, n: int, k: int, g: torch.Generator) -> cpu.Weight:
     """A CPU-reference Weight as model/weights.py builds it from a checkpoint."""
     if kind == "fp8":
         codes = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-        tiles = torch.exp2(torch.randint(-14, -6, (-(-n // 32), k // 32), generator=g).float())
-        return cpu.Weight("fp8", codes, tiles.repeat_interleave(32, 0)[:n].contiguous())
+        tiles = torch.exp2(torch.randint(-14, -6, (-(-n // BLOCK), k // BLOCK), generator=g).float())
+        return cpu.Weight("fp8", codes, tiles.repeat_interleave(BLOCK, 0)[:n].contiguous())
     if kind == "fp4":
         table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
         codes = table[torch.randint(0, 16, (n, k), generator=g)]
-        return cpu.Weight("fp4", codes, torch.exp2(torch.randint(-10, -3, (n, k // 32), generator=g).float()))
+        return cpu.Weight("fp4", codes, torch.exp2(torch.randint(-10, -3, (n, k // BLOCK), generator=g).float()))
     w = torch.randn(n, k, generator=g) / k**0.5
     return cpu.Weight(kind, w.bfloat16() if kind == "bf16" else w)
 
@@ -126,9 +127,9 @@ def act_for(kind: str, m: int, k: int, g: torch.Generator) -> torch.Tensor:
 def test_quant_act_bit_exact(m, k):
     g = gen(1)
     x = rand_act(m, k, g)
-    x[0, :32] = 0  # an all-zero block takes the 1e-4 floor
-    x[-1, 32:64] = torch.tensor(3.0e38).bfloat16()  # near the top of bf16
-    x[-1, 64:96] = torch.tensor(1e-30).bfloat16()  # tiny block
+    x[0, :BLOCK] = 0  # an all-zero block takes the 1e-4 floor
+    x[-1, BLOCK:2 * BLOCK] = torch.tensor(3.0e38).bfloat16()  # near the top of bf16
+    x[-1, 2 * BLOCK:3 * BLOCK] = torch.tensor(1e-30).bfloat16()  # tiny block
     q, words = kc.quant_act(x.to(DEV))
     q_ref, s_ref = fp8_act_codes(x)
     assert torch.equal(q.float().cpu(), q_ref)
@@ -174,7 +175,7 @@ def test_linear_matches_cpu(kind, n, k):
     assert torch.equal(kc.linear(x[:5].to(DEV), wc), y[:5])
     assert torch.equal(kc.linear(x[3:4].to(DEV), wc), y[3:4])
     if kind in ("fp8", "fp4"):  # the other quantisation path gives the same bits
-        y2 = kc.linear(x.to(DEV), wc, fuse_quant=not (m <= kc.FUSE_QUANT_MAX_M))
+        y2 = kc.linear(x.to(DEV), wc, fuse_quant=not (m <= configs.FUSE_QUANT_MAX_M))
         assert torch.equal(y, y2)
 
 
@@ -276,7 +277,7 @@ def test_softmax_pool_kernel_gives_the_composed_ops_bits():
 
 def engram_inputs(n, hc, d, rows, de, cols, g):
     table = (torch.randn(rows, de, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.randint(110, 135, (rows, de // 32), dtype=torch.uint8, generator=g)  # E8M0: 2^-17 .. 2^7
+    scale = torch.randint(110, 135, (rows, de // BLOCK), dtype=torch.uint8, generator=g)  # E8M0: 2^-17 .. 2^7
     ids = torch.randint(0, rows, (n, cols), generator=g)
     h = (torch.randn(n, hc, d, generator=g) * 2).bfloat16()
     kv = torch.randn(n, (hc + 1) * d, generator=g).bfloat16()
@@ -311,7 +312,7 @@ def test_bf16_activations_widen_in_the_kernels():
     the bits of an fp32 copy (narrow and wide GEMM routes)."""
     g = gen(18)
     wf = kc.to_cuda_weight(rand_weight("fp32", 384, 5120, g))
-    for rows in (1, 7, kc.PLAIN_WIDE_MIN_M + 8):
+    for rows in (1, 7, configs.PLAIN_WIDE_MIN_M + 8):
         x = torch.randn(rows, 5120, generator=g).bfloat16().to(DEV)
         assert torch.equal(kc.linear(x, wf), kc.linear(x.float(), wf)), rows
     mixes = torch.randn(7, 24, generator=g).to(DEV)
@@ -321,8 +322,8 @@ def test_bf16_activations_widen_in_the_kernels():
 def test_k_ranges_on_the_gpu():
     """The sum that one K-order pass gets wrong by 15 (tests/test_kernels_cpu.py), at decode and prefill sizes."""
     x = torch.zeros(200, 1024)
-    x[:, ::32] = 1.0
-    x[:, 0], x[:, 31 * 32] = 2.0 ** 24, -(2.0 ** 24)
+    x[:, ::BLOCK] = 1.0
+    x[:, 0], x[:, 31 * BLOCK] = 2.0 ** 24, -(2.0 ** 24)
     w = kc.to_cuda_weight(block_weight(1024))
     for m in (1, 16, 200):
         for spread in (False, True):
@@ -411,7 +412,7 @@ def test_to_cuda_weight_roundtrip():
     g = gen(7)
     w8 = rand_weight("fp8", 100, 256, g)
     c8 = kc.to_cuda_weight(w8)
-    assert c8.values.dtype == torch.float8_e4m3fn and c8.scale_rows == 32 and c8.scale_e8m0
+    assert c8.values.dtype == torch.float8_e4m3fn and c8.scale_rows == BLOCK and c8.scale_e8m0
     assert torch.equal(c8.values.float().cpu(), w8.values)
     w4 = rand_weight("fp4", 64, 192, g)
     c4 = kc.to_cuda_weight(w4)
@@ -432,7 +433,7 @@ INVARIANCE_SHAPES = [("fp8", 1280, 5120), ("fp4", 2304, 5120), ("fp8", 96, 160),
 def test_linear_batch_invariant(kind, n, k):
     g = gen(11)
     wc = kc.to_cuda_weight(rand_weight(kind, n, k, g))
-    rows_all = kc.PLAIN_WIDE_MIN_M + 88  # plain GEMMs: the wide-tile, one-program-ranges route
+    rows_all = configs.PLAIN_WIDE_MIN_M + 88  # plain GEMMs: the wide-tile, one-program-ranges route
     x = act_for(kind, rows_all, k, g).to(DEV)
     full = kc.linear(x, wc)
     perm = torch.randperm(rows_all, generator=g).to(DEV)
@@ -576,7 +577,7 @@ def test_sparse_attn_batch_invariant():
         assert torch.equal(kc.sparse_attn(q[rows], kv, sink, idx[rows], scale), full[rows]), f"M={m}"
         assert torch.equal(kc.sparse_attn(q[:m], kv, sink, idx[:m], scale), full[:m]), f"prefix M={m}"
     # a query's output channels split over programs (decode) give the unsplit kernel's bits
-    for block_o in (kc.SPARSE_ATTN_SLICE, 512):  # the split a few queries take, and none
+    for block_o in (configs.SPARSE_ATTN_SLICE, 512):  # the split a few queries take, and none
         assert torch.equal(kc.sparse_attn(q, kv, sink, idx, scale, block_o=block_o), full), f"block_o={block_o}"
 
 
@@ -657,12 +658,12 @@ def test_prefill_expert_tiles_widened_in_groups_give_one_row_bits(n, k, monkeypa
     bank = kc.expert_bank([kc.to_cuda_weight(rand_weight("fp4", n, k, g), DEV) for _ in range(10)])
     x = rand_act(120, k, g).to(DEV)
     ids = torch.stack([torch.randperm(9, generator=g)[:6] + 1 for _ in range(120)]).to(DEV)
-    assert ids.numel() >= kc.EXPERT_TILE_MIN_SLOTS
-    monkeypatch.setattr(kc, "EXPERT_WIDEN_BYTES", 3 * 2 * bank.values[0].numel())
+    assert ids.numel() >= configs.EXPERT_TILE_MIN_SLOTS
+    monkeypatch.setattr(experts, "EXPERT_WIDEN_BYTES", 3 * 2 * bank.values[0].numel())
     got = kc.expert_linear(x, bank, ids, 6, preconvert=True)
     assert torch.equal(got, kc.expert_linear(x, bank, ids, 6))  # 72 slots an expert: not widened
     assert torch.equal(got, kc.expert_linear(x, bank, ids, 6, preconvert=False))
-    assert torch.equal(got, kc.expert_linear(x, bank, ids, 6, config=kc.linear_config("fp4", n, k, m=1)))
+    assert torch.equal(got, kc.expert_linear(x, bank, ids, 6, config=configs.linear_config("fp4", n, k, m=1)))
     for slot in (0, 5, 377, 719):
         assert torch.equal(got[slot:slot + 1], kc.linear(x[slot // 6: slot // 6 + 1], bank[int(ids.flatten()[slot])]))
 
@@ -674,11 +675,11 @@ def test_narrow_and_large_tiles_give_the_wide_tiles_bits(kind, n, k):
     g = gen(n * 31 + k)
     wc = kc.to_cuda_weight(rand_weight(kind, n, k, g))
     x = rand_act(16, k, g).to(DEV)
-    wide = kc.linear_config(kind, n, k)
-    assert kc.linear_config(kind, n, k, 16) != wide
+    wide = configs.linear_config(kind, n, k)
+    assert configs.linear_config(kind, n, k, 16) != wide
     for spread in (False, None):
         assert torch.equal(kc.linear(x, wc, spread=spread), kc.linear(x, wc, config=wide, spread=False))
-    x = rand_act(kc.LARGE_TILE_MIN_M + 40, k, g).to(DEV)
-    large = kc.linear_config(kind, n, k, x.size(0))
+    x = rand_act(configs.LARGE_TILE_MIN_M + 40, k, g).to(DEV)
+    large = configs.linear_config(kind, n, k, x.size(0))
     assert (large != wide) == (kind == "fp8")
     assert torch.equal(kc.linear(x, wc), kc.linear(x, wc, config=wide))

@@ -44,6 +44,8 @@ KERNEL_SCRIPT = """
 import interpreter_fixes  # noqa: F401  (before any kernel runs)
 import torch
 from dsflash.kernels import cpu, cuda
+from dsflash.kernels.cuda import configs, experts
+from dsflash.numerics import BLOCK
 from dsflash.numerics.quant import fp8_act_codes, k_range_blocks
 from test_kernels_cuda import act_for, attn_inputs, rand_act, rand_weight
 
@@ -55,7 +57,7 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
     wc = cuda.to_cuda_weight(w, "cpu")
     x = rand_act(5, k, g)
     full = cuda.linear(x, wc)
-    assert (k_range_blocks(n, k // 32) < k // 32) == (k == 1280), k  # 1280: two K ranges
+    assert (k_range_blocks(n, k // BLOCK) < k // BLOCK) == (k == 1280), k  # 1280: two K ranges
     assert rel(full, cpu.linear(x, w)) < 1e-5, (kind, rel(full, cpu.linear(x, w)))
     # every route that must not change bits, and a row's bits whatever the other rows
     for m in (1, 5):
@@ -65,8 +67,8 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
         if kind == "fp4":
             assert torch.equal(cuda.linear(x[:m], wc, preconvert=True), full[:m]), (kind, m)
     assert torch.equal(cuda.linear(x[3:4], wc), full[3:4])
-    wide = cuda.linear_config(kind, n, k)  # the 64-row tiles of large M, on a decode-sized call
-    assert wide != cuda.linear_config(kind, n, k, 5) and torch.equal(cuda.linear(x, wc, config=wide), full)
+    wide = configs.linear_config(kind, n, k)  # the 64-row tiles of large M, on a decode-sized call
+    assert wide != configs.linear_config(kind, n, k, 5) and torch.equal(cuda.linear(x, wc, config=wide), full)
     # routed experts: one launch over (row, slot) pairs equals one-row calls of each slot's expert
     weights = [rand_weight(kind, n, k, g) for _ in range(5)]
     bank = cuda.expert_bank([cuda.to_cuda_weight(e, "cpu") for e in weights])
@@ -81,8 +83,8 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
     # a prefill's many slots share per-expert tiles (the threshold lowered: the interpreter is slow): the
     # one-row programs' bits, with an expert that has no slot, the fused and the separate quantisation; an FP4
     # bank widened to E4M3 two experts at a time (three launches) or decoded in the tiles
-    one_row, cuda.EXPERT_TILE_MIN_SLOTS = cuda.linear_config(kind, n, k, m=1), 40
-    cuda.EXPERT_WIDEN_BYTES = 2 * 2 * bank.values[0].numel()
+    one_row, experts.EXPERT_TILE_MIN_SLOTS = configs.linear_config(kind, n, k, m=1), 40
+    experts.EXPERT_WIDEN_BYTES = 2 * 2 * bank.values[0].numel()
     for rows, per_row in ((20, 3), (8, 6)):
         xs = rand_act(rows, k, g)
         ids = torch.randint(1, 5, (rows, per_row), generator=g)
@@ -92,7 +94,7 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
 for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMMs: K split by the shape
     w = rand_weight(kind, n, k, g)
     wc = cuda.to_cuda_weight(w, "cpu")
-    assert cuda.plain_k_per_split(cuda.linear_config(kind, n, k), n, k) < k
+    assert configs.plain_k_per_split(configs.linear_config(kind, n, k), n, k) < k
     x = act_for(kind, 5, k, g)
     full = cuda.linear(x, wc)
     assert rel(full, cpu.linear(x, w)) < (1e-5 if kind == "fp32" else 5e-3), (kind, rel(full, cpu.linear(x, w)))
@@ -102,8 +104,8 @@ for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMM
 # the K ranges: a sum that one K-order pass gets wrong by 15 (tests/test_kernels_cpu.py), in one program and spread
 from test_kernels_cpu import block_weight
 xr = torch.zeros(1, 1024)
-xr[0, ::32] = 1.0
-xr[0, 0], xr[0, 31 * 32] = 2.0 ** 24, -(2.0 ** 24)
+xr[0, ::BLOCK] = 1.0
+xr[0, 0], xr[0, 31 * BLOCK] = 2.0 ** 24, -(2.0 ** 24)
 wr = cuda.to_cuda_weight(block_weight(1024), "cpu")
 for spread in (False, True):
     assert float(cuda.linear(xr.bfloat16(), wr, spread=spread)[0, 0]) == 15.0, spread
@@ -116,23 +118,23 @@ assert torch.equal(cuda.linear(xh, cuda.CudaWeight("fp32", stored)),
 # grouped `wo_a`: each group's bits are a single linear's, also when that linear splits K
 xg = torch.randn(3, 4, 1024, generator=g).bfloat16()
 wg = (torch.randn(4, 40, 1024, generator=g) / 32).bfloat16()
-assert cuda.plain_k_per_split(cuda.linear_config("bf16", 40, 1024), 40, 1024) < 1024
+assert configs.plain_k_per_split(configs.linear_config("bf16", 40, 1024), 40, 1024) < 1024
 got = cuda.grouped_linear(xg, wg)
 for gi in range(4):
     one = cuda.linear(xg[:, gi].contiguous(), cuda.to_cuda_weight(cpu.Weight("bf16", wg[gi]), "cpu"))
     assert torch.equal(got[:, gi], one), gi
 # from PLAIN_WIDE_MIN_M rows: N-wide tiles and every K range in one program, the narrow split route's bits (bf16:
 # numpy's fp32 matmul orders fp32 products by tile width, the GPU's MMA does not)
-xw = torch.randn(cuda.PLAIN_WIDE_MIN_M + 3, 1024, generator=g).bfloat16()
+xw = torch.randn(configs.PLAIN_WIDE_MIN_M + 3, 1024, generator=g).bfloat16()
 ww = cuda.to_cuda_weight(cpu.Weight("bf16", (torch.randn(40, 1024, generator=g) / 32).bfloat16()), "cpu")
 wide = cuda.linear(xw, ww)
 assert torch.equal(cuda.linear(xw[:5], ww), wide[:5]) and torch.equal(cuda.linear(xw[300:303], ww), wide[300:303])
-xgw = torch.randn(cuda.PLAIN_WIDE_MIN_M, 4, 1024, generator=g).bfloat16()
+xgw = torch.randn(configs.PLAIN_WIDE_MIN_M, 4, 1024, generator=g).bfloat16()
 assert torch.equal(cuda.grouped_linear(xgw[:3], wg), cuda.grouped_linear(xgw, wg)[:3])
 # a bf16 activation of an fp32 weight (the router, the mHC projections) and bf16 RMS inputs widen inside the
 # kernels: the bits of widening them first
 wf = cuda.to_cuda_weight(cpu.Weight("fp32", torch.randn(40, 1024, generator=g) / 32), "cpu")
-for rows in (3, cuda.PLAIN_WIDE_MIN_M + 3):
+for rows in (3, configs.PLAIN_WIDE_MIN_M + 3):
     xb = torch.randn(rows, 1024, generator=g).bfloat16()
     assert torch.equal(cuda.linear(xb, wf), cuda.linear(xb.float(), wf)), rows
 mixes_in = torch.randn(4, 24, generator=g)
@@ -204,7 +206,7 @@ for got, ref in zip(cuda.hc_split_sinkhorn(mixes, hc_scale, hc_base, 4, 20, 1e-6
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6), float((got - ref).abs().max())
 # activation quantisation: bit-exact with numerics/quant.py
 xq = rand_act(5, 192, g)
-xq[0, :32] = 0
+xq[0, :BLOCK] = 0
 codes, words = cuda.quant_act(xq)
 ref_codes, ref_scales = fp8_act_codes(xq)
 assert torch.equal(codes.float(), ref_codes) and torch.equal(cuda.act_scales(words, 192), ref_scales)
@@ -385,7 +387,7 @@ def test_new_kernels_compile_for_sm90():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from dsflash.kernels import cuda
+    from dsflash.kernels.cuda import configs, elementwise, gemm, indexer, router
 
     def check(fn, pointers, constexprs):
         sig = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
@@ -393,28 +395,29 @@ def test_new_kernels_compile_for_sm90():
                         constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
         assert compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
 
-    gemm = {"x_ptr": "*fp8e4nv", "xs_ptr": "*i32", "w_ptr": "*u8", "ws_ptr": "*i32", "y_ptr": "*bf16",
-            "part_ptr": "*fp32", "slot_ptr": "*i32", "tile_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"}
-    check(cuda._bs_gemm_kernel, gemm, {"FP4": True, "FUSE_QUANT": False, "SCALE_ROWS": 1, "SCALE_E8M0": True,
-                                       "SPREAD": False, "SLOTS": False, "GROUPED": True, "BM": 64, "BN": 64,
-                                       "GROUP_M": 8, "RANGES": True})
+    pointers = {"x_ptr": "*fp8e4nv", "xs_ptr": "*i32", "w_ptr": "*u8", "ws_ptr": "*i32", "y_ptr": "*bf16",
+                "part_ptr": "*fp32", "slot_ptr": "*i32", "tile_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"}
+    check(gemm._bs_gemm_kernel, pointers, {"FP4": True, "FUSE_QUANT": False, "SCALE_ROWS": 1, "SCALE_E8M0": True,
+                                           "SPREAD": False, "SLOTS": False, "GROUPED": True, "BM": 64, "BN": 64,
+                                           "GROUP_M": 8, "RANGES": True})
     for cand, group in ((False, 1), (True, 8)):
-        check(cuda._topk_kernel, {"s_ptr": "*bf16", "vis_ptr": "*i64", "o_ptr": "*i8" if cand else "*i64"},
-              {"GROUP": group, "CAND": cand, "BLOCK": cuda.TOPK_BLOCK // group})
-    check(cuda._softmax_pool_kernel, {"kv_ptr": "*fp32", "s_ptr": "*fp32", "o_ptr": "*bf16"},
-          {"R": 2, "BLOCK": cuda.MHC_BLOCK})
-    check(cuda._engram_rows_kernel, {"t_ptr": "*fp8e4nv", "s_ptr": "*u8", "id_ptr": "*i64", "o_ptr": "*bf16"},
-          {"BLOCK": 1024})
+        check(indexer._topk_kernel, {"s_ptr": "*bf16", "vis_ptr": "*i64", "o_ptr": "*i8" if cand else "*i64"},
+              {"GROUP": group, "CAND": cand, "BLOCK": configs.TOPK_BLOCK // group})
+    check(elementwise._softmax_pool_kernel, {"kv_ptr": "*fp32", "s_ptr": "*fp32", "o_ptr": "*bf16"},
+          {"R": 2, "BLOCK": configs.MHC_BLOCK})
+    check(elementwise._engram_rows_kernel, {"t_ptr": "*fp8e4nv", "s_ptr": "*u8", "id_ptr": "*i64", "o_ptr": "*bf16"},
+          {"BLOCK": configs.ENGRAM_ROWS_BLOCK})
     for masked in (False, True):
-        check(cuda._engram_gate_kernel, {"h_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qk_ptr": "*fp32",
-                                         "m_ptr": "*u8", "o_ptr": "*bf16", "d": "fp32", "eps": "fp32",
-                                         "scale": "fp32", "floor": "fp32"},
-              {"MASK": masked, "BLOCK": cuda.ENGRAM_BLOCK})
+        check(elementwise._engram_gate_kernel, {"h_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                                                "qk_ptr": "*fp32", "m_ptr": "*u8", "o_ptr": "*bf16", "d": "fp32",
+                                                "eps": "fp32", "scale": "fp32", "floor": "fp32"},
+              {"MASK": masked, "BLOCK": configs.ROW_SUM_BLOCK})
     for keep in (False, True):
-        check(cuda._index_scores_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "vis_ptr": "*i64",
-                                          "keep_ptr": "*u8", "o_ptr": "*bf16"},
-              {"H": 32, "D": 128, "BLOCK": 8, "KEEP": keep, "R": cuda.INDEX_SCORE_ROWS, "BE": cuda.INDEX_SCORE_ENTRIES})
+        check(indexer._index_scores_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "vis_ptr": "*i64",
+                                             "keep_ptr": "*u8", "o_ptr": "*bf16"},
+              {"H": 32, "D": 128, "BLOCK": 8, "KEEP": keep, "R": configs.INDEX_SCORE_ROWS,
+               "BE": configs.INDEX_SCORE_ENTRIES})
     for func in (1, 2):
-        check(cuda._moe_route_kernel, {"logit_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "id_ptr": "*i64",
-                                       "temp": "fp32", "scale": "fp32"},
+        check(router._moe_route_kernel, {"logit_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32",
+                                         "id_ptr": "*i64", "temp": "fp32", "scale": "fp32"},
               {"K": 6, "KP": 8, "FUNC": func, "NORM": True, "ASC": func == 2, "BLOCK_E": 512})

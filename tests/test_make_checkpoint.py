@@ -14,6 +14,7 @@ from dsflash.checkpoint.make import make_checkpoint
 from dsflash.checkpoint.reader import DTYPE_SIZES, Checkpoint, open_checkpoint, read_header
 from dsflash.cli import main
 from dsflash.config import PRESETS, TINY_A, TINY_B, bench_preset, load_config
+from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import decode_e4m3, decode_e8m0, dequant_fp4_rows, dequant_fp8_blocks, dequant_fp8_rows
 
 
@@ -97,10 +98,10 @@ def _check_scales_fit(ckpt: Checkpoint) -> int:
         rows, cols = shape
         codes = decode_e4m3(ckpt.get(name)).abs()
         if ".engram.embed." in name:
-            top = codes.unflatten(1, (-1, 32)).amax(-1)
+            top = codes.unflatten(1, (-1, BLOCK)).amax(-1)
         else:
-            padded = torch.nn.functional.pad(codes, (0, -cols % 32, 0, -rows % 32))
-            top = padded.unflatten(0, (-1, 32)).unflatten(-1, (-1, 32)).amax(dim=(1, 3))
+            padded = torch.nn.functional.pad(codes, (0, -cols % BLOCK, 0, -rows % BLOCK))
+            top = padded.unflatten(0, (-1, BLOCK)).unflatten(-1, (-1, BLOCK)).amax(dim=(1, 3))
         assert ((top >= 224) & (top <= 448)).all(), name
         checked += 1
     return checked

@@ -1,11 +1,12 @@
 """Experiment (GPU): FP8/FP4 GEMMs with the shape-fixed K ranges (NUMERICS_VERSION 3) against other kernel
-modules passed as files (an older kernel, e.g. `git show 1027ac9:dsflash/kernels/cuda.py > old.py`, or a
-variant of this one; each labelled by its file name, DIFF where its bits differ from this tree's), at
-decode and prefill sizes (there also other tile configs); at decode sizes also the bit-neutral choices
-(activation quantisation fused into the GEMM; K ranges spread over programs or in one), checked to keep
-the bits.
+versions passed as paths: a copy of the kernel package (a variant of this one, or an older one, e.g.
+`mkdir old && git archive REV dsflash/kernels/cuda | tar -x -C old` then old/dsflash/kernels/cuda), or a
+single-module kernel of the trees before the package (e.g. `git show 1027ac9:dsflash/kernels/cuda.py >
+old.py`); each labelled by its file or folder name, DIFF where its bits differ from this tree's), at decode
+and prefill sizes (there also other tile configs); at decode sizes also the bit-neutral choices (activation
+quantisation fused into the GEMM; K ranges spread over programs or in one), checked to keep the bits.
 
-    python bench/experiments/decode_gemm.py [--decode|--prefill] [old.py ...] > $OUT/decode-gemm.txt
+    python bench/experiments/decode_gemm.py [--decode|--prefill] [old.py | dir ...] > $OUT/decode-gemm.txt
     (--decode: M = 1 and 8 only; --prefill: M = 512 and 8192 only)
 """
 
@@ -17,22 +18,30 @@ import torch
 
 from dsflash.bench.kernels import LINEARS, _rotating, bench_graph, random_cuda_weight, weight_bytes
 from dsflash.kernels import cuda as kc
+from dsflash.kernels.cuda.configs import LinearConfig
+from dsflash.numerics import BLOCK
 
 SHAPES = [shape for shape in LINEARS if shape[1] in ("fp8", "fp4")]
 # large-M tile configs (the range sum is a second accumulator: 64x64 tiles need ~250 registers)
-WIDE_CANDIDATES = [kc.LinearConfig(64, 32, 32, 4, 4), kc.LinearConfig(128, 64, 32, 8, 3),
-                   kc.LinearConfig(128, 128, 32, 8, 3), kc.LinearConfig(128, 128, 32, 8, 2)]
+WIDE_CANDIDATES = [LinearConfig(64, 32, 32, 4, 4), LinearConfig(128, 64, 32, 8, 3), LinearConfig(128, 128, 32, 8, 3),
+                   LinearConfig(128, 128, 32, 8, 2)]
 
 
 def act(m: int, k: int) -> torch.Tensor:
     x = torch.randn(m, k, device="cuda")
-    mag = torch.exp2(torch.randint(-6, 7, (m, k // 32), device="cuda").float()).repeat_interleave(32, 1)
+    mag = torch.exp2(torch.randint(-6, 7, (m, k // BLOCK), device="cuda").float()).repeat_interleave(BLOCK, 1)
     return (x * mag).bfloat16()
 
 
 def load_module(path: str):
-    name = Path(path).stem
-    spec = importlib.util.spec_from_file_location(name, path)
+    """A kernel module file, or a kernel package folder (its modules import each other relatively: the copy's
+    own modules load, under its name)."""
+    p = Path(path)
+    name = p.name if p.is_dir() else p.stem
+    if p.is_dir():
+        spec = importlib.util.spec_from_file_location(name, p / "__init__.py", submodule_search_locations=[str(p)])
+    else:
+        spec = importlib.util.spec_from_file_location(name, p)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
@@ -54,7 +63,7 @@ def timed(fns) -> str:
 
 
 def main() -> None:
-    others = {Path(p).stem: load_module(p) for p in sys.argv[1:] if not p.startswith("--")}
+    others = {mod.__name__: mod for mod in (load_module(p) for p in sys.argv[1:] if not p.startswith("--"))}
     sizes = (1, 8) if "--decode" in sys.argv else (512, 8192) if "--prefill" in sys.argv else (1, 8, 512, 8192)
     torch.manual_seed(0)
     for label, kind, n, k in SHAPES:

@@ -1,7 +1,7 @@
 """Experiment (GPU; compiles offline too): does an MMA issued one K block ahead of its promotion speed up the
 block-scaled GEMM, with the same bits?
 
-The engine's GEMM (dsflash/kernels/cuda.py `_bs_gemm_kernel`) multiplies each 32-wide K block from a fresh
+The engine's GEMM (dsflash/kernels/cuda/gemm.py `_bs_gemm_kernel`) multiplies each 32-wide K block from a fresh
 accumulator and promotes it at once (acc += partial * (a_s * b_s)): Triton's `tl.dot` then waits for every
 block's wgmma (`wgmma.wait_group 0`), so the tensor cores idle during each promotion. Here the same arithmetic
 in two kernels over one simple layout (f16 operands holding E4M3 codes exactly, fp32 per-(row, block) and
@@ -31,9 +31,10 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from dsflash.kernels.cuda import FP_FUSION
+from dsflash.kernels.cuda.common import FP_FUSION
+from dsflash.numerics import BLOCK
 
-BK = tl.constexpr(32)  # the model's activation-quantisation block: one promotion per 32 K
+BK = tl.constexpr(BLOCK)  # the model's activation-quantisation block: one promotion per BLOCK K
 # Gluon moved between Triton 3.6 (the GPU machine) and 3.9: the CTA barrier's name, and whether an async MMA's
 # wait returns the finished accumulator (with `warpgroup_mma_init`) or leaves it in the MMA's own result
 cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier

@@ -9,20 +9,22 @@ import torch
 
 from dsflash.bench.kernels import LINEARS, _rotating, bench_graph, random_cuda_weight, weight_bytes
 from dsflash.kernels import cuda as kc
+from dsflash.kernels.cuda.configs import LinearConfig
+from dsflash.numerics import BLOCK
 
 SHAPES = [shape for shape in LINEARS if shape[1] in ("fp8", "fp4")]  # the block-scaled layers
-BASE = kc.LinearConfig(64, 64, 32, 4, 4)
-CANDIDATES = [BASE, kc.LinearConfig(16, 64, 32, 4, 4), kc.LinearConfig(16, 128, 32, 4, 4),
-              kc.LinearConfig(16, 64, 32, 2, 4), kc.LinearConfig(16, 32, 32, 2, 4), kc.LinearConfig(64, 128, 32, 4, 4)]
+BASE = LinearConfig(64, 64, 32, 4, 4)
+CANDIDATES = [BASE, LinearConfig(16, 64, 32, 4, 4), LinearConfig(16, 128, 32, 4, 4),
+              LinearConfig(16, 64, 32, 2, 4), LinearConfig(16, 32, 32, 2, 4), LinearConfig(64, 128, 32, 4, 4)]
 
 
 def act(m: int, k: int) -> torch.Tensor:
     x = torch.randn(m, k, device="cuda")
-    mag = torch.exp2(torch.randint(-6, 7, (m, k // 32), device="cuda").float()).repeat_interleave(32, 1)
+    mag = torch.exp2(torch.randint(-6, 7, (m, k // BLOCK), device="cuda").float()).repeat_interleave(BLOCK, 1)
     return (x * mag).bfloat16()
 
 
-def name(c: kc.LinearConfig) -> str:
+def name(c: LinearConfig) -> str:
     return f"BM{c.BM}/BN{c.BN}/w{c.num_warps}"
 
 

@@ -4,55 +4,67 @@ the instruction mix that decides decode speed (conversions, MMAs, async copies).
 the Triton wheel (it ships ptxas and cuobjdump); used between GPU runs to see what a kernel change does to
 the compiled code before timing it.
 
-    python bench/experiments/sass_stats.py [variant.py] [--ops]
-    (variant.py: a kernel module copy to compile instead; --ops: also each variant's 12 most frequent opcodes)
+    python bench/experiments/sass_stats.py [variant] [--ops]
+    (variant: a copy of the kernel package folder, or a single-module kernel of the trees before the package,
+    to compile instead; --ops: also each variant's 12 most frequent opcodes)
 """
 
 import collections
+import functools
 import importlib.util
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsflash.kernels import cuda as kc
+from dsflash.kernels.cuda import configs, gemm
+from dsflash.numerics import BLOCK
 
 NOT_DIVISIBLE = {"M", "N", "KB", "chunks_per_split", "slots_per_row", "stride_xs", "stride_pk"}
 # (label, FP4, SPREAD, SLOTS, RANGES, FUSE_QUANT, config)
 VARIANTS = [
-    ("fp8 decode, K ranges spread", False, True, False, False, True, kc.linear_config("fp8", 1280, 5120, 1)),
-    ("fp4 decode slots, spread", True, True, True, False, True, kc.linear_config("fp4", 2304, 5120, 1)),
-    ("fp8 prefill, one range", False, False, False, False, False, kc.linear_config("fp8", 32768, 1280)),
-    ("fp8 prefill, several ranges", False, False, False, True, False, kc.linear_config("fp8", 5120, 8192)),
-    ("fp4 prefill, several ranges", True, False, False, True, False, kc.linear_config("fp4", 2304, 5120)),
+    ("fp8 decode, K ranges spread", False, True, False, False, True, configs.linear_config("fp8", 1280, 5120, 1)),
+    ("fp4 decode slots, spread", True, True, True, False, True, configs.linear_config("fp4", 2304, 5120, 1)),
+    ("fp8 prefill, one range", False, False, False, False, False, configs.linear_config("fp8", 32768, 1280)),
+    ("fp8 prefill, several ranges", False, False, False, True, False, configs.linear_config("fp8", 5120, 8192)),
+    ("fp4 prefill, several ranges", True, False, False, True, False, configs.linear_config("fp4", 2304, 5120)),
 ]
 
 
-def kernel_module():
-    paths = [a for a in sys.argv[1:] if not a.startswith("--")]
+@functools.cache
+def gemm_module():
+    """This tree's gemm module, or a variant's: a package folder (its modules import each other relatively:
+    the copy's own load, under its name) or an older single-module kernel file."""
+    paths = [Path(a) for a in sys.argv[1:] if not a.startswith("--")]
     if not paths:
-        return kc
-    spec = importlib.util.spec_from_file_location("variant_cuda", paths[0])
+        return gemm
+    p = paths[0]
+    if p.is_dir():
+        spec = importlib.util.spec_from_file_location("variant_cuda", p / "__init__.py",
+                                                      submodule_search_locations=[str(p)])
+    else:
+        spec = importlib.util.spec_from_file_location("variant_cuda", p)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["variant_cuda"] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
-    return mod
+    return getattr(mod, "gemm", mod)
 
 
-def compile_variant(fp4: bool, spread: bool, slots: bool, ranges: bool, fuse: bool, cfg: kc.LinearConfig):
-    fn = kernel_module()._bs_gemm_kernel
+def compile_variant(fp4: bool, spread: bool, slots: bool, ranges: bool, fuse: bool, cfg: configs.LinearConfig):
+    fn = gemm_module()._bs_gemm_kernel
     names = fn.arg_names
     sig = {name: "i32" for name in names}
     sig.update({"x_ptr": "*bf16" if fuse else "*fp8e4nv", "xs_ptr": "*bf16" if fuse else "*i32", "tile_ptr": "*i32",
                 "w_ptr": "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32", "y_ptr": "*bf16", "part_ptr": "*fp32",
                 "slot_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"})
     sig.update({name: "*i32" for name in ("cnt_ptr",) if name in names})  # a variant's tile counters
-    constexprs = {"FP4": fp4, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else 32, "SCALE_E8M0": True,
+    constexprs = {"FP4": fp4, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else BLOCK, "SCALE_E8M0": True,
                   "SPREAD": spread, "SLOTS": slots, "GROUPED": False, "BM": cfg.BM, "BN": cfg.BN,
                   "GROUP_M": cfg.GROUP_M,
                   "RANGES": ranges, "EVEN": True}

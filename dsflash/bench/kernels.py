@@ -1,4 +1,4 @@
-"""Time the CUDA kernels (dsflash/kernels/cuda.py) at real V4.1-Flash shapes.
+"""Time the CUDA kernels (dsflash/kernels/cuda/) at real V4.1-Flash shapes.
 
     DSFLASH_COMMIT=$(git rev-parse HEAD) python -m dsflash.bench.kernels --out bench/results [--sweep]
 
@@ -26,8 +26,10 @@ import triton.testing
 
 from dsflash.kernels import cpu
 from dsflash.kernels import cuda as kc
+from dsflash.kernels.cuda import configs
 from dsflash.model.attention import INDEXER_ROWS
-from dsflash.numerics import packing
+from dsflash.numerics import BLOCK, packing
+from dsflash.numerics.quant import K_RANGE_GROUP
 
 M_VALUES = (1, 5, 8, 512, 8192)
 L2_ROTATE_BYTES = 256 << 20
@@ -97,15 +99,15 @@ def measure_ceilings() -> dict:
 def random_cuda_weight(kind: str, n: int, k: int) -> kc.CudaWeight:
     """A CUDA-layout weight filled with random valid codes and E8M0 scales (built on the GPU)."""
     dev = "cuda"
-    kb = k // 32
-    kc_ = triton.cdiv(kb, kc.SCALE_GROUP)
+    kb = k // BLOCK
+    kc_ = triton.cdiv(kb, K_RANGE_GROUP)
     if kind == "fp8":
         vals = (torch.randn(n, k, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        words = torch.randint(118, 126, (kc_, triton.cdiv(n, 32), 4), dtype=torch.uint8, device=dev)
-        return kc.CudaWeight("fp8", vals, words.view(torch.int32)[..., 0].contiguous(), 32)
+        words = torch.randint(118, 126, (kc_, triton.cdiv(n, BLOCK), K_RANGE_GROUP), dtype=torch.uint8, device=dev)
+        return kc.CudaWeight("fp8", vals, words.view(torch.int32)[..., 0].contiguous(), BLOCK)
     if kind == "fp4":
         vals = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
-        words = torch.randint(118, 126, (kc_, n, 4), dtype=torch.uint8, device=dev)
+        words = torch.randint(118, 126, (kc_, n, K_RANGE_GROUP), dtype=torch.uint8, device=dev)
         return kc.CudaWeight("fp4", vals, words.view(torch.int32)[..., 0].contiguous(), 1)
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     return kc.CudaWeight(kind, (torch.randn(n, k, device=dev) / k**0.5).to(dtype))
@@ -162,18 +164,18 @@ def bench_linears(ceil, ms_values, sweep: bool) -> list[dict]:
             out_b = 4 if kind == "fp32" else 2
             nbytes = wb + x.numel() * x.element_size() + m * n * out_b
             flops = 2 * m * n * k
-            cfg = kc.linear_config(kind, n, k, m)
+            cfg = configs.linear_config(kind, n, k, m)
             fn = _rotating([lambda w=w, x=x: kc.linear(x, w) for w in copies])
             ms = bench_both(fn)
             extra = {"fp8": kind in ("fp8", "fp4"), "layer": name, "kind": kind,
                      "config": f"BM{cfg.BM} BN{cfg.BN} w{cfg.num_warps} s{cfg.num_stages}"}
             if kind in ("fp8", "fp4"):
-                extra["fused_quant"] = m <= kc.FUSE_QUANT_MAX_M
+                extra["fused_quant"] = m <= configs.FUSE_QUANT_MAX_M
             rows.append(row(f"linear {kind}", f"{name} {k}->{n}", m, ms, nbytes, flops, ceil, extra))
             alts = []  # the same bits by another route: record what each M-dependent choice buys
-            if kind in ("fp8", "fp4") and m <= kc.SPREAD_MAX_M:
-                alts += [{"fuse_quant": m > kc.FUSE_QUANT_MAX_M}, {"spread": False}]
-            if kind == "fp4" and m >= kc.FP4_PRECONVERT_M:
+            if kind in ("fp8", "fp4") and m <= configs.SPREAD_MAX_M:
+                alts += [{"fuse_quant": m > configs.FUSE_QUANT_MAX_M}, {"spread": False}]
+            if kind == "fp4" and m >= configs.FP4_PRECONVERT_M:
                 alts += [{"preconvert": False}]
             if kind == "fp32":
                 alts += [{"fp32_precision": "ieee"}]
@@ -269,9 +271,9 @@ def bench_prefill_experts(ceil, m=8192, top_k=6) -> list[dict]:
 
 
 SWEEP_CONFIGS = [
-    kc.LinearConfig(64, 64, 32, 4, 4),
-    kc.LinearConfig(128, 64, 32, 8, 3),
-    kc.LinearConfig(128, 128, 32, 8, 3),
+    configs.LinearConfig(64, 64, 32, 4, 4),
+    configs.LinearConfig(128, 64, 32, 8, 3),
+    configs.LinearConfig(128, 128, 32, 8, 3),
 ]
 
 
@@ -281,7 +283,7 @@ def bench_quant(ceil, ms_values) -> list[dict]:
         for m in ms_values:
             x = torch.randn(m, k, device="cuda").bfloat16()
             ms = bench_both(lambda x=x: kc.quant_act(x))
-            rows.append(row("quant_act", f"K={k}", m, ms, m * k * 3 + m * k // 32, 0, ceil))
+            rows.append(row("quant_act", f"K={k}", m, ms, m * k * 3 + m * k // BLOCK, 0, ceil))
     # the packed FP4 state: quantise-and-pack new entries / keys, and read entries back (a step's picks,
     # a prefill's whole source)
     for name, d, (block, e4m3) in (("entry", 512, packing.ENTRY), ("index key", 128, packing.INDEX_KEY)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dsflash.config import ModelArgs
-from dsflash.numerics.codecs import SCALE_BLOCK
+from dsflash.numerics import BLOCK
 
 F8 = "F8_E4M3"
 E8M0 = "F8_E8M0"
@@ -24,7 +24,7 @@ Expected = dict[str, tuple[str, Shape]]
 
 
 def _blocks(n: int) -> int:
-    return -(-n // SCALE_BLOCK)
+    return -(-n // BLOCK)
 
 
 def _fp8(out: Expected, name: str, rows: int, cols: int) -> None:
@@ -34,7 +34,7 @@ def _fp8(out: Expected, name: str, rows: int, cols: int) -> None:
 
 def _fp4(out: Expected, name: str, rows: int, cols: int) -> None:
     out[f"{name}.weight"] = (I8, (rows, cols // 2))
-    out[f"{name}.scale"] = (E8M0, (rows, cols // SCALE_BLOCK))
+    out[f"{name}.scale"] = (E8M0, (rows, cols // BLOCK))
 
 
 def _bf16(out: Expected, name: str, *shape: int) -> None:
@@ -92,7 +92,7 @@ def _block(out: Expected, a: ModelArgs, layer: int, prefix: str) -> None:
     if backbone and layer in a.engram_layer_ids:
         rows = a.engram_num_embeddings[a.engram_layer_ids.index(layer)]
         out[f"{prefix}.engram.embed.weight"] = (F8, (rows, a.engram_head_dim))
-        out[f"{prefix}.engram.embed.scale"] = (E8M0, (rows, a.engram_head_dim // SCALE_BLOCK))
+        out[f"{prefix}.engram.embed.scale"] = (E8M0, (rows, a.engram_head_dim // BLOCK))
         n_hash_cols = (a.engram_max_ngram_size - 1) * a.engram_n_heads
         _fp8(out, f"{prefix}.engram.wkv", d * (hc + 1), n_hash_cols * a.engram_head_dim)
         _bf16(out, f"{prefix}.engram.q_weight", hc, d)

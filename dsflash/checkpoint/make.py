@@ -25,7 +25,8 @@ import torch
 from dsflash.checkpoint.expect import BF16, E8M0, F8, I8, expected_tensors
 from dsflash.checkpoint.reader import DTYPE_SIZES
 from dsflash.config import PRESETS, ConfigError, ModelArgs, preset, validate
-from dsflash.numerics.codecs import E2M1_VALUES, E8M0_BIAS, SCALE_BLOCK, quantize_fp8_blocks, quantize_fp8_rows
+from dsflash.numerics import BLOCK
+from dsflash.numerics.codecs import E2M1_VALUES, E8M0_BIAS, quantize_fp8_blocks, quantize_fp8_rows
 
 EMBED_RMS = 0.12  # RMS of the released embedding (the real layer-0 input)
 # mean of each norm weight by owner (noise: 10% of the mean); every other norm has mean 1
@@ -96,11 +97,11 @@ def _plain(name: str, dtype: str, shape: tuple[int, ...], gen: torch.Generator) 
 def _fp8_blocks(name: str, shape: tuple[int, ...], gen: torch.Generator) -> Iterator[Piece]:
     rows, cols = shape
     std = cols**-0.5 * _gain(name)
-    scale_name, scale_cols = name[: -len("weight")] + "scale", -(-cols // SCALE_BLOCK)
-    for start, n in _row_chunks(rows, cols, SCALE_BLOCK):  # whole 32-row tiles per chunk
+    scale_name, scale_cols = name[: -len("weight")] + "scale", -(-cols // BLOCK)
+    for start, n in _row_chunks(rows, cols, BLOCK):  # whole 32-row tiles per chunk
         codes, scale = quantize_fp8_blocks(torch.randn(n, cols, generator=gen) * std)
         yield name, start * cols, _bytes(codes)
-        yield scale_name, start // SCALE_BLOCK * scale_cols, _bytes(scale)
+        yield scale_name, start // BLOCK * scale_cols, _bytes(scale)
 
 
 def _fp8_rows(name: str, shape: tuple[int, ...], gen: torch.Generator) -> Iterator[Piece]:
@@ -109,7 +110,7 @@ def _fp8_rows(name: str, shape: tuple[int, ...], gen: torch.Generator) -> Iterat
     for start, n in _row_chunks(rows, dim):
         codes, scale = quantize_fp8_rows(torch.randn(n, dim, generator=gen))
         yield name, start * dim, _bytes(codes)
-        yield scale_name, start * (dim // SCALE_BLOCK), _bytes(scale)
+        yield scale_name, start * (dim // BLOCK), _bytes(scale)
 
 
 def _fp4(name: str, shape: tuple[int, ...], gen: torch.Generator) -> Iterator[Piece]:
@@ -121,7 +122,7 @@ def _fp4(name: str, shape: tuple[int, ...], gen: torch.Generator) -> Iterator[Pi
     fan_in = 2 * packed
     target = fan_in**-0.5 * _gain(name)
     exponent = round(math.log2(target / (FP4_CODE_RMS * FP4_JITTER_RMS))) + E8M0_BIAS
-    scale_name, scale_cols = name[: -len("weight")] + "scale", fan_in // SCALE_BLOCK
+    scale_name, scale_cols = name[: -len("weight")] + "scale", fan_in // BLOCK
     for start, n in _row_chunks(rows, packed):
         codes = torch.randint(0, 256, (n, packed), generator=gen, dtype=torch.int32).to(torch.uint8)
         jitter = torch.randint(FP4_JITTER[0], FP4_JITTER[-1] + 1, (n, scale_cols), generator=gen, dtype=torch.int32)

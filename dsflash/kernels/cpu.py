@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsflash.numerics import exact_div
-from dsflash.numerics.quant import ACT_BLOCK, fp8_act_codes, k_range_blocks
+from dsflash.numerics import BLOCK, exact_div
+from dsflash.numerics.quant import fp8_act_codes, k_range_blocks
 
 ROW_TILE = 64
 SPARSE_ATTN_BLOCK = 64
@@ -60,10 +60,10 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, w: Weight) -> torch.T
     """sum_k (A_k @ B_k^T) * a_s[:, k] * b_s[:, k] over 32-wide K blocks: the partials of each K range
     (quant.k_range_blocks) added in K order, then the range sums in order."""
     m, k = a.shape
-    nb = k // ACT_BLOCK
+    nb = k // BLOCK
     partial = torch.bmm(
-        a.view(m, nb, ACT_BLOCK).transpose(0, 1),
-        w.values.view(-1, nb, ACT_BLOCK).permute(1, 2, 0),
+        a.view(m, nb, BLOCK).transpose(0, 1),
+        w.values.view(-1, nb, BLOCK).permute(1, 2, 0),
     )  # [nb, m, n]
     scaled = partial * a_s.t().unsqueeze(-1) * w.scale.t().unsqueeze(1)
     acc = torch.zeros(m, w.out_features, dtype=torch.float32, device=a.device)
@@ -199,7 +199,7 @@ def engram_rows(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> 
     gathered by ids [...] -> bf16 [..., De]."""
     values = table[ids].float()
     scales = scale[ids].float()
-    return (values.unflatten(-1, (-1, 32)) * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+    return (values.unflatten(-1, (-1, BLOCK)) * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
 
 
 def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qk_weight: torch.Tensor, eps: float,

@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SCALE_BLOCK = 32  # one E8M0 scale per 32 values (rows) or per 32x32 tile (dense FP8 weights)
+from dsflash.numerics import BLOCK
+
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E4M3_NAN = 0x7F
@@ -190,15 +191,15 @@ def ceil_pow2_e8m0(x: Array) -> Array:
 # ---------------------------------------------------------------------------------------------
 # weight layouts: quantise (for writing checkpoints) and dequantise (float32 torch tensors)
 # ---------------------------------------------------------------------------------------------
-_INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)  # a float32 reciprocal, as the kernels use
+E4M3_MAX_INV = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)  # a float32 reciprocal, as the kernels use
 
 
 def _fp8_scale_codes(amax: torch.Tensor) -> torch.Tensor:
     """Power-of-two scale 2^ceil(log2(amax/448)) per block; all-zero blocks get the floor 1e-4."""
-    return ceil_pow2_e8m0(amax.clamp_min(1e-4) * _INV_E4M3_MAX)
+    return ceil_pow2_e8m0(amax.clamp_min(1e-4) * E4M3_MAX_INV)
 
 
-def quantize_fp8_blocks(w: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 [out, in] -> (E4M3 codes [out, in], E8M0 codes [ceil(out/block), ceil(in/block)]): one
     power-of-two scale per block x block tile (partial edge tiles included)."""
     rows, cols = w.shape
@@ -209,7 +210,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torc
     return codes.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), scale
 
 
-def quantize_fp8_rows(w: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 [rows, dim] -> (E4M3 codes [rows, dim], E8M0 codes [rows, dim/block]): the Engram table
     format, one power-of-two scale per `block` values of a row."""
     groups = w.float().unflatten(-1, (-1, block))
@@ -221,19 +222,19 @@ def _scales(scale_e8m0: Array) -> torch.Tensor:
     return torch.as_tensor(decode_e8m0(scale_e8m0))
 
 
-def dequant_fp8_blocks(w_e4m3: Array, scale_e8m0: Array, block: int = SCALE_BLOCK) -> torch.Tensor:
+def dequant_fp8_blocks(w_e4m3: Array, scale_e8m0: Array, block: int = BLOCK) -> torch.Tensor:
     """E4M3 [out, in] with E8M0 [ceil(out/block), ceil(in/block)] tile scales -> float32 [out, in]."""
     w = torch.as_tensor(decode_e4m3(w_e4m3))
     s = _scales(scale_e8m0).repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
     return w * s[: w.shape[0], : w.shape[1]]
 
 
-def dequant_fp4_rows(packed_i8: Array, scale_e8m0: Array, block: int = SCALE_BLOCK) -> torch.Tensor:
+def dequant_fp4_rows(packed_i8: Array, scale_e8m0: Array, block: int = BLOCK) -> torch.Tensor:
     """Packed E2M1 [out, in/2] with E8M0 [out, in/block] scales -> float32 [out, in]."""
     w = torch.as_tensor(decode_e2m1(unpack_fp4(packed_i8)))
     return w * _scales(scale_e8m0).repeat_interleave(block, dim=1)
 
 
-def dequant_fp8_rows(w_e4m3: Array, scale_e8m0: Array, block: int = SCALE_BLOCK) -> torch.Tensor:
+def dequant_fp8_rows(w_e4m3: Array, scale_e8m0: Array, block: int = BLOCK) -> torch.Tensor:
     """Engram table rows: E4M3 [rows, dim] with E8M0 [rows, dim/block] scales -> float32 [rows, dim]."""
     return torch.as_tensor(decode_e4m3(w_e4m3)) * _scales(scale_e8m0).repeat_interleave(block, dim=1)

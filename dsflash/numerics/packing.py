@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import (
     decode_e2m1,
     decode_e4m3,
@@ -25,7 +26,7 @@ from dsflash.numerics.codecs import (
 from dsflash.numerics.quant import fp4_scaled
 
 ENTRY = (16, True)  # compressed KV: (block, E4M3 scale)
-INDEX_KEY = (32, False)  # index keys: (block, E8M0 scale)
+INDEX_KEY = (BLOCK, False)  # index keys: (block, E8M0 scale)
 
 
 def packed_width(d: int, block: int) -> int:

@@ -11,15 +11,14 @@ import functools
 
 import torch
 
-from dsflash.numerics import exact_div
+from dsflash.numerics import BLOCK, exact_div
+from dsflash.numerics.codecs import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_MAX_INV
 
-FP8_MAX = 448.0
-FP4_MAX = 6.0
-ACT_BLOCK = 32  # one FP8 activation scale per 32 values; weights use 32x32 tiles
 # An FP8/FP4 GEMM sums its K blocks' scaled products in ranges fixed by the weight's shape (NUMERICS_VERSION
 # 3): each range in K order from a fresh fp32 sum, then the range sums in order. Narrow weights get up to 16
 # ranges so that a decode step's GEMM spreads over ~512 GPU programs of 64 outputs; a range keeps at least
-# 16 blocks and is a whole number of 4-block groups (the CUDA kernel's chunk: one word of scale bytes).
+# 16 blocks and is a whole number of 4-block groups (the CUDA kernel's chunk: the K blocks whose E8M0 scale
+# bytes share one int32 word).
 K_RANGE_GROUP = 4
 _K_RANGE_TILE_N, _K_RANGE_PROGRAMS, _K_RANGE_MAX, _K_RANGE_MIN_GROUPS = 64, 512, 16, 4
 
@@ -30,11 +29,10 @@ def k_range_blocks(n: int, kb: int) -> int:
     tiles = -(-n // _K_RANGE_TILE_N)
     ranges = max(1, min(_K_RANGE_MAX, -(-_K_RANGE_PROGRAMS // tiles), groups // _K_RANGE_MIN_GROUPS))
     return K_RANGE_GROUP * -(-groups // ranges)
-# the kernels multiply by reciprocals held as float32 constants, not divide by the maximum
-_FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
-_FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
+# the kernels multiply by reciprocals held as float32 constants, not divide by the maximum (codecs' E4M3_MAX_INV)
+_E2M1_MAX_INV = torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32)
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
+_E2M1_MAGNITUDES = torch.from_numpy(E2M1_VALUES[:8])  # codes 0..7: the non-negative E2M1 values
 # round-to-nearest-even boundaries between consecutive E2M1 magnitudes; at an exact tie the value
 # goes up only where the upper code is even (0.75 -> 1, 1.75 -> 2, 3.5 -> 4)
 _E2M1_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
@@ -51,12 +49,12 @@ def pow2_scale(amax: torch.Tensor, max_inv: torch.Tensor) -> torch.Tensor:
 
 def e4m3_saturate(x: torch.Tensor) -> torch.Tensor:
     """float32 -> float8_e4m3fn, round to nearest even, saturating at ±448 (a plain cast gives NaN)."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 @functools.cache
 def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return E2M1_VALUES.to(device), _E2M1_MIDS.to(device), _E2M1_TIE_UP.to(device)
+    return _E2M1_MAGNITUDES.to(device), _E2M1_MIDS.to(device), _E2M1_TIE_UP.to(device)
 
 
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
@@ -70,8 +68,8 @@ def e2m1_round(x: torch.Tensor) -> torch.Tensor:
 def fp8_act_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 [..., K] -> (E4M3 codes as float32 values [..., K], power-of-two scales [..., K/32])."""
     assert x.dtype == torch.bfloat16
-    xg = x.float().unflatten(-1, (-1, ACT_BLOCK))
-    s = pow2_scale(xg.abs().amax(dim=-1).clamp_min(1e-4), _FP8_MAX_INV)
+    xg = x.float().unflatten(-1, (-1, BLOCK))
+    s = pow2_scale(xg.abs().amax(dim=-1).clamp_min(1e-4), E4M3_MAX_INV)
     q = e4m3_saturate(xg / s.unsqueeze(-1))
     return q.float().flatten(-2), s
 
@@ -79,8 +77,8 @@ def fp8_act_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
     """Q8: quantise to FP8 per 32 with a power-of-two scale and dequantise, back in bf16."""
     assert x.dtype == torch.bfloat16
-    xg = x.float().unflatten(-1, (-1, ACT_BLOCK))
-    s = pow2_scale(xg.abs().amax(dim=-1).clamp_min(1e-4), _FP8_MAX_INV).unsqueeze(-1)
+    xg = x.float().unflatten(-1, (-1, BLOCK))
+    s = pow2_scale(xg.abs().amax(dim=-1).clamp_min(1e-4), E4M3_MAX_INV).unsqueeze(-1)
     return (e4m3_saturate(xg / s).float() * s).flatten(-2).to(torch.bfloat16)
 
 
@@ -92,10 +90,10 @@ def fp4_scaled(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Ten
     amax = xg.abs().amax(dim=-1)
     if e4m3_scale:
         # an all-zero group keeps a non-zero scale
-        s = e4m3_saturate(exact_div(amax.clamp_min(6 * 2**-9), FP4_MAX)).float()
+        s = e4m3_saturate(exact_div(amax.clamp_min(6 * 2**-9), E2M1_MAX)).float()
     else:
-        s = pow2_scale(amax.clamp_min(6 * 2**-126), _FP4_MAX_INV)
-    return s, (xg / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
+        s = pow2_scale(amax.clamp_min(6 * 2**-126), _E2M1_MAX_INV)
+    return s, (xg / s.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)
 
 
 def fp4_fake_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:

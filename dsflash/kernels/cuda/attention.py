@@ -1,0 +1,95 @@
+"""Sparse attention with sinks: one program per (query, 64 heads, output channels); online softmax over
+the reference's blocks of 64 indices (cpu.SPARSE_ATTN_BLOCK) with the probabilities rounded to bf16 before
+the PV product, fp32 running max/denominator, sink added last. Each program computes every score; up to 64
+queries split the 512 output channels 4 ways."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsflash.kernels.cpu import SPARSE_ATTN_BLOCK
+
+from .common import FP_FUSION
+from .configs import SPARSE_ATTN_SLICE, SPARSE_ATTN_SPLIT_MAX_N
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, H, D, KI, scale,
+                        stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr,
+                        BLOCK_O: tl.constexpr):
+    """Program (query, head block, output slice): the softmax over the picked rows needs every channel
+    (the scores), the output only its BLOCK_O channels. Programs of one query recompute the same scores
+    (same tiles: the same bits) so a decode row spreads over D / BLOCK_O programs."""
+    n = tl.program_id(0)
+    hb = tl.program_id(1)
+    rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    rd = tl.arange(0, BLOCK_D)
+    ro = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)
+    hmask = rh < H
+    dmask = rd < D
+    omask = ro < D
+    q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + rh[:, None] * stride_qh + rd[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_O], dtype=tl.float32)
+    ri = tl.arange(0, BLOCK_I)
+    for start in range(0, KI, BLOCK_I):
+        ids = tl.load(idx_ptr + n.to(tl.int64) * stride_in + start + ri, mask=(start + ri) < KI, other=-1)
+        valid = ids != -1
+        rows = tl.where(valid, ids, 0).to(tl.int64)
+        kv = tl.load(kv_ptr + rows[:, None] * stride_kv + rd[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(kv))
+        s = tl.where(valid[None, :], s, float("-inf")) * scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if BLOCK_O < BLOCK_D:
+            kv = tl.load(kv_ptr + rows[:, None] * stride_kv + ro[None, :], mask=valid[:, None] & omask[None, :],
+                         other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv)
+        m_i = m_new
+    sink = tl.load(sink_ptr + rh, mask=hmask, other=0.0)
+    l_i = l_i + tl.exp(sink - m_i)
+    o = tl.math.div_rn(acc, l_i[:, None])
+    tl.store(o_ptr + n.to(tl.int64) * stride_on + rh[:, None] * stride_oh + ro[None, :], o.to(tl.bfloat16),
+             mask=hmask[:, None] & omask[None, :])
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                *, out: torch.Tensor | None = None, block_h: int | None = None,
+                block_o: int | None = None) -> torch.Tensor:
+    """Single-KV-head attention over gathered rows with a per-head sink (see cpu.sparse_attn).
+    q [N, H, D] bf16; kv [R, D] bf16; sink [H] fp32; idx [N, K] int (-1 = none). Returns bf16 [N, H, D].
+    A few queries (a decode step) spread each query's output channels over programs: the same bits
+    (tests/test_kernels_cuda.py). `block_h` / `block_o` (experiments, tests) override the heads and the
+    output channels per program."""
+    n, h, d = q.shape
+    assert kv.dim() == 2 and kv.size(1) == d and idx.dim() == 2 and idx.size(0) == n
+    q = q.to(torch.bfloat16)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    kv = kv.to(torch.bfloat16)
+    if kv.stride(1) != 1:
+        kv = kv.contiguous()
+    idx = idx.contiguous()
+    if idx.dtype not in (torch.int32, torch.int64):
+        idx = idx.long()
+    sink = sink.float().contiguous()
+    o = out if out is not None else torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
+    if n == 0:
+        return o
+    block_h = block_h or min(64, max(16, triton.next_power_of_2(h)))
+    block_d = max(16, triton.next_power_of_2(d))
+    warps = 8 if block_h * block_d >= 64 * 256 else 4
+    block_o = block_o or (min(block_d, SPARSE_ATTN_SLICE) if n <= SPARSE_ATTN_SPLIT_MAX_N else block_d)
+    grid = (n, triton.cdiv(h, block_h), triton.cdiv(block_d, block_o))
+    _sparse_attn_kernel[grid](q, kv, sink, idx, o, h, d, idx.size(1), float(scale),
+                              q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1),
+                              BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_I=SPARSE_ATTN_BLOCK, BLOCK_O=block_o,
+                              num_warps=warps, num_stages=2, enable_fp_fusion=FP_FUSION)
+    return o

@@ -1,0 +1,35 @@
+"""What the kernels of several op families share: the launch's FMA contraction choice, the quantisation
+block as a Triton constant, the activation tile's FP8 quantisation and the sigmoid."""
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dsflash.numerics import BLOCK
+from dsflash.numerics.codecs import E4M3_MAX
+
+# Triton 3.6 contracts a * b + c into an FMA by default and 3.10 will not: every launch names its choice, so a
+# Triton upgrade cannot change a kernel's bits (kernels that must round each product pass False)
+FP_FUSION = True
+TL_BLOCK = tl.constexpr(BLOCK)  # numerics.BLOCK inside the kernels (a kernel reads only constexpr globals)
+_E4M3_MAX_INV = tl.constexpr(1.0 / E4M3_MAX)  # rounded to float32 in the product, as codecs.E4M3_MAX_INV
+
+
+@triton.jit
+def quant_tile(xf):
+    """float32 [R, BLOCK] (from bf16) -> (E4M3 codes [R, BLOCK], scale exponent bytes [R] int32, scales [R])
+    exactly as quant.fp8_act_codes: s = 2^ceil(log2(max(amax, 1e-4) * f32(1/448))),
+    q = e4m3_rne(clamp(x/s, ±448))."""
+    amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-4)
+    bits = (amax * _E4M3_MAX_INV).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    s = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s exactly (s is a normal power of two)
+    q = tl.clamp(xf * inv[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    return q, e, s
+
+
+@triton.jit
+def sigmoid(x):
+    """torch's CUDA sigmoid: 1 / (1 + expf(-x)), an IEEE division."""
+    return tl.math.div_rn(1.0, 1.0 + libdevice.exp(-x))

@@ -1,0 +1,116 @@
+"""Routed experts: one projection of all experts stacked in a bank, and one launch for every (row, slot)
+pair of a step (per-expert tiles for a prefill's many slots), with no host read of the routing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from dsflash.kernels.cpu import Weight
+
+from .configs import (
+    EXPERT_TILE_MIN_SLOTS,
+    EXPERT_WIDEN_BYTES,
+    EXPERT_WIDEN_MIN_SLOTS,
+    FUSE_QUANT_MAX_M,
+    LinearConfig,
+    linear_config,
+)
+from .gemm import block_scaled_gemm, quant_act
+from .weights import CudaWeight, fp4_to_fp8, to_cuda_weight
+
+
+@dataclass
+class ExpertBank:
+    """One projection (w1, w2 or w3) of all routed experts, stacked: `values` [E, out, ...] and `scale`
+    [E, ...] in CudaWeight's layout. `bank[e]` is expert e's CudaWeight, a view (no copy)."""
+
+    kind: str
+    values: torch.Tensor
+    scale: torch.Tensor
+    scale_rows: int
+
+    def __getitem__(self, e: int) -> CudaWeight:
+        return CudaWeight(self.kind, self.values[e], self.scale[e], self.scale_rows)
+
+    @property
+    def scale_e8m0(self) -> bool:
+        return self.scale.dtype == torch.int32
+
+
+def expert_bank(weights: list[Weight]) -> ExpertBank:
+    """Stack the experts' weights of one projection (fp8/fp4 of one shape and scale layout)."""
+    ws = [w if isinstance(w, CudaWeight) else to_cuda_weight(w) for w in weights]
+    first = ws[0]
+    for w in ws:
+        if (w.kind, w.values.shape, w.scale.shape, w.scale.dtype, w.scale_rows) != (
+                first.kind, first.values.shape, first.scale.shape, first.scale.dtype, first.scale_rows):
+            raise ValueError("routed experts of one layer differ in kind, shape or scale layout")
+    return ExpertBank(first.kind, torch.stack([w.values for w in ws]), torch.stack([w.scale for w in ws]),
+                      first.scale_rows)
+
+
+def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slots_per_row: int, *,
+                  spread: bool | None = None, config: LinearConfig | None = None,
+                  preconvert: bool | None = None) -> torch.Tensor:
+    """Routed-expert GEMM over slots: row s of the result is x[s // slots_per_row] @ W_{experts[s]}^T,
+    bf16 [len(experts), out], each row's bits those of `linear(x[row:row+1], bank[experts[s]])`. One launch
+    whatever the routing (per group of experts for a prefill's widened FP4 bank), with no host read of it (a
+    step stays capturable in a CUDA graph). `spread`, `config` and `preconvert` (tests, benchmarks) override
+    three choices that never change bits: the K ranges as separate programs, the tile config, and a prefill's
+    FP4 bank widened to E4M3 before its tiles."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{bank.kind} expert linear takes a bf16 activation, got {x.dtype}")
+    slots = experts.reshape(-1).to(torch.int32).contiguous()
+    n = bank.values.size(1)
+    y = torch.empty((slots.numel(), n), dtype=torch.bfloat16, device=x.device)
+    if slots.numel() == 0:
+        return y
+    x = x.contiguous()
+    fuse = x.size(0) <= FUSE_QUANT_MAX_M
+    a, a_s = (x, x) if fuse else quant_act(x)
+    if config is None and slots.numel() >= EXPERT_TILE_MIN_SLOTS:
+        # a prefill's slots: each expert's slots share 64-row tiles (the same bits as one-row tiles, tested)
+        cfg = linear_config(bank.kind, n, x.size(1))
+        experts_n = bank.values.size(0)
+        order, tiles = _expert_tiles(slots, experts_n, cfg.BM)
+        # FP4 tiles decode their nibbles per tile, in the MMA's issue slots; widened to E4M3 once per call they
+        # run faster where an expert has enough rows to pay for its widening (EXPERT_WIDEN_MIN_SLOTS). A group
+        # of experts at a time bounds the scratch; each launch's other tiles exit at once
+        if preconvert is None:
+            preconvert = slots.numel() >= EXPERT_WIDEN_MIN_SLOTS * experts_n
+        widen = bank.kind == "fp4" and preconvert
+        group = max(1, EXPERT_WIDEN_BYTES // (2 * bank.values[0].numel())) if widen else experts_n
+        for lo in range(0, experts_n, group):
+            hi = min(lo + group, experts_n)
+            part = bank if not widen else ExpertBank(
+                "fp8", fp4_to_fp8(bank.values[lo:hi].flatten(0, 1)).view(hi - lo, n, -1), bank.scale[lo:hi],
+                bank.scale_rows)
+            block_scaled_gemm(a, a_s, part.values, part, y, fp4=part.kind == "fp4", fuse=fuse, cfg=cfg, spread=False,
+                              slots=order, slots_per_row=slots_per_row, tiles=tiles, experts=(lo, hi))
+        return y
+    cfg = config or linear_config(bank.kind, n, x.size(1), m=1)  # each slot is a one-row product
+    block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, spread=spread,
+                      slots=slots, slots_per_row=slots_per_row)
+    return y
+
+
+def _expert_tiles(slots: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the slots' indices grouped by expert, ascending within an expert; int32 [tiles, 3] rows (expert,
+    first, count): tile t takes order[first:first + count], count <= bm). Device ops only, no host read of the
+    routing: the table has a bound's length, cdiv(slots, bm) + experts, its spare tiles count 0."""
+    order = torch.sort(slots, stable=True).indices.to(torch.int32)
+    # scatter_add, not bincount: bincount reads its input's maximum back to the host, which a CUDA graph
+    # capture refuses (and would bake one step's routing into the graph)
+    counts = torch.zeros(experts, dtype=torch.int64, device=slots.device).scatter_add_(
+        0, slots.long(), torch.ones_like(slots, dtype=torch.int64))
+    per_expert = (counts + bm - 1) // bm
+    ends = torch.cumsum(per_expert, 0)
+    t = torch.arange(triton.cdiv(slots.numel(), bm) + experts, device=slots.device)
+    expert = torch.searchsorted(ends, t, right=True).clamp(max=experts - 1)
+    local = t - (ends[expert] - per_expert[expert])
+    first = torch.cumsum(counts, 0)[expert] - counts[expert] + local * bm
+    count = (counts[expert] - local * bm).clamp(0, bm) * (t < ends[-1])
+    return order, torch.stack([expert, first, count], 1).to(torch.int32).contiguous()

@@ -1,0 +1,498 @@
+"""The GEMMs: activation quantisation, the block-scaled FP8/FP4 GEMM, the plain bf16/fp32 GEMM, the in-order
+sum of K-range partials; `linear` and `grouped_linear`.
+
+Numerics (spec §3, as dsflash/kernels/cpu.py):
+- FP8/FP4 linear: the activation is quantised to E4M3 per 32 values with a power-of-two scale (the
+  exponent-bit trick, bit-exact with numerics/quant.py), each 32-wide K block's product is one
+  tensor-core dot with a fresh fp32 accumulator, scaled by a_s * b_s and added in K order to the fp32
+  sum of its K range (ranges fixed by the weight's shape, quant.k_range_blocks), the range sums added in
+  order, then rounded once to bf16, as the CPU does. With power-of-two scales the scaling is exact, so
+  a difference from the CPU can only come from inside a block's 32-term dot (tensor-core vs CPU fp32
+  summation; measured: FIDELITY.md); the MMA takes f16 operands: E4M3 codes convert exactly, FP4 weight
+  codes are stored in a word layout (`fp4_words`) that shifts and masks turn into f16 pairs of value / 2^14
+  (every E2M1 value is an f16 value; the 2^14 goes into the exact power-of-two weight scale).
+- bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
+  3xTF32 tensor-core products by default, IEEE fp32 FMA dots on request); output in the weight's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsflash.kernels.cpu import Weight
+from dsflash.numerics import BLOCK
+from dsflash.numerics.quant import K_RANGE_GROUP, k_range_blocks
+
+from .common import FP_FUSION, TL_BLOCK, quant_tile
+from .configs import (
+    ACT_QUANT_BLOCKS,
+    ACT_QUANT_ROWS,
+    FP4_PRECONVERT_M,
+    FUSE_QUANT_MAX_M,
+    PLAIN_WIDE_MIN_M,
+    SPREAD_MAX_M,
+    LinearConfig,
+    linear_config,
+    ordered_sum_config,
+    plain_k_per_split,
+    plain_wide_config,
+)
+from .weights import CudaWeight, fp4_to_fp8, to_cuda_weight
+
+_ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
+
+
+# ---------------------------------------------------------------------------------------------
+# activation quantisation (the standalone kernel; the fused GEMM prologue is common.quant_tile)
+# ---------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["M"])
+def _act_quant_kernel(x_ptr, q_ptr, e_ptr, M, KB, stride_xm, stride_qm,
+                      BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    for j in tl.static_range(BLOCK_KB):
+        kb = pid_k * BLOCK_KB + j
+        if kb < KB:
+            cols = kb * TL_BLOCK + tl.arange(0, TL_BLOCK)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=rmask[:, None], other=0.0)
+            q, e, _s = quant_tile(x.to(tl.float32))
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=rmask[:, None])
+            # byte kb % 4 of word (kb // 4, row): words [ceil(KB/4), M]
+            tl.store(e_ptr + ((kb // 4) * M + rows).to(tl.int64) * 4 + kb % 4, e.to(tl.uint8), mask=rmask)
+
+
+def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [M, K] -> (E4M3 codes float8_e4m3fn [M, K], scale words int32 [ceil(K/128), M]: byte j of
+    word c is the E8M0 exponent of row's K block 4c+j, padded with 127). Bit-exact with
+    quant.fp8_act_codes; `act_scales` decodes the words to its [M, K/32] float32 form."""
+    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.size(1) % BLOCK == 0
+    x = x.contiguous()
+    m, k = x.shape
+    kb = k // BLOCK
+    kc = triton.cdiv(kb, K_RANGE_GROUP)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    e = torch.empty((kc, m, K_RANGE_GROUP), dtype=torch.uint8, device=x.device)
+    if kb % K_RANGE_GROUP:
+        e[-1] = 127  # bytes past the last K block: 2^0
+    if m:
+        grid = (triton.cdiv(m, ACT_QUANT_ROWS), triton.cdiv(kb, ACT_QUANT_BLOCKS))
+        _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=ACT_QUANT_ROWS,
+                                BLOCK_KB=ACT_QUANT_BLOCKS, num_warps=4, enable_fp_fusion=FP_FUSION)
+    return q, e.view(torch.int32)[..., 0]
+
+
+def act_scales(words: torch.Tensor, k: int) -> torch.Tensor:
+    """Scale words [ceil(K/128), M] -> float32 scales [M, K/32] (for tests)."""
+    e = words.contiguous().unsqueeze(-1).view(torch.uint8)  # [KC, M, 4]
+    e = e.permute(1, 0, 2).reshape(words.size(1), -1)[:, : k // BLOCK]
+    return (e.to(torch.int32) << 23).view(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# block-scaled FP8/FP4 GEMM
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _fp4_word_values(w, BN: tl.constexpr):
+    """A block's FP4 words [BN, 4] (fp4_words) -> the f16 operand [32, BN]: each value / 2^14."""
+    i = tl.arange(0, 4)[None, None, :]
+    # register i of a word: elements 2i and 2i + 1 as its two f16 halves
+    r = ((w[:, :, None] << (3 * i)) & 0x0E000E00) | ((w[:, :, None] << i) & -2147450880)  # 0x80008000
+    r = tl.reshape(r, [BN, TL_BLOCK // 2])
+    pairs = tl.join((r & 0xFFFF).to(tl.int16), (r >> 16).to(tl.int16))
+    return tl.trans(tl.reshape(pairs, [BN, TL_BLOCK]).to(tl.float16, bitcast=True))
+
+
+@triton.jit
+def _word_scale(word, j: tl.constexpr):
+    """E8M0 byte j of an int32 word -> float32 2^(byte-127)."""
+    return (((word >> (8 * j)) & 0xFF) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4: tl.constexpr):
+    """K block kb's activation and weight tiles as stored (zeros past the KB blocks of K)."""
+    kin = kb < KB
+    a = tl.load(x_rows + kb * TL_BLOCK, mask=mmask[:, None] & kin, other=0.0)
+    if FP4:
+        w = tl.load(w_rows + kb * 4, mask=nmask[:, None] & kin, other=0)
+    else:
+        w = tl.load(w_rows + kb * TL_BLOCK, mask=nmask[None, :] & kin, other=0.0)
+    return a, w
+
+
+@triton.jit
+def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, FP4: tl.constexpr,
+                FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr):
+    """One K block's scaled product dot32(A, B) * a_s * b_s, fp32 [BM, BN]; j: the block's byte in the
+    chunk's scale words."""
+    if FUSE_QUANT:
+        a, _e, a_s = quant_tile(a.to(tl.float32))
+    else:
+        a_s = _word_scale(aw, j)
+    if FP4:
+        b = _fp4_word_values(w, BN)
+    else:
+        b = w
+    if SCALE_E8M0:
+        b_s = _word_scale(bw, j)
+    else:
+        b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
+    if FP4:  # the f16 operand holds value / 2^14 (exact, and so is the MMA's sum: all scaled alike)
+        b_s = b_s * 16384.0
+    # f16 operands hold every E4M3 (2^-9 ... 448) and E2M1 code exactly (E4M3 -> f16 is one hardware
+    # conversion per pair), and the f16 MMA accumulates in fp32, so the block's 32 exact products are
+    # summed like the CPU reference's fp32 GEMM (the FP8 MMA keeps fewer accumulator bits and moved every
+    # golden battery row off the reference)
+    partial = tl.dot(a.to(tl.float16), b.to(tl.float16))
+    # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's (partial * a_s) * b_s,
+    # exact too; the caller's add is the only rounding
+    return partial * (a_s[:, None] * b_s[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk", "expert_lo", "expert_hi"])
+def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, KB, chunks_per_split,
+                    stride_xm, stride_wn, stride_wsk, stride_ym, stride_xs, stride_pk, stride_we, stride_wse,
+                    slots_per_row, expert_lo, expert_hi,
+                    FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                    SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
+    """y[M, N] = the block-scaled product (see linear), fp32 sums rounded once to bf16. K runs in chunks of
+    4 blocks (one scale word); the chunks form ranges of `chunks_per_split` (quant.k_range_blocks, fixed by
+    the weight's shape): each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
+    The loads are plain, so that Triton's pipeliner streams them through shared memory (cp.async,
+    num_stages deep): a register double buffer measured 2-3x slower at large M (bench/results).
+    SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
+    adds in range order -- the bits of one program looping over the ranges.
+    SLOTS (routed experts): program_id(2) is slot s, one output row computed as a one-row call would
+    compute it, with activation row s // slots_per_row and expert slot[s] of a stacked weight bank.
+    GROUPED (routed experts, many slots): program_id(2) is tile t of up to BM slots of one expert
+    (tile[t] = (expert, first, count): slots slot[first .. first + count), grouped by expert); each slot's
+    row is computed as in SLOTS (a row's bits never depend on its tile) and stored at its slot's row; only the
+    tiles of experts [expert_lo, expert_hi) work, the bank at w_ptr holding just those experts."""
+    if SLOTS:
+        s = tl.program_id(2)
+        e = tl.load(slot_ptr + s).to(tl.int64)
+        w_ptr += e * stride_we
+        ws_ptr += e * stride_wse
+        x_ptr += (s // slots_per_row).to(tl.int64) * stride_xm
+        xs_ptr += s // slots_per_row
+        y_ptr += s.to(tl.int64) * stride_ym
+        part_ptr += s.to(tl.int64) * N
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mmask = rm < M
+    nmask = rn < N
+    rk = tl.arange(0, TL_BLOCK)
+    in_rows = rm  # activation rows
+    out_rows = rm  # output rows
+    KC = tl.cdiv(KB, 4)
+    if GROUPED:
+        t = tl.program_id(2)
+        e = tl.load(tile_ptr + 3 * t).to(tl.int64)
+        count = tl.load(tile_ptr + 3 * t + 2)
+        count = tl.where((e >= expert_lo) & (e < expert_hi), count, 0)
+        w_ptr += (e - expert_lo) * stride_we
+        ws_ptr += (e - expert_lo) * stride_wse
+        mmask = tl.arange(0, BM) < count
+        out_rows = tl.load(slot_ptr + tl.load(tile_ptr + 3 * t + 1) + tl.arange(0, BM), mask=mmask, other=0)
+        in_rows = out_rows // slots_per_row
+        KC = tl.where(count > 0, KC, 0)  # the table's spare tiles and other experts' tiles do no work
+    x_rows = x_ptr + in_rows[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    if FP4:  # the block's 4 words per weight row
+        w_rows = ((w_ptr + rn[:, None].to(tl.int64) * stride_wn).to(tl.pointer_type(tl.int32))
+                  + tl.arange(0, 4)[None, :])
+    else:
+        w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    ws_cols = ws_ptr + rn // SCALE_ROWS
+    xs_rows = xs_ptr + in_rows
+    c_lo = 0
+    c_hi = KC
+    if SPREAD:
+        c_lo = tl.program_id(1) * chunks_per_split
+        c_hi = tl.minimum(c_lo + chunks_per_split, KC)
+    if not FUSE_QUANT:
+        aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
+    if SCALE_E8M0:
+        bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
+    # one loop over the chunks (a loop per range would drain Triton's load pipeline at every range end).
+    # RANGES (the program crosses range ends): `total` sums the current range, added to `acc` where the
+    # range ends -- a second accumulator, ~70 more registers on 64x64 tiles, so only where needed
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if RANGES:
+        total = tl.zeros([BM, BN], dtype=tl.float32)
+    for c in range(c_lo, c_hi):
+        more = c + 1 < c_hi
+        aw = 0
+        bw = 0
+        if not FUSE_QUANT:
+            aw = aw_next
+            aw_next = tl.load(xs_rows + (c + 1) * stride_xs, mask=mmask & more, other=_ONE_WORD)
+        if SCALE_E8M0:
+            bw = bw_next
+            bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
+        for j in tl.static_range(4):
+            kb = c * 4 + j
+            a, w = _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4)
+            # a block past K adds +0 to a sum that is never -0
+            term = _block_term(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
+            if RANGES:
+                total += term
+            else:
+                acc += term
+        if RANGES:
+            if ((c + 1) % chunks_per_split == 0) | (c + 1 == KC):  # the range ends
+                acc += total
+                total = tl.zeros([BM, BN], dtype=tl.float32)
+    # SPREAD: acc is this program's range sum, stored for _ordered_sum_kernel
+    mask = mmask[:, None] & nmask[None, :]
+    if SPREAD:
+        part = part_ptr + tl.program_id(1) * stride_pk + rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part, acc, mask=mask)
+    else:
+        tl.store(y_ptr + out_rows[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _load_eight(p, mn, mask, kb, KB):
+    """part[kb .. kb+7] at p (rows mn apart), 0 past KB."""
+    v0 = tl.load(p, mask=mask & (kb < KB), other=0.0)
+    v1 = tl.load(p + mn, mask=mask & (kb + 1 < KB), other=0.0)
+    v2 = tl.load(p + 2 * mn, mask=mask & (kb + 2 < KB), other=0.0)
+    v3 = tl.load(p + 3 * mn, mask=mask & (kb + 3 < KB), other=0.0)
+    v4 = tl.load(p + 4 * mn, mask=mask & (kb + 4 < KB), other=0.0)
+    v5 = tl.load(p + 5 * mn, mask=mask & (kb + 5 < KB), other=0.0)
+    v6 = tl.load(p + 6 * mn, mask=mask & (kb + 6 < KB), other=0.0)
+    v7 = tl.load(p + 7 * mn, mask=mask & (kb + 7 < KB), other=0.0)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _add_eight(acc, v0, v1, v2, v3, v4, v5, v6, v7):
+    return ((((((((acc + v0) + v1) + v2) + v3) + v4) + v5) + v6) + v7)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ordered_sum_kernel(part_ptr, y_ptr, M, N, KB, stride_ym, BLOCK: tl.constexpr):
+    """y[m, n] = ((0 + part[0, m, n]) + part[1, m, n]) + ..., fp32 adds in K order, stored in y's dtype;
+    32 loads are issued before their adds so the chain waits on one latency per 32 blocks. A block past
+    KB adds +0 to an accumulator that is never -0."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mn = M * N
+    mask = offs < mn
+    p = part_ptr + offs.to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for kb0 in range(0, KB, 32):
+        a0, a1, a2, a3, a4, a5, a6, a7 = _load_eight(p, mn, mask, kb0, KB)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _load_eight(p + 8 * mn, mn, mask, kb0 + 8, KB)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _load_eight(p + 16 * mn, mn, mask, kb0 + 16, KB)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _load_eight(p + 24 * mn, mn, mask, kb0 + 24, KB)
+        acc = _add_eight(acc, a0, a1, a2, a3, a4, a5, a6, a7)
+        acc = _add_eight(acc, b0, b1, b2, b3, b4, b5, b6, b7)
+        acc = _add_eight(acc, c0, c1, c2, c3, c4, c5, c6, c7)
+        acc = _add_eight(acc, d0, d1, d2, d3, d4, d5, d6, d7)
+        p += 32 * mn
+    m = offs // N
+    n = offs % N
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _ordered_sum(part: torch.Tensor, y: torch.Tensor, terms: int) -> None:
+    """y[m, n] = the in-order fp32 sum of part[0..terms-1, m, n] (part contiguous [terms, M, N])."""
+    m, n = y.shape
+    block, warps = ordered_sum_config(m * n)
+    _ordered_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, terms, y.stride(0), BLOCK=block,
+                                                      num_warps=warps, enable_fp_fusion=FP_FUSION)
+
+
+def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
+                      fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
+                      slots: torch.Tensor | None = None, slots_per_row: int = 1,
+                      tiles: torch.Tensor | None = None, experts: tuple[int, int] | None = None) -> None:
+    """Launch the block-scaled GEMM into y (and the sum of the K ranges when they run as separate programs).
+    With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]; with
+    `tiles` too (experts.py's expert tiles), `slots` is the slot order grouped by expert and tile t takes up
+    to BM of them, only those of `experts` (lo, hi) when given, the bank then holding experts lo .. hi - 1."""
+    n, k = y.size(1), a.size(1)
+    kb = k // BLOCK
+    cps = k_range_blocks(n, kb) // K_RANGE_GROUP
+    splits = triton.cdiv(triton.cdiv(kb, K_RANGE_GROUP), cps)
+    rows = y.size(0)
+    stacked = slots is not None and tiles is None
+    m = 1 if slots is not None else rows  # rows per program column: a slot is a one-row call
+    if spread is None:  # a decode tile's K chain is latency-bound: its ranges run side by side (measured:
+        # bench/results/decode-gemm-2026-11-30.txt)
+        spread = m <= SPREAD_MAX_M
+    spread = spread and splits > 1 and tiles is None
+    part = torch.empty((splits, rows, n), dtype=torch.float32, device=a.device) if spread else y
+    programs = rows if stacked else tiles.size(0) if tiles is not None else 1
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), splits if spread else 1, programs)
+    lo, hi = experts or (0, wv.size(0))  # without `experts`: all of a bank's experts (unused without tiles)
+    _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if slots is not None else y,
+                          tiles if tiles is not None else y, m, n, kb, cps,
+                          a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0),
+                          a_s.stride(0) if not fuse else m, rows * n,
+                          wv.stride(0) if slots is not None else 0, w.scale.stride(0) if slots is not None else 0,
+                          slots_per_row, lo, hi, FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
+                          SCALE_E8M0=w.scale_e8m0,
+                          SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM, BN=cfg.BN,
+                          GROUP_M=cfg.GROUP_M,
+                          RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                          enable_fp_fusion=FP_FUSION)
+    if spread:
+        _ordered_sum(part, y, splits)
+
+
+# ---------------------------------------------------------------------------------------------
+# plain bf16 / fp32 GEMM
+# ---------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["M"])
+def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part_cols, stride_xm, stride_wn,
+                       stride_ym, group_x, group_w, group_y,
+                       PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr, RANGES: tl.constexpr):
+    # program_id(1) picks one of several independent GEMMs laid side by side (grouped `wo_a`); each is
+    # computed exactly as a single call with the same config would. The K ranges [s * k_per_split, (s + 1) *
+    # k_per_split) are fixed by the weight's shape, never by M; each range's dots chain from a zero
+    # accumulator and the range sums add in s order. SPLIT: program_id(2) takes range s and stores its fp32
+    # sum to part[s, m, g * N + n] (part_cols = groups * N columns) for _ordered_sum_kernel. RANGES (large M):
+    # one program runs every range and adds their sums in order itself: the same bits, no partials in memory
+    g = tl.program_id(1).to(tl.int64)
+    x_ptr += g * group_x
+    w_ptr += g * group_w
+    y_ptr += g * group_y
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    mmask = rm < M
+    nmask = rn < N
+    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    wp = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    k_lo = 0
+    k_hi = K
+    if SPLIT:
+        k_lo = tl.program_id(2) * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if RANGES:
+        total = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        kmask = (k0 + rk) < k_hi  # k_per_split is a multiple of BK: only K's end cuts a step
+        a = tl.load(xp + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        # a bf16-stored fp32 weight widens exactly here (its low TF32 part is 0: the same products)
+        b = tl.load(wp + k0, mask=nmask[None, :] & kmask[:, None], other=0.0).to(a.dtype)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        if RANGES:
+            if ((k0 + BK) % k_per_split == 0) | (k0 + BK >= K):  # the range ends
+                total += acc
+                acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if RANGES:
+        acc = total
+    if SPLIT:
+        part = (part_ptr + tl.program_id(2).to(tl.int64) * M * part_cols + rm[:, None].to(tl.int64) * part_cols
+                + g * N + rn[None, :])
+        tl.store(part, acc, mask=mmask[:, None] & nmask[None, :])
+    else:
+        y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def _plain_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, kind: str, groups: int, prec: str,
+                config: LinearConfig | None) -> None:
+    """y[:, g] = x[:, g] @ w[g]^T for each of `groups` bf16/fp32 GEMMs (x [M, groups * K] rows, w [groups, N,
+    K], y [M, groups * N]). The K ranges come from the weight's shape (plain_k_per_split of its
+    linear_config); from PLAIN_WIDE_MIN_M rows the tile is wider along N (fewer re-reads of x, same MMA per
+    output element) and one program adds its ranges (no [splits, M, N] partials): the same bits."""
+    m = y.size(0)
+    n, k = w.shape[-2:]
+    cfg = config or linear_config(kind, n, k)
+    k_per_split = plain_k_per_split(cfg, n, k)
+    splits = triton.cdiv(k, k_per_split)
+    wide = config is None and m >= PLAIN_WIDE_MIN_M
+    if wide:
+        cfg = plain_wide_config(cfg, n)
+    split = splits > 1 and not wide
+    part = torch.empty((splits, m, groups * n), dtype=torch.float32, device=x.device) if split else y
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), groups, splits if split else 1)
+    _plain_gemm_kernel[grid](x, w, y, part, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2), y.stride(0),
+                             k, n * k, n, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+                             SPLIT=split, RANGES=wide and splits > 1, num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
+    if split:
+        _ordered_sum(part, y, splits)
+
+
+def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
+           config: LinearConfig | None = None, fuse_quant: bool | None = None,
+           spread: bool | None = None, preconvert: bool | None = None,
+           fp32_precision: str = "tf32x3") -> torch.Tensor:
+    """y = x @ W^T by the weight's storage kind (see cpu.linear). x: [M, in] on CUDA. fp8/fp4 take a
+    bf16 activation and give bf16; bf16/fp32 weights give their own dtype. A non-CUDA-layout Weight
+    is converted on the fly (convert once with to_cuda_weight instead).
+    Keyword overrides are for tests and benchmarks: `config` (tile config), and three choices that
+    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs) and `preconvert`
+    (widen FP4 to E4M3 before the GEMM); `fp32_precision` for fp32 weights: "tf32x3" (default: three
+    TF32 tensor-core products, measured closer to the CPU's fp32 than the alternative and 3-4.5x
+    faster) or "ieee" (fp32 FMA dots, one long K chain per output)."""
+    if not isinstance(w, CudaWeight) or w.values.device != x.device:
+        w = to_cuda_weight(w, x.device)
+    assert x.dim() == 2 and x.size(1) == w.in_features, (tuple(x.shape), w.in_features)
+    m, k = x.shape
+    n = w.out_features
+    if w.kind in ("fp8", "fp4"):
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"{w.kind} linear takes a bf16 activation, got {x.dtype}")
+        cfg = config or linear_config(w.kind, n, k, m)
+        y = out if out is not None else torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+        if m == 0:
+            return y
+        x = x.contiguous()
+        fuse = m <= FUSE_QUANT_MAX_M if fuse_quant is None else fuse_quant
+        a, a_s = (x, x) if fuse else quant_act(x)  # fused: a_s unused
+        wv, fp4 = w.values, w.kind == "fp4"
+        if fp4 and (m >= FP4_PRECONVERT_M if preconvert is None else preconvert):
+            wv, fp4 = fp4_to_fp8(wv), False
+        block_scaled_gemm(a, a_s, wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, spread=spread)
+        return y
+    dtype = torch.float32 if w.kind == "fp32" else torch.bfloat16
+    # a bf16 activation of an fp32 weight is widened here: widened in the kernel, 3xTF32 gives other bits
+    # (Triton then takes another MMA path; docs/rejected-ideas.md)
+    x = x.to(dtype).contiguous()
+    y = out if out is not None else torch.empty((m, n), dtype=dtype, device=x.device)
+    if m == 0:
+        return y
+    _plain_gemm(x, w.values, y, w.kind, 1, fp32_precision if dtype == torch.float32 else "tf32", config)
+    return y
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The grouped output projection: x [M, G, D] bf16, w [G, R, D] bf16 -> [M, G, R] bf16, one launch;
+    group g's bits equal `linear(x[:, g], Weight("bf16", w[g]))`."""
+    m, groups, d = x.shape
+    r = w.size(1)
+    x = x.to(torch.bfloat16).contiguous()
+    w = w.to(torch.bfloat16).contiguous()
+    y = torch.empty((m, groups, r), dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return y
+    _plain_gemm(x.view(m, groups * d), w, y.view(m, groups * r), "bf16", groups, "tf32", None)
+    return y

@@ -1,0 +1,136 @@
+"""mHC: the split + Sinkhorn of the mixes (fp32, one row's 24 mixes through the whole split and 20
+normalisations in one pass; a one-warp program takes a fixed tile of HC_ROWS rows that never interact),
+and the streams' collapse and expansion."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .common import FP_FUSION, sigmoid
+from .configs import HC_ROWS, MHC_BLOCK
+
+
+# ---------------------------------------------------------------------------------------------
+# split + Sinkhorn
+# ---------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["N"])
+def _hc_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, N, iters, eps,
+               HC: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    NM: tl.constexpr = 2 * HC + HC * HC
+    r = pid * ROWS + tl.arange(0, ROWS)
+    rmask = r < N
+    j = tl.arange(0, HC)
+    row = mix_ptr + r.to(tl.int64) * NM
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    m_pre = tl.load(row[:, None] + j[None, :], mask=rmask[:, None], other=0.0)
+    m_post = tl.load(row[:, None] + HC + j[None, :], mask=rmask[:, None], other=0.0)
+    cidx = j[:, None] * HC + j[None, :]
+    m_comb = tl.load(row[:, None, None] + 2 * HC + cidx[None, :, :], mask=rmask[:, None, None], other=0.0)
+    pre = sigmoid(m_pre * s0 + tl.load(base_ptr + j)[None, :]) + eps
+    post = 2.0 * sigmoid(m_post * s1 + tl.load(base_ptr + HC + j)[None, :])
+    c = m_comb * s2 + tl.load(base_ptr + 2 * HC + cidx)[None, :, :]
+    c = libdevice.exp(c - tl.max(c, axis=2)[:, :, None])
+    c = tl.math.div_rn(c, tl.sum(c, axis=2)[:, :, None]) + eps
+    c = tl.math.div_rn(c, tl.sum(c, axis=1)[:, None, :] + eps)
+    for _ in range(1, iters):
+        c = tl.math.div_rn(c, tl.sum(c, axis=2)[:, :, None] + eps)
+        c = tl.math.div_rn(c, tl.sum(c, axis=1)[:, None, :] + eps)
+    out_r = r.to(tl.int64)
+    tl.store(pre_ptr + out_r[:, None] * HC + j[None, :], pre, mask=rmask[:, None])
+    tl.store(post_ptr + out_r[:, None] * HC + j[None, :], post, mask=rmask[:, None])
+    tl.store(comb_ptr + out_r[:, None, None] * (HC * HC) + cidx[None, :, :], c, mask=rmask[:, None, None])
+
+
+def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC coefficients from the (2+hc)*hc mixes (fp32): pre [.., hc], post [.., hc] and the
+    Sinkhorn-normalised comb [.., hc, hc] (see cpu.hc_split_sinkhorn)."""
+    assert hc & (hc - 1) == 0 and mixes.size(-1) == (2 + hc) * hc and iters >= 1
+    lead = mixes.shape[:-1]
+    m = mixes.reshape(-1, mixes.size(-1)).float().contiguous()
+    n = m.size(0)
+    dev = mixes.device
+    pre = torch.empty((n, hc), dtype=torch.float32, device=dev)
+    post = torch.empty((n, hc), dtype=torch.float32, device=dev)
+    comb = torch.empty((n, hc, hc), dtype=torch.float32, device=dev)
+    if n:
+        _hc_kernel[(triton.cdiv(n, HC_ROWS),)](m, scale.float().contiguous(), base.float().contiguous(),
+                                               pre, post, comb, n, iters, float(eps), HC=hc, ROWS=HC_ROWS,
+                                               num_warps=1, enable_fp_fusion=FP_FUSION)
+    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+# ---------------------------------------------------------------------------------------------
+# mHC stream collapse and expansion, each one kernel with the rounding of cpu.collapse / cpu.expand as
+# composed from this backend's ops (fp32 products, streams added first to last, one rounding at the
+# end); launched with fp fusion off, so no multiply-add is contracted into an FMA
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _collapse_kernel(h_ptr, pre_ptr, o_ptr, D, stride_hn, stride_hs, stride_pn, stride_on,
+                     HC: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    acc = tl.load(pre_ptr + n * stride_pn) * tl.load(h_ptr + n * stride_hn + offs, mask=mask).to(tl.float32)
+    for i in tl.static_range(1, HC):
+        h = tl.load(h_ptr + n * stride_hn + i * stride_hs + offs, mask=mask).to(tl.float32)
+        acc = acc + tl.load(pre_ptr + n * stride_pn + i) * h
+    tl.store(o_ptr + n * stride_on + offs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_i pre[:, i] * h[:, i] in fp32, streams first to last, in h's dtype: [N, hc, D] x [N, hc] -> [N, D]."""
+    n, hc, d = h.shape
+    if h.stride(2) != 1:
+        h = h.contiguous()
+    pre = pre.float().contiguous()
+    out = torch.empty((n, d), dtype=h.dtype, device=h.device)
+    if n:
+        _collapse_kernel[(n, triton.cdiv(d, MHC_BLOCK))](h, pre, out, d, h.stride(0), h.stride(1), pre.stride(0),
+                                                         out.stride(0), HC=hc, BLOCK=MHC_BLOCK, num_warps=4,
+                                                         enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _expand_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, o_ptr, D, stride_yn, stride_rn, stride_rs, stride_pn,
+                   stride_cn, stride_on, stride_os, HC: tl.constexpr, BLOCK: tl.constexpr):
+    # all HC output streams as one [HC, BLOCK] tile, so each residual stream is loaded once
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    ks = tl.arange(0, HC)
+    y = tl.load(y_ptr + n * stride_yn + offs, mask=mask).to(tl.float32)
+    r = tl.load(r_ptr + n * stride_rn + offs, mask=mask).to(tl.float32)
+    mixed = tl.load(comb_ptr + n * stride_cn + ks)[:, None] * r[None, :]
+    for j in tl.static_range(1, HC):
+        r = tl.load(r_ptr + n * stride_rn + j * stride_rs + offs, mask=mask).to(tl.float32)
+        mixed = mixed + tl.load(comb_ptr + n * stride_cn + j * HC + ks)[:, None] * r[None, :]
+    out = tl.load(post_ptr + n * stride_pn + ks)[:, None] * y[None, :] + mixed
+    tl.store(o_ptr + n * stride_on + ks[:, None] * stride_os + offs[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=mask[None, :])
+
+
+def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * residual[:, j] in fp32 (j first to last), in y's
+    dtype: y [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc] -> [N, hc, D]."""
+    n, hc, d = residual.shape
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    if residual.stride(2) != 1:
+        residual = residual.contiguous()
+    post = post.float().contiguous()
+    comb = comb.float().contiguous()
+    out = torch.empty((n, hc, d), dtype=y.dtype, device=y.device)
+    if n:
+        _expand_kernel[(n, triton.cdiv(d, MHC_BLOCK))](y, residual, post, comb, out, d, y.stride(0),
+                                                       residual.stride(0), residual.stride(1), post.stride(0),
+                                                       comb.stride(0), out.stride(0), out.stride(1), HC=hc,
+                                                       BLOCK=MHC_BLOCK, num_warps=4, enable_fp_fusion=False)
+    return out
