@@ -10,14 +10,13 @@ backend (the kernels/cuda/ package), or the reference ops run on the GPU with `r
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dsflash.kernels import cpu
+from dsflash.kernels.api import Kernels
 from dsflash.kernels.cpu import Weight
 from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
@@ -27,87 +26,7 @@ from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
 if TYPE_CHECKING:
     from dsflash.kernels.cuda import ExpertBank
 
-
-class Bank(Protocol):
-    """One projection's routed-expert weights as a backend's `expert_bank` stacks them: bank[e] is expert e's."""
-
-    def __getitem__(self, expert: int, /) -> Weight: ...
-
-
-BankT = TypeVar("BankT", bound=Bank)
-
-
-class MoeRoute(Protocol):
-    """(gate logits [N, E] fp32, bias [E] or [N, E], k, score_func, temp, norm, scale, forced ids or None,
-    ascending) -> (weights fp32 [N, k], expert ids [N, k]): cpu.moe_route."""
-
-    def __call__(self, logits: Tensor, bias: Tensor, k: int, score_func: str, temp: float, norm: bool,
-                 scale: float, ids: Tensor | None = None, ascending: bool = False) -> tuple[Tensor, Tensor]: ...
-
-
-class Fp4FakeQuant(Protocol):
-    """(x bf16, block, e4m3_scale) -> x through E2M1 and back: quant.fp4_fake_quant."""
-
-    def __call__(self, x: Tensor, block: int, e4m3_scale: bool) -> Tensor: ...
-
-
-@dataclass(frozen=True)
-class Kernels(Generic[BankT]):
-    """One backend's ops. BankT: its stacked routed-expert weights (what its `expert_bank` makes and its
-    `expert_linear` takes)."""
-
-    name: str
-    device: torch.device
-    # rows of a forward are padded to a multiple of this: the reference backend's CPU BLAS and vector
-    # loops are only batch-invariant on whole tiles; the CUDA kernels are invariant at any row count
-    row_tile: int
-    linear: Callable[[Tensor, Weight], Tensor]  # (x [N, in], weight) -> [N, out]
-    sparse_attn: Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]  # (q, kv, sink, idx, scale) -> bf16
-    # (mixes, scale, base, hc, iters, eps) -> (pre, post, comb), fp32
-    hc_split_sinkhorn: Callable[[Tensor, Tensor, Tensor, int, int, float], tuple[Tensor, Tensor, Tensor]]
-    grouped_linear: Callable[[Tensor, Tensor], Tensor]  # (x [N, G, D], w [G, R, D]) -> [N, G, R], bf16
-    expert_bank: Callable[[list[Weight]], BankT]  # one projection's routed-expert Weights -> the bank
-    # (x, bank, expert per slot, slots per row) -> bf16 [slots, out]
-    expert_linear: Callable[[Tensor, BankT, Tensor, int], Tensor]
-    # MoE layers of at most this many rows run every (row, slot) pair through expert_linear (no host read
-    # of the routing); larger chunks loop over the experts they use (the CPU's; CUDA's expert_linear takes all)
-    slot_moe_rows: int
-    # (q, keys, weights, visible, keep_blocks or None, block) -> the indexer's bf16 scores
-    index_scores: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, int], Tensor]
-    # (scores, k, visible, width) -> the k best entries per row, ascending, -1 padded
-    topk_indices: Callable[[Tensor, int, Tensor, int], Tensor]
-    # (scores, visible, topk_blocks, block) -> the kept candidate blocks, bool
-    candidate_blocks: Callable[[Tensor, Tensor, int, int], Tensor]
-    moe_route: MoeRoute
-    mean_square: Callable[[Tensor], Tensor]  # mean(x^2) over the last dim, keepdim
-    row_sum: Callable[[Tensor], Tensor]  # sum over the last dim
-    small_sum: Callable[[Tensor, int], Tensor]  # (x, dim) -> the sum over a short dim
-    stream_mean: Callable[[Tensor], Tensor]  # mean over dim 1 (the mHC streams)
-    rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps) -> RMSNorm of x in x's dtype
-    # (values, x, eps) -> values * rsqrt(mean(x^2) + eps), fp32 (the mHC mixes)
-    rms_scale: Callable[[Tensor, Tensor, float], Tensor]
-    fp8_fake_quant: Callable[[Tensor], Tensor]  # quant.fp8_fake_quant: window KV
-    fp4_fake_quant: Fp4FakeQuant  # index queries
-    # packing.quant_packed (x, block, e4m3_scale): the compressed KV and index keys as the state holds them
-    fp4_quant_packed: Callable[[Tensor, int, bool], Tensor]
-    # packing.dequant_packed (packed, d, block, e4m3_scale): their values, read back (fp4_fake_quant's bits)
-    fp4_dequant_packed: Callable[[Tensor, int, int, bool], Tensor]
-    collapse: Callable[[Tensor, Tensor], Tensor]  # mHC (h [N, hc, D], pre [N, hc]) -> [N, D]: the streams' sum
-    # mHC (y [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc]) -> [N, hc, D]
-    expand: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-    # (routed experts' rows [N, k, D], shared expert's [N, D]) -> the MoE output [N, D]
-    moe_sum: Callable[[Tensor, Tensor], Tensor]
-    # (gate, up [..., D], limit, weights [..., 1] or None) -> an expert's hidden rows
-    swiglu: Callable[[Tensor, Tensor, float, Tensor | None], Tensor]
-    # (kv, score [G, ratio, D] fp32) -> the compressor's pooled groups, bf16 [G, D]
-    softmax_pool: Callable[[Tensor, Tensor], Tensor]
-    engram_rows: Callable[[Tensor, Tensor, Tensor], Tensor]  # (FP8 table, its scales, ids) -> the rows, bf16
-    # (h [N, hc, D], key [N, hc, D], value [N, D], qk_weight, eps, image mask or None) -> h + gated value
-    engram_gate: Callable[[Tensor, Tensor, Tensor, Tensor, float, Tensor | None], Tensor]
-    # (x, factor table, positions, dim, inverse) -> x, its last dim channels rotated in place
-    rope_rotate: Callable[[Tensor, Tensor, Tensor, int, bool], Tensor]
-    # (kind, stored tensor, stored scale or None) -> the backend's weight on `device`
-    weight: Callable[[str, Tensor, Tensor | None], Weight]
+__all__ = ["Kernels", "load_kernels"]
 
 
 def _reference(device: torch.device) -> Kernels[list[Weight]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dsflash.kernels import Kernels
+from dsflash.kernels.api import Kernels
 from dsflash.kernels.cpu import Weight
 
 from .attention import sparse_attn
