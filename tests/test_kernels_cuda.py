@@ -8,13 +8,19 @@ any position. Set DSFLASH_TOL_REPORT=path to append every measurement as a JSON 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 
 import pytest
 import torch
 
-from dsflash.kernels import cpu, load_kernels
+from dsflash.kernels import Kernels, cpu, load_kernels
+from dsflash.model.attention import softmax_pool
+from dsflash.model.engram import engram_gate
+from dsflash.model.mhc import hc_post, hc_pre
+from dsflash.model.moe import route
 from dsflash.numerics import BLOCK, exact_div
 from dsflash.numerics.quant import fp8_act_codes
 from tests.test_kernels_cpu import block_weight
@@ -27,6 +33,14 @@ if torch.cuda.is_available():
     from dsflash.kernels.cuda import configs, experts
 
 DEV = "cuda"
+
+
+@functools.cache
+def composed() -> Kernels:
+    """The CUDA backend without its fused ops: the model's formulas over this backend's primitive ops, whose
+    bits each fused kernel must give."""
+    return dataclasses.replace(load_kernels(DEV), collapse=None, expand=None, softmax_pool=None, engram_gate=None,
+                               moe_route=None)
 
 # written tolerances: (‖Δ‖/‖ref‖, max ulp of the output dtype over elements whose |ref| >= 1/8 of the
 # output's rms; a result that cancels to near zero has an ulp far below its inputs' rounding, so its
@@ -218,10 +232,10 @@ def test_mhc_and_moe_sum_kernels_give_the_composed_ops_bits():
         comb = torch.rand(n, 4, 4, generator=g).to(DEV)
         y = torch.randn(n, 5120, generator=g).bfloat16().to(DEV)
         got = kc.collapse(streams, pre)
-        assert torch.equal(got, cpu.collapse(streams, pre, small_sum=kc.small_sum)), n
+        assert torch.equal(got, hc_pre(composed(), streams, pre)), n
         assert torch.equal(kc.collapse(streams[-1:], pre[-1:]), got[-1:])
         mixed = kc.expand(y, streams, post, comb)
-        assert torch.equal(mixed, cpu.expand(y, streams, post, comb, small_sum=kc.small_sum)), n
+        assert torch.equal(mixed, hc_post(composed(), y, streams, post, comb)), n
         assert torch.equal(kc.expand(y[:1], streams[:1], post[:1], comb[:1]), mixed[:1])
         scales = torch.exp2(torch.randint(-20, 20, (n, 6, 1), generator=g).float())
         routed = torch.randn(n, 6, 5120, generator=g) * scales
@@ -270,9 +284,9 @@ def test_softmax_pool_kernel_gives_the_composed_ops_bits():
     rows = (torch.randn(37, 2, 2, 512, generator=g) * 3).to(DEV)  # [groups, ratio, (kv, score), D]
     kv, score = rows[:, :, 0], rows[:, :, 1]
     got = kc.softmax_pool(kv, score)
-    assert torch.equal(got, cpu.softmax_pool(kv, score))
+    assert torch.equal(got, softmax_pool(composed(), kv, score))
     assert torch.equal(kc.softmax_pool(kv[5:6], score[5:6]), got[5:6])
-    assert measure("softmax_pool", got, cpu.softmax_pool(kv.cpu(), score.cpu()))[0] < 1e-2  # vs the CPU: expf
+    assert measure("softmax_pool", got, softmax_pool(load_kernels("cpu"), kv.cpu(), score.cpu()))[0] < 1e-2  # expf
 
 
 def engram_inputs(n, hc, d, rows, de, cols, g):
@@ -295,13 +309,9 @@ def test_engram_kernels_give_the_composed_ops_bits():
     got = kc.engram_rows(table, scale, ids)
     ref = cpu.engram_rows(table, scale, ids)
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
-
-    def mean_square(x):
-        return exact_div(kc.row_sum(x, square=True), x.size(-1)).unsqueeze(-1)
     for image in (None, mask):
         out = kc.engram_gate(h, key, value, qk, 1e-6, image)
-        assert torch.equal(out, cpu.engram_gate(h, key, value, qk, 1e-6, image, mean_square=mean_square,
-                                                row_sum=kc.row_sum))
+        assert torch.equal(out, engram_gate(composed(), h, key, value, qk, 1e-6, image))
         assert torch.equal(kc.engram_gate(h[3:4], key[3:4], value[3:4], qk, 1e-6, None if image is None else
                                           image[3:4]), out[3:4])
 
@@ -401,7 +411,6 @@ def test_rope_kernel_rounds_as_the_cpu():
 
 def test_exact_div_is_the_cpu_division():
     """torch's CUDA `x / 6.0` is x * fp32(1/6) (one rounding more); numerics.exact_div divides as the CPU."""
-    from dsflash.numerics import exact_div
     x = torch.rand(1 << 16, generator=gen(16)) * 100
     for d in (6.0, 5120, 3.0, 4, 0.5, 1.0):
         assert torch.equal(exact_div(x.to(DEV), d).cpu(), x / d), d
@@ -515,7 +524,7 @@ def test_moe_route_gives_the_composed_ops_bits(e):
         for func in ("sqrtsoftplus", "sigmoid"):
             for temp, norm, asc in ((1.0, True, False), (0.7, True, True), (1.0, False, False), (1.0, True, True)):
                 got = kc.moe_route(logits, bias, 6, func, temp, norm, 1.5, ascending=asc)
-                ref = cpu.moe_route(logits, bias, 6, func, temp, norm, 1.5, ascending=asc, small_sum=kc.small_sum)
+                ref = route(composed(), logits, bias, 6, func, temp, norm, 1.5, ascending=asc)
                 assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0]), (ties, func, temp, norm, asc)
                 alone = kc.moe_route(logits[4:5], bias, 6, func, temp, norm, 1.5, ascending=asc)
                 assert torch.equal(alone[0], got[0][4:5]) and torch.equal(alone[1], got[1][4:5])

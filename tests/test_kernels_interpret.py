@@ -41,9 +41,13 @@ def test_row_reductions_under_the_triton_interpreter():
 
 
 KERNEL_SCRIPT = """
+import dataclasses
 import interpreter_fixes  # noqa: F401  (before any kernel runs)
 import torch
-from dsflash.kernels import cpu, cuda
+from dsflash.kernels import cpu, cuda, load_kernels
+from dsflash.model.attention import softmax_pool
+from dsflash.model.engram import engram_gate
+from dsflash.model.mhc import hc_post, hc_pre
 from dsflash.kernels.cuda import configs, experts
 from dsflash.numerics import BLOCK
 from dsflash.numerics.quant import fp8_act_codes, k_range_blocks
@@ -144,8 +148,11 @@ streams = torch.randn(6, 4, 700, generator=g).bfloat16()
 pre, post = torch.rand(6, 4, generator=g), torch.rand(6, 4, generator=g) * 2
 comb = torch.rand(6, 4, 4, generator=g)
 y = torch.randn(6, 700, generator=g).bfloat16()
-assert torch.equal(cuda.collapse(streams, pre), cpu.collapse(streams, pre, small_sum=cuda.small_sum))
-assert torch.equal(cuda.expand(y, streams, post, comb), cpu.expand(y, streams, post, comb, small_sum=cuda.small_sum))
+# the model's formulas over the CUDA backend's sums (what each fused kernel must reproduce)
+ms = lambda x: (cuda.row_sum(x, square=True) / x.size(-1)).unsqueeze(-1)  # noqa: E731
+formulas = dataclasses.replace(load_kernels("cpu"), small_sum=cuda.small_sum, row_sum=cuda.row_sum, mean_square=ms)
+assert torch.equal(cuda.collapse(streams, pre), hc_pre(formulas, streams, pre))
+assert torch.equal(cuda.expand(y, streams, post, comb), hc_post(formulas, y, streams, post, comb))
 assert torch.equal(cuda.collapse(streams[2:3], pre[2:3]), cuda.collapse(streams, pre)[2:3])
 # the MoE output: six routed rows in slot order from an fp32 zero, then the shared expert's (order matters
 # from three terms on)
@@ -213,7 +220,7 @@ assert torch.equal(codes.float(), ref_codes) and torch.equal(cuda.act_scales(wor
 # the compressor's pooling: numpy's exp stands in for expf, so within rounding of the CPU's softmax
 rows = torch.randn(9, 2, 2, 64, generator=g) * 3
 got = cuda.softmax_pool(rows[:, :, 0], rows[:, :, 1])
-assert rel(got, cpu.softmax_pool(rows[:, :, 0], rows[:, :, 1])) < 1e-2
+assert rel(got, softmax_pool(formulas, rows[:, :, 0], rows[:, :, 1])) < 1e-2
 assert torch.equal(cuda.softmax_pool(rows[3:4, :, 0], rows[3:4, :, 1]), got[3:4])
 # Engram: the row gather exact; the gate within rounding (numpy's exp, sqrt and rsqrt stand in)
 from test_kernels_cuda import engram_inputs
@@ -221,8 +228,7 @@ table, scale, ids, h, key, value, qk, mask = engram_inputs(3, 4, 300, 40, 64, 3,
 assert torch.equal(cuda.engram_rows(table, scale, ids).view(torch.int16),
                    cpu.engram_rows(table, scale, ids).view(torch.int16))
 out = cuda.engram_gate(h, key, value, qk, 1e-6, mask)
-ms = lambda x: (cuda.row_sum(x, square=True) / x.size(-1)).unsqueeze(-1)  # noqa: E731
-assert rel(out, cpu.engram_gate(h, key, value, qk, 1e-6, mask, mean_square=ms, row_sum=cuda.row_sum)) < 1e-2
+assert rel(out, engram_gate(formulas, h, key, value, qk, 1e-6, mask)) < 1e-2
 assert torch.equal(cuda.engram_gate(h[1:2], key[1:2], value[1:2], qk, 1e-6, mask[1:2]), out[1:2])
 # sparse attention: the online softmax over 64-index blocks as the CPU's, and a query's bits alone
 q, kv, sink, idx = attn_inputs(6, 16, 64, 300, 160, g)
@@ -256,9 +262,7 @@ def mean_square(x):  # the CUDA backend's
 composed = dataclasses.replace(
     load_kernels("cpu"), small_sum=cuda.small_sum, mean_square=mean_square, row_sum=cuda.row_sum,
     rms_norm=lambda x, w, eps: cpu.rms_norm(x, w, eps, mean_square=mean_square),
-    rms_scale=lambda v, x, eps: cpu.rms_scale(v, x, eps, mean_square=mean_square),
-    collapse=lambda h, pre: cpu.collapse(h, pre, small_sum=cuda.small_sum),
-    expand=lambda y, r, post, comb: cpu.expand(y, r, post, comb, small_sum=cuda.small_sum))
+    rms_scale=lambda v, x, eps: cpu.rms_scale(v, x, eps, mean_square=mean_square))
 fused = dataclasses.replace(composed, rms_norm=cuda.rms_norm, rms_scale=cuda.rms_scale, collapse=cuda.collapse,
                             expand=cuda.expand, moe_sum=cuda.moe_sum, fp8_fake_quant=cuda.fp8_fake_quant,
                             fp4_fake_quant=cuda.fp4_fake_quant, fp4_quant_packed=cuda.fp4_quant_packed,
@@ -336,26 +340,32 @@ print("ok")
 ROUTER_SCRIPT = """
 import interpreter_fixes  # noqa: F401  (before any kernel runs)
 import torch
-from dsflash.kernels import cpu, cuda
+import dataclasses
+from dsflash.kernels import cuda, load_kernels
+from dsflash.model.moe import route
 from test_kernels_cuda import router_inputs
 
 g = torch.Generator().manual_seed(0)
+composed = dataclasses.replace(load_kernels("cpu"), small_sum=cuda.small_sum)
 for e in (48, 384):
     for ties in (False, True):
         logits, bias = router_inputs(9, e, g, ties)
         for func in ("sqrtsoftplus", "sigmoid"):
             for temp, norm, asc in ((1.0, True, False), (0.7, True, True), (1.0, False, False), (1.0, True, True)):
                 w, ids = cuda.moe_route(logits, bias, 6, func, temp, norm, 1.5, ascending=asc)
-                rw, rids = cpu.moe_route(logits, bias, 6, func, temp, norm, 1.5, ascending=asc,
-                                         small_sum=cuda.small_sum)
+                rw, rids = route(composed, logits, bias, 6, func, temp, norm, 1.5, ascending=asc)
                 # numpy's exp / log1p stand in for the GPU's: the picks exact, the weights to an ulp or so
                 assert torch.equal(ids, rids), (e, ties, func, temp, norm, asc)
                 assert torch.allclose(w, rw, rtol=1e-6, atol=0), (e, ties, func, float((w - rw).abs().max()))
                 alone = cuda.moe_route(logits[4:5], bias, 6, func, temp, norm, 1.5, ascending=asc)
                 assert torch.equal(alone[1], ids[4:5]) and torch.equal(alone[0], w[4:5])
-# softmax, a per-row bias and given ids take the composition
-w, ids = cuda.moe_route(logits, bias.expand(9, -1), 6, "sigmoid", 1.0, True, 1.5)
-assert torch.equal(ids, cpu.moe_route(logits, bias, 6, "sigmoid", 1.0, True, 1.5)[1])
+# softmax, a per-row bias and given ids are the model's to compose: the kernel declines them
+assert cuda.moe_route(logits, bias.expand(9, -1), 6, "sigmoid", 1.0, True, 1.5) is None
+assert cuda.moe_route(logits, bias, 6, "softmax", 1.0, True, 1.5) is None
+assert cuda.moe_route(logits, bias, 6, "sigmoid", 1.0, True, 1.5, ids=ids) is None
+w, ids = route(dataclasses.replace(composed, moe_route=cuda.moe_route), logits, bias.expand(9, -1), 6, "sigmoid",
+               1.0, True, 1.5)
+assert torch.equal(ids, route(composed, logits, bias, 6, "sigmoid", 1.0, True, 1.5)[1])
 print("ok")
 """
 

@@ -44,12 +44,12 @@ def _reference(device: torch.device) -> Kernels[list[Weight]]:
         name="reference", device=device, row_tile=cpu.ROW_TILE, linear=cpu.linear, sparse_attn=cpu.sparse_attn,
         hc_split_sinkhorn=cpu.hc_split_sinkhorn, grouped_linear=cpu.grouped_linear, expert_bank=cpu.expert_bank,
         expert_linear=cpu.expert_linear, slot_moe_rows=cpu.ROW_TILE, index_scores=cpu.index_scores,
-        topk_indices=cpu.topk_indices, candidate_blocks=cpu.candidate_blocks, moe_route=cpu.moe_route,
+        topk_indices=cpu.topk_indices, candidate_blocks=cpu.candidate_blocks, moe_route=None,
         mean_square=cpu.mean_square, row_sum=cpu.row_sum, small_sum=cpu.small_sum, stream_mean=cpu.stream_mean,
         rms_norm=cpu.rms_norm, rms_scale=cpu.rms_scale, fp8_fake_quant=fp8_fake_quant, fp4_fake_quant=fp4_fake_quant,
-        fp4_quant_packed=quant_packed, fp4_dequant_packed=dequant_packed, collapse=cpu.collapse, expand=cpu.expand,
-        moe_sum=cpu.moe_sum, swiglu=cpu.swiglu, softmax_pool=cpu.softmax_pool, engram_rows=cpu.engram_rows,
-        engram_gate=cpu.engram_gate, rope_rotate=cpu.rope_rotate, weight=weight)
+        fp4_quant_packed=quant_packed, fp4_dequant_packed=dequant_packed, collapse=None, expand=None,
+        moe_sum=cpu.moe_sum, swiglu=cpu.swiglu, softmax_pool=None, engram_rows=cpu.engram_rows,
+        engram_gate=None, rope_rotate=cpu.rope_rotate, weight=weight)
 
 
 def load_kernels(device: str | torch.device = "cpu", reference: bool = False

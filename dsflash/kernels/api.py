@@ -24,10 +24,12 @@ BankT = TypeVar("BankT", bound=Bank)
 
 class MoeRoute(Protocol):
     """(gate logits [N, E] fp32, bias [E] or [N, E], k, score_func, temp, norm, scale, forced ids or None,
-    ascending) -> (weights fp32 [N, k], expert ids [N, k]): cpu.moe_route."""
+    ascending) -> (weights fp32 [N, k], expert ids [N, k]) as model/moe.py's `Gate.route` computes them, or
+    None where the kernel does not apply (the model then runs its formula)."""
 
     def __call__(self, logits: Tensor, bias: Tensor, k: int, score_func: str, temp: float, norm: bool,
-                 scale: float, ids: Tensor | None = None, ascending: bool = False) -> tuple[Tensor, Tensor]: ...
+                 scale: float, ids: Tensor | None = None, ascending: bool = False
+                 ) -> tuple[Tensor, Tensor] | None: ...
 
 
 class Fp4FakeQuant(Protocol):
@@ -39,7 +41,12 @@ class Fp4FakeQuant(Protocol):
 @dataclass(frozen=True)
 class Kernels(Generic[BankT]):
     """One backend's ops. BankT: its stacked routed-expert weights (what its `expert_bank` makes and its
-    `expert_linear` takes)."""
+    `expert_linear` takes).
+
+    The fused ops (`moe_route`, `collapse`, `expand`, `softmax_pool`, `engram_gate`) are optional: the
+    formula each one fuses is the model's (Gate.route, hc_pre, hc_post, Compressor.pool, Engram.gate), written
+    from this record's primitive ops; None (the reference backend) runs that formula, and a fused kernel
+    must give its bits on its backend."""
 
     name: str
     device: torch.device
@@ -63,7 +70,7 @@ class Kernels(Generic[BankT]):
     topk_indices: Callable[[Tensor, int, Tensor, int], Tensor]
     # (scores, visible, topk_blocks, block) -> the kept candidate blocks, bool
     candidate_blocks: Callable[[Tensor, Tensor, int, int], Tensor]
-    moe_route: MoeRoute
+    moe_route: MoeRoute | None
     mean_square: Callable[[Tensor], Tensor]  # mean(x^2) over the last dim, keepdim
     row_sum: Callable[[Tensor], Tensor]  # sum over the last dim
     small_sum: Callable[[Tensor, int], Tensor]  # (x, dim) -> the sum over a short dim
@@ -77,18 +84,16 @@ class Kernels(Generic[BankT]):
     fp4_quant_packed: Callable[[Tensor, int, bool], Tensor]
     # packing.dequant_packed (packed, d, block, e4m3_scale): their values, read back (fp4_fake_quant's bits)
     fp4_dequant_packed: Callable[[Tensor, int, int, bool], Tensor]
-    collapse: Callable[[Tensor, Tensor], Tensor]  # mHC (h [N, hc, D], pre [N, hc]) -> [N, D]: the streams' sum
-    # mHC (y [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc]) -> [N, hc, D]
-    expand: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    collapse: Callable[[Tensor, Tensor], Tensor] | None  # model/mhc.py hc_pre: (h, pre_mix) -> [N, D]
+    expand: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None  # model/mhc.py hc_post: (y, residual, post, comb)
     # (routed experts' rows [N, k, D], shared expert's [N, D]) -> the MoE output [N, D]
     moe_sum: Callable[[Tensor, Tensor], Tensor]
     # (gate, up [..., D], limit, weights [..., 1] or None) -> an expert's hidden rows
     swiglu: Callable[[Tensor, Tensor, float, Tensor | None], Tensor]
-    # (kv, score [G, ratio, D] fp32) -> the compressor's pooled groups, bf16 [G, D]
-    softmax_pool: Callable[[Tensor, Tensor], Tensor]
+    softmax_pool: Callable[[Tensor, Tensor], Tensor] | None  # Compressor.pool: (kv, score) -> bf16 [G, D]
     engram_rows: Callable[[Tensor, Tensor, Tensor], Tensor]  # (FP8 table, its scales, ids) -> the rows, bf16
-    # (h [N, hc, D], key [N, hc, D], value [N, D], qk_weight, eps, image mask or None) -> h + gated value
-    engram_gate: Callable[[Tensor, Tensor, Tensor, Tensor, float, Tensor | None], Tensor]
+    # Engram.gate: (h, key, value, qk_weight, eps, image mask or None) -> h + the gated value
+    engram_gate: Callable[[Tensor, Tensor, Tensor, Tensor, float, Tensor | None], Tensor] | None
     # (x, factor table, positions, dim, inverse) -> x, its last dim channels rotated in place
     rope_rotate: Callable[[Tensor, Tensor, Tensor, int, bool], Tensor]
     # (kind, stored tensor, stored scale or None) -> the backend's weight on `device`

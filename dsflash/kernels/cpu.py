@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsflash.numerics import BLOCK, exact_div
+from dsflash.numerics import BLOCK
 from dsflash.numerics.quant import fp8_act_codes, k_range_blocks
 
 ROW_TILE = 64
@@ -188,33 +188,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Te
     return (h if weights is None else weights * h).to(gate.dtype)
 
 
-def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    """The compressor's pooling of a group's `ratio` rows: kv [G, ratio, D] weighted by the per-channel
-    softmax over the group of score [G, ratio, D] (fp32), summed over the group, in bf16 [G, D]."""
-    return (kv * score.softmax(dim=1)).sum(dim=1).to(torch.bfloat16)
-
-
 def engram_rows(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Engram's hashed rows: table rows (FP8 [rows, De]) times their per-32 scales ([rows, De / 32]),
     gathered by ids [...] -> bf16 [..., De]."""
     values = table[ids].float()
     scales = scale[ids].float()
     return (values.unflatten(-1, (-1, BLOCK)) * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
-
-
-def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qk_weight: torch.Tensor, eps: float,
-                image_mask: torch.Tensor | None, mean_square=mean_square, row_sum=row_sum) -> torch.Tensor:
-    """Engram's gated add to the streams (spec §8): per (token, stream) the RMS-normalised dot of the stream
-    h [N, hc, D] with its key [N, hc, D] (weighted by qk_weight [hc, D]), a signed square root through a
-    sigmoid, times the value [N, D] added to the stream; image positions get no Engram. fp32, h's dtype out.
-    `mean_square` and `row_sum` are the backend's (the composition a fused kernel reproduces)."""
-    hf, kf, d = h.float(), key.float(), h.size(-1)
-    rstd = torch.rsqrt(mean_square(hf)[..., 0] + eps) * torch.rsqrt(mean_square(kf)[..., 0] + eps)
-    dot = row_sum(hf * qk_weight * kf) * rstd * d ** -0.5
-    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-    if image_mask is not None:
-        gate = gate.masked_fill(image_mask.unsqueeze(-1), 0)
-    return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
 
 
 def moe_sum(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
@@ -225,19 +204,6 @@ def moe_sum(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         y += routed[:, slot]
     y += shared
     return y.to(shared.dtype)
-
-
-def collapse(h: torch.Tensor, pre: torch.Tensor, small_sum=small_sum) -> torch.Tensor:
-    """mHC: the weighted sum of the streams ([N, hc, D] x [N, hc] -> [N, D]) in fp32, back in h's dtype.
-    `small_sum` is the backend's sum over the streams (the composition a fused kernel reproduces)."""
-    return small_sum(pre.unsqueeze(-1) * h.float(), 1).to(h.dtype)
-
-
-def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-           small_sum=small_sum) -> torch.Tensor:
-    """mHC: out_k = post_k * y + sum_j comb[j, k] * residual_j, in fp32, back in y's dtype."""
-    out = post.unsqueeze(-1) * y.unsqueeze(-2) + small_sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), 1)
-    return out.type_as(y)
 
 
 def stream_mean(h: torch.Tensor) -> torch.Tensor:
@@ -268,34 +234,6 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, vis
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest values per row; among exactly equal values the lowest index wins."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-
-
-def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, score_func: str, temp: float, norm: bool,
-              scale: float, ids: torch.Tensor | None = None, ascending: bool = False, small_sum=small_sum
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router (spec §7) from the gate's fp32 logits [N, E]: (weights fp32 [N, k], expert ids [N, k]).
-    Scores = score_func(logits / temp); the ids are the k best of scores + bias (bias [E], or [N, E] for
-    image rows) in descending order, the lowest id first among equal ones (topk_lowest_index), unless `ids`
-    are given; the weights are the picks' unbiased scores, divided by their sum in that order (`small_sum`,
-    the backend's, + 1e-20) when `norm` and k > 1, times `scale`. `ascending`: both reordered by id at the
-    end (the routed experts' summation order)."""
-    scores = exact_div(logits, temp)
-    if score_func == "softmax":
-        scores = scores.softmax(dim=-1)
-    elif score_func == "sigmoid":
-        scores = scores.sigmoid()
-    else:
-        scores = F.softplus(scores).sqrt()
-    if ids is None:
-        ids = topk_lowest_index(scores + bias, k)
-    weights = scores.gather(1, ids)
-    if norm and k > 1:
-        weights /= small_sum(weights, -1).unsqueeze(-1) + 1e-20
-    weights *= scale
-    if ascending:
-        ids, order = ids.sort(dim=-1)
-        weights = weights.gather(1, order)
-    return weights, ids
 
 
 def topk_indices(scores: torch.Tensor, k: int, visible: torch.Tensor, width: int) -> torch.Tensor:

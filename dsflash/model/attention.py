@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from dsflash.config import ModelArgs
+from dsflash.kernels import Kernels
 from dsflash.model.common import Chunk
 from dsflash.model.rope import Rope
 from dsflash.model.state import GrowingRows, PositionRing
@@ -77,7 +78,16 @@ class Compressor:
         raw.write(chunk.positions[: chunk.n], rows)
         rows = torch.cat([held, rows])
         grouped = rows[: rows.size(0) // ratio * ratio].unflatten(0, (-1, ratio))
-        return self.k.rms_norm(self.k.softmax_pool(grouped[:, :, 0], grouped[:, :, 1]), self.norm, self.eps)
+        return self.k.rms_norm(softmax_pool(self.k, grouped[:, :, 0], grouped[:, :, 1]), self.norm, self.eps)
+
+
+def softmax_pool(k: Kernels, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """The compressor's pooling: a group's `ratio` rows kv [G, ratio, D] weighted by the per-channel softmax
+    over the group of score [G, ratio, D] (fp32), summed over the group, in bf16 [G, D]. `k.softmax_pool`,
+    where the backend has it, is one kernel with these bits."""
+    if k.softmax_pool is not None:
+        return k.softmax_pool(kv, score)
+    return (kv * score.softmax(dim=1)).sum(dim=1).to(torch.bfloat16)
 
 
 class SourceWriter:

@@ -14,7 +14,7 @@ from dsflash.config import ModelArgs
 from dsflash.kernels.cpu import pad_rows
 from dsflash.model.attention import Attention
 from dsflash.model.common import Chunk, Replayer
-from dsflash.model.mhc import Block
+from dsflash.model.mhc import Block, hc_pre
 from dsflash.model.rope import Rope
 from dsflash.model.state import PositionRing
 from dsflash.model.weights import WeightLoader
@@ -137,5 +137,5 @@ class DSpark:
         pre[:, 0] = 1.0
         for block in self.stages:
             h, pre = block.forward(h, pre, chunk)
-        x = self.k.rms_norm(self.k.collapse(h, pre), self.norm, a.norm_eps)
+        x = self.k.rms_norm(hc_pre(self.k, h, pre), self.norm, a.norm_eps)
         return x, self.k.linear(x.float(), self.head)[: chunk.n]

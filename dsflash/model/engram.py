@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from dsflash.config import ModelArgs, engram_primes
+from dsflash.kernels import Kernels
 from dsflash.model.common import Chunk
 from dsflash.model.weights import WeightLoader
 
@@ -87,6 +88,23 @@ class Engram:
         rows = self.k.engram_rows(self.table, self.table_scale, hash_ids)
         kv = self.k.linear(rows.flatten(-2), self.wkv)
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
-        # normalised per (token, stream) over the model width, not jointly over the streams
-        return self.k.engram_gate(h, key.unflatten(-1, (self.hc, self.dim)), value, self.qk_weight, self.eps,
-                                  image_mask)
+        return engram_gate(self.k, h, key.unflatten(-1, (self.hc, self.dim)), value, self.qk_weight, self.eps,
+                           image_mask)
+
+
+def engram_gate(k: Kernels, h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qk_weight: torch.Tensor,
+                eps: float, image_mask: torch.Tensor | None) -> torch.Tensor:
+    """Engram's gated add to the streams: per (token, stream) the dot of the stream h [N, hc, D] with its key
+    [N, hc, D] (weighted by qk_weight [hc, D]), each RMS-normalised over the model width (not jointly over the
+    streams), a signed square root through a sigmoid, times the value [N, D] added to the stream; image
+    positions get no Engram. fp32 (the backend's mean square and row sums), in h's dtype. `k.engram_gate`,
+    where the backend has it, is one kernel with these bits."""
+    if k.engram_gate is not None:
+        return k.engram_gate(h, key, value, qk_weight, eps, image_mask)
+    hf, kf, d = h.float(), key.float(), h.size(-1)
+    rstd = torch.rsqrt(k.mean_square(hf)[..., 0] + eps) * torch.rsqrt(k.mean_square(kf)[..., 0] + eps)
+    dot = k.row_sum(hf * qk_weight * kf) * rstd * d ** -0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    if image_mask is not None:
+        gate = gate.masked_fill(image_mask.unsqueeze(-1), 0)
+    return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)

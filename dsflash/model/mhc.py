@@ -69,11 +69,28 @@ class Block:
         return self.k.hc_split_sinkhorn(mixes, site.scale, site.base, self.hc, self.hc_iters, self.hc_eps)
 
     def hc_pre(self, h: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
-        """The copies collapsed into one sub-layer input: sum_m pre_mix[m] * h[m], in fp32, in h's dtype."""
-        return self.k.collapse(h, pre_mix)
+        return hc_pre(self.k, h, pre_mix)
 
     def hc_post(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
                 ) -> torch.Tensor:
-        """The sub-layer output expanded back to hc copies, the residual mixed in through comb:
-        out[m] = post[m] * y + sum_j comb[j, m] * residual[j], in fp32, in y's dtype."""
-        return self.k.expand(y, residual, post, comb)
+        return hc_post(self.k, y, residual, post, comb)
+
+
+def hc_pre(k: Kernels, h: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+    """The copies h [N, hc, D] collapsed into one sub-layer input [N, D]: sum_m pre_mix[m] * h[m], the fp32
+    products added stream by stream (the backend's small_sum), in h's dtype. `k.collapse`, where the backend
+    has it, is one kernel with these bits."""
+    if k.collapse is not None:
+        return k.collapse(h, pre_mix)
+    return k.small_sum(pre_mix.unsqueeze(-1) * h.float(), 1).to(h.dtype)
+
+
+def hc_post(k: Kernels, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+            ) -> torch.Tensor:
+    """The sub-layer output y [N, D] expanded back to hc copies, the residual [N, hc, D] mixed in through comb
+    [N, hc, hc] (row = source stream): out[m] = post[m] * y + sum_j comb[j, m] * residual[j], in fp32, in y's
+    dtype. `k.expand`, where the backend has it, is one kernel with these bits."""
+    if k.expand is not None:
+        return k.expand(y, residual, post, comb)
+    out = post.unsqueeze(-1) * y.unsqueeze(-2) + k.small_sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), 1)
+    return out.type_as(y)

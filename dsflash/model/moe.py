@@ -4,15 +4,15 @@ unbiased scores (normalised, x route_scale), SwiGLU experts with clamps, routing
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
+import torch.nn.functional as F
 
 from dsflash.config import ModelArgs
 from dsflash.kernels import Kernels
-from dsflash.kernels.cpu import Weight
+from dsflash.kernels.cpu import Weight, topk_lowest_index
 from dsflash.model.common import Chunk
 from dsflash.model.weights import WeightLoader
+from dsflash.numerics import exact_div
 
 
 class Gate:
@@ -32,21 +32,55 @@ class Gate:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] fp32, expert ids [N, k]) in the router's order, or by ascending id (the routed
         experts' summation order); ids forced when the chunk carries selections."""
-        a = self.args
         logits = self.k.linear(x, self.weight)  # fp32 router: x widens in the GEMM
         bias = self.bias
         if chunk is not None and chunk.image_mask is not None and self.bias_vl is not None:
             bias = torch.where(chunk.image_mask.unsqueeze(-1), self.bias_vl, bias)
-        route = partial(self.k.moe_route, logits, bias, self.topk, a.score_func, a.gate_temp, a.norm_topk_prob,
-                        a.route_scale)
         forced = None
         if chunk is not None and chunk.select is not None:
             forced = chunk.select.rows(chunk.select.moe_ids, self.layer, chunk.positions[: chunk.n])
         if forced is None:
-            return route(ascending=ascending)
-        _, ids = route()
+            return self.route(logits, bias, ascending=ascending)
+        _, ids = self.route(logits, bias)
         ids[: chunk.n] = forced
-        return route(ids=ids, ascending=ascending)
+        return self.route(logits, bias, ids, ascending)
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor | None = None,
+              ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        return route(self.k, logits, bias, self.topk, a.score_func, a.gate_temp, a.norm_topk_prob, a.route_scale,
+                     ids, ascending)
+
+
+def route(k: Kernels, logits: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str, temp: float, norm: bool,
+          scale: float, ids: torch.Tensor | None = None, ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router from the gate's fp32 logits [N, E]: (weights fp32 [N, topk], expert ids [N, topk]).
+    Scores = score_func(logits / temp); the ids are the top-k of scores + bias (bias [E], or [N, E] for image
+    rows) in descending order, the lowest id first among equal ones, unless `ids` are given; the weights are
+    the picks' unbiased scores, divided by their sum in that order (the backend's small_sum) when `norm` and
+    topk > 1, times `scale`. `ascending`: both reordered by id at the end (the routed experts' summation
+    order). `k.moe_route`, where the backend has it, is one kernel with these bits (None where it does not
+    apply)."""
+    fused = k.moe_route and k.moe_route(logits, bias, topk, score_func, temp, norm, scale, ids, ascending)
+    if fused is not None:
+        return fused
+    scores = exact_div(logits, temp)
+    if score_func == "softmax":
+        scores = scores.softmax(dim=-1)
+    elif score_func == "sigmoid":
+        scores = scores.sigmoid()
+    else:
+        scores = F.softplus(scores).sqrt()
+    if ids is None:
+        ids = topk_lowest_index(scores + bias, topk)
+    weights = scores.gather(1, ids)
+    if norm and topk > 1:
+        weights /= k.small_sum(weights, -1).unsqueeze(-1) + 1e-20  # not norm_eps: as in training
+    weights *= scale
+    if ascending:
+        ids, order = ids.sort(dim=-1)
+        weights = weights.gather(1, order)
+    return weights, ids
 
 
 class Expert:

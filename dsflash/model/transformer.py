@@ -21,7 +21,7 @@ from dsflash.model.attention import Attention, SourceWriter, source_rows
 from dsflash.model.common import Chunk, Replayer, Selections, fit_rows
 from dsflash.model.dspark import DSpark
 from dsflash.model.engram import Engram, EngramLayout
-from dsflash.model.mhc import Block
+from dsflash.model.mhc import Block, hc_pre
 from dsflash.model.rope import Rope
 from dsflash.model.state import SequenceState
 from dsflash.model.vision import Vision
@@ -164,11 +164,11 @@ class Transformer:
         state.pos = end
         logits = None
         if self.has_head:
-            y = self.k.rms_norm(self.k.collapse(h, pre), self.norm, a.norm_eps)
+            y = self.k.rms_norm(hc_pre(self.k, h, pre), self.norm, a.norm_eps)
             logits = self.k.linear(y.float(), self.head)[:n]
         entries = None
         if self.next_source is not None:
-            y = self.k.rms_norm(self.k.collapse(h, pre), self.next_attn_norm, a.norm_eps)
+            y = self.k.rms_norm(hc_pre(self.k, h, pre), self.next_attn_norm, a.norm_eps)
             entries = self.next_source.entries(y, chunk)
         main_hidden = torch.cat(taps, dim=-1)[:n] if taps else None
         return ForwardOutput(logits, *(handoff or (None, None)), main_hidden, h[:n], pre[:n], entries,

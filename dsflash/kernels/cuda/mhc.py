@@ -67,7 +67,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 
 
 # ---------------------------------------------------------------------------------------------
-# mHC stream collapse and expansion, each one kernel with the rounding of cpu.collapse / cpu.expand as
+# mHC stream collapse and expansion, each one kernel with the rounding of model/mhc.py hc_pre / hc_post as
 # composed from this backend's ops (fp32 products, streams added first to last, one rounding at the
 # end); launched with fp fusion off, so no multiply-add is contracted into an FMA
 # ---------------------------------------------------------------------------------------------

@@ -8,17 +8,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dsflash.kernels import cpu
-
 from .common import FP_FUSION, sigmoid
-from .elementwise import small_sum
 
 
 @triton.jit
 def _moe_route_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, E, stride_l, temp, scale, K: tl.constexpr,
                       KP: tl.constexpr, FUNC: tl.constexpr, NORM: tl.constexpr, ASC: tl.constexpr,
                       BLOCK_E: tl.constexpr):
-    """One row of the router (cpu.moe_route) with torch's CUDA functions: logits / temp (IEEE division),
+    """One row of the router (model/moe.py Gate.route) with torch's CUDA functions: logits / temp (IEEE division),
     FUNC 1 sigmoid 1 / (1 + expf(-x)), 2 sqrtf(x > 20 ? x : log1pf(expf(x))); K rounds of the best of
     scores + bias (the lowest id among equal ones, -0 = +0), its unbiased score kept; the weights' sum from
     the first pick on (CUDA's small_sum), + 1e-20, IEEE divisions, times scale; ASC: stored by ascending id
@@ -64,12 +61,12 @@ ROUTE_FUNCS = {"sigmoid": 1, "sqrtsoftplus": 2}  # the score functions the route
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, score_func: str, temp: float, norm: bool,
               scale: float, ids: torch.Tensor | None = None, ascending: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cpu.moe_route with the bits of its torch composition on CUDA: one kernel for a shared bias and an
-    elementwise score function (~15 launches a layer before, the sort to ascending ids included); the
-    composition for softmax, a per-row bias (image rows) or given ids."""
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The router (model/moe.py `Gate.route`) with the bits of its torch composition on CUDA: one kernel for a
+    shared bias and an elementwise score function (~15 launches a layer as composed, the sort to ascending ids
+    included); None for softmax, a per-row bias (image rows) or given ids, which the model composes."""
     if ids is not None or bias.dim() != 1 or score_func not in ROUTE_FUNCS:
-        return cpu.moe_route(logits, bias, k, score_func, temp, norm, scale, ids, ascending, small_sum=small_sum)
+        return None
     n, e = logits.shape
     logits = logits.float().contiguous()
     weights = torch.empty((n, k), dtype=torch.float32, device=logits.device)
