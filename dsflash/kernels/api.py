@@ -44,9 +44,9 @@ class Kernels(Generic[BankT]):
     `expert_linear` takes).
 
     The fused ops (`moe_route`, `collapse`, `expand`, `softmax_pool`, `engram_gate`) are optional: the
-    formula each one fuses is the model's (Gate.route, hc_pre, hc_post, Compressor.pool, Engram.gate), written
-    from this record's primitive ops; None (the reference backend) runs that formula, and a fused kernel
-    must give its bits on its backend."""
+    formula each one fuses is the model's (dsflash/model: moe.route, mhc.hc_pre, mhc.hc_post,
+    attention.softmax_pool, engram.engram_gate), written from this record's primitive ops; None (the
+    reference backend) runs that formula, and a fused kernel must give its bits on its backend."""
 
     name: str
     device: torch.device
@@ -90,9 +90,9 @@ class Kernels(Generic[BankT]):
     moe_sum: Callable[[Tensor, Tensor], Tensor]
     # (gate, up [..., D], limit, weights [..., 1] or None) -> an expert's hidden rows
     swiglu: Callable[[Tensor, Tensor, float, Tensor | None], Tensor]
-    softmax_pool: Callable[[Tensor, Tensor], Tensor] | None  # Compressor.pool: (kv, score) -> bf16 [G, D]
+    softmax_pool: Callable[[Tensor, Tensor], Tensor] | None  # attention.softmax_pool: (kv, score)
     engram_rows: Callable[[Tensor, Tensor, Tensor], Tensor]  # (FP8 table, its scales, ids) -> the rows, bf16
-    # Engram.gate: (h, key, value, qk_weight, eps, image mask or None) -> h + the gated value
+    # engram.engram_gate: (h, key, value, qk_weight, eps, image mask or None) -> h + the gated value
     engram_gate: Callable[[Tensor, Tensor, Tensor, Tensor, float, Tensor | None], Tensor] | None
     # (x, factor table, positions, dim, inverse) -> x, its last dim channels rotated in place
     rope_rotate: Callable[[Tensor, Tensor, Tensor, int, bool], Tensor]

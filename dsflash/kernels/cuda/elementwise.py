@@ -204,7 +204,7 @@ def _softmax_pool_kernel(kv_ptr, s_ptr, o_ptr, D, stride_kg, stride_kj, stride_s
 
 
 def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    """model/attention.py Compressor.pool in one kernel (kv, score: fp32 [G, ratio, D] views with unit last stride)."""
+    """model/attention.py softmax_pool in one kernel (kv, score: fp32 [G, ratio, D] views, unit last stride)."""
     assert kv.shape == score.shape and kv.stride(-1) == 1 and score.stride(-1) == 1
     g, r, d = kv.shape
     out = torch.empty((g, d), dtype=torch.bfloat16, device=kv.device)
@@ -250,7 +250,7 @@ def engram_rows(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> 
 @triton.jit
 def _engram_gate_kernel(h_ptr, k_ptr, v_ptr, qk_ptr, m_ptr, o_ptr, HC, D, stride_hn, stride_hs, stride_kn,
                         stride_ks, stride_vn, d, eps, scale, floor, MASK: tl.constexpr, BLOCK: tl.constexpr):
-    """One (token, stream): model/engram.py Engram.gate with the CUDA backend's row sums (BLOCK-wide lanes, the square
+    """One (token, stream): model/engram.py engram_gate with the CUDA backend's row sums (BLOCK-wide lanes, the square
     sums as the FMAs its compiled row_sum uses, the product sum of the separately rounded products), IEEE
     divisions, torch's sigmoid 1 / (1 + expf(-x)); then the stream plus gate * value in bf16."""
     n = (tl.program_id(0) // HC).to(tl.int64)
@@ -287,7 +287,7 @@ def _engram_gate_kernel(h_ptr, k_ptr, v_ptr, qk_ptr, m_ptr, o_ptr, HC, D, stride
 
 def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qk_weight: torch.Tensor, eps: float,
                 image_mask: torch.Tensor | None) -> torch.Tensor:
-    """model/engram.py Engram.gate with this backend's mean square and row sum, one program per (token, stream)
+    """model/engram.py engram_gate with this backend's mean square and row sum, one program per (token, stream)
     (h [N, hc, D], key [N, hc, D], value [N, D]: views with unit last stride)."""
     n, hc, d = h.shape
     assert key.shape == h.shape and value.shape == (n, d) and h.stride(-1) == key.stride(-1) == value.stride(-1) == 1
