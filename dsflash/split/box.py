@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from dsflash.checkpoint.manifest import verify_weights
+from dsflash.checkpoint.reader import CheckpointError
 from dsflash.engine import snapshot
 from dsflash.engine.halves import LocalEncoder
 from dsflash.engine.images import SpanKey, cache_key, span_keys
@@ -463,8 +465,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     limits = Limits(args.max_connections, args.handshake_timeout, args.idle_timeout, args.read_timeout,
                     args.max_sessions, args.max_pending, args.max_context)
-    box = Box(args.model, token=args.token, cache_dir=args.cache_dir, device=args.device,
-              cuda_graphs=not args.eager, limits=limits)
+    try:
+        if args.verify_weights:
+            verify_weights(args.model)
+        box = Box(args.model, token=args.token, cache_dir=args.cache_dir, device=args.device,
+                  cuda_graphs=not args.eager, limits=limits)
+    except CheckpointError as e:  # damaged or mismatched weights: say which tensor, serve nothing
+        print(f"dsflash box: {e}", file=sys.stderr)
+        return 2
     serve_health(box, host, args.health_port if args.health_port is not None else port + 1)
     box.serve(host, port)
     return 0
@@ -493,4 +501,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-pending", type=int, default=d.max_pending,
                    help=f"requests queued or running per connection (default {d.max_pending})")
     p.add_argument("--max-context", type=int, help="tokens per session (default: the model's max_seq_len)")
+    p.add_argument("--verify-weights", action="store_true",
+                   help="check every tensor against the checkpoint's model.manifest.json before loading")
     p.set_defaults(func=run)
