@@ -2,10 +2,14 @@
 and real sockets. Only the faults are fakes: raw sockets that misbehave on purpose, a SIGSTOPped box (a
 hang), a SIGKILLed one, a small RLIMIT_NOFILE set in the box's own process."""
 
+import json
+import os
 import resource
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -18,7 +22,9 @@ from dsflash.numerics import NUMERICS_VERSION
 from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
 from dsflash.split.protocol import HEADER, MAGIC, VERSION, Frame, FrameType, read_frame, tokens_body
 from tests.conftest import free_port
-from tests.test_split import CASE, BoxProcess, assert_closed, prompt, raw_connect
+from tests.test_split import CASE, ROOT, BoxProcess, assert_closed, prompt, raw_connect
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -293,3 +299,19 @@ def test_sessions_and_queued_requests_of_a_connection_are_bounded(local):
         refused = [f.meta for f in answers.values() if f.type == FrameType.ERROR]
         assert refused and all(m["code"] == "busy" and m["retryable"] for m in refused), refused
         assert 2 <= 6 - len(refused) <= 3
+
+
+# ---- item 14: the command line's face of an unreachable box ----
+
+def test_generate_through_an_unreachable_or_refusing_box_says_so_in_one_line(tmp_path):
+    ids = tmp_path / "p.json"
+    ids.write_text(json.dumps(prompt(10, seed=2)))
+    cmd = [sys.executable, "-m", "dsflash.cli", "generate", "--model", str(CASE), "--prompt-tokens", str(ids),
+           "-n", "2", "--json", "--box-deadline", "2", "--box"]
+    dead = subprocess.run(cmd + [f"127.0.0.1:{free_port()}"], env=ENV, capture_output=True, text=True, timeout=300)
+    with running(token="right") as b:
+        refused = subprocess.run(cmd + [f"127.0.0.1:{b.port}", "--box-token", "wrong"], env=ENV,
+                                 capture_output=True, text=True, timeout=300)
+    for r, says in ((dead, "unreachable"), (refused, "wrong or missing token")):
+        assert r.returncode == 1 and r.stdout == "", (r.returncode, r.stdout)
+        assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr

@@ -16,7 +16,7 @@ from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import DEFAULT_CHUNK, Engine, default_device
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.vision import preprocess_image
-from dsflash.split.link import box_half
+from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
 from dsflash.tokenizer import EOS_ID, load_tokenizer
 
 
@@ -40,7 +40,7 @@ class Progress:
 def run(args: argparse.Namespace) -> int:
     try:
         return _generate(args)
-    except CheckpointError as e:  # the reason, in one line rather than a traceback
+    except (BoxUnavailable, BoxRefused, CheckpointError) as e:  # the reason, in one line rather than a traceback
         print(f"dsflash generate: {e}", file=sys.stderr)
         return 1
 
