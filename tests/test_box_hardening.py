@@ -22,7 +22,16 @@ from dsflash.numerics import NUMERICS_VERSION
 from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
 from dsflash.split.protocol import HEADER, MAGIC, VERSION, Frame, FrameType, read_frame, tokens_body
 from tests.conftest import free_port
-from tests.test_split import CASE, ROOT, BoxProcess, assert_closed, prompt, raw_connect
+from tests.test_split import (
+    CASE,
+    ROOT,
+    BoxProcess,
+    assert_closed,
+    decode_across_box_restart,
+    greedy,
+    prompt,
+    raw_connect,
+)
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
@@ -315,3 +324,20 @@ def test_generate_through_an_unreachable_or_refusing_box_says_so_in_one_line(tmp
     for r, says in ((dead, "unreachable"), (refused, "wrong or missing token")):
         assert r.returncode == 1 and r.stdout == "", (r.returncode, r.stdout)
         assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
+
+
+# ---- the soak: the split under repeated box kills ----
+
+@pytest.mark.slow
+def test_twenty_box_kills_mid_answer_leave_every_text_as_one_process_writes_it(local, tmp_path):
+    with running(cache_dir=tmp_path / "cache", flags=("--max-context", "4096")) as b:
+        split = split_engine(b, max_context=4096)
+        for i in range(20):
+            ids = prompt(30 + 3 * i, seed=100 + i)
+            dspark = 2 * (i % 2)
+            ref = local.session()
+            expected = greedy(ref, ref.prefill(ids), 6, dspark=dspark)
+            s = split.session()
+            assert decode_across_box_restart(b, s, s.prefill(ids), 6, restart_after=i % 5, dspark=dspark) == expected
+            s.close()
+        assert split.encoder.reconnects >= 20
