@@ -119,10 +119,10 @@ class PrefixCache:
         if not self.disk:
             return
         path = self._file(n, key)
-        if path.exists():
-            return
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # each writer its own: directories may be shared
         try:
+            if path.exists():
+                return
             tmp.write_bytes(blob)
             os.replace(tmp, path)  # readers never see a half-written snapshot
         except OSError as e:  # a full or failing disk: this entry has no disk copy, the request goes on
@@ -134,7 +134,12 @@ class PrefixCache:
 
     def _evict_disk(self) -> None:
         files = []
-        for f, n, key in self._disk_files():
+        try:
+            found = self._disk_files()
+        except OSError as e:
+            self._warn_once("list snapshots", e)
+            return
+        for f, n, key in found:
             try:
                 st = f.stat()
             except OSError:  # gone meanwhile
