@@ -172,9 +172,10 @@ class BoxLink:
                     self._cv.notify_all()
             if failed is None:
                 continue
-            if time.monotonic() + delay >= give_up:
+            left = give_up - time.monotonic()
+            if left <= 0:
                 raise self._unavailable() from failed
-            time.sleep(delay)
+            time.sleep(min(delay, left))  # the last attempt falls at the deadline, not a back-off step before it
             delay = min(delay * 2, 2.0)
 
     def _unavailable(self) -> BoxUnavailable:
