@@ -29,20 +29,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class BoxProcess:
     def __init__(self, port: int, token: str | None = None, cache_dir: Path | None = None, device: str = "cpu",
-                 case: Path = CASE):
+                 case: Path = CASE, flags: tuple[str, ...] = (), preexec_fn=None):
         self.port, self.token, self.cache_dir, self.device, self.case = port, token, cache_dir, device, case
+        self.flags, self.preexec_fn = flags, preexec_fn  # more `dsflash box` flags; a fault set up in the child
         self.health_port = free_port()  # its own free port, not port + 1 (which another socket may hold)
         self.proc = None
 
     def start(self) -> "BoxProcess":
         cmd = [sys.executable, "-m", "dsflash.cli", "box", "--model", str(self.case), "--listen",
-               f"127.0.0.1:{self.port}", "--device", self.device, "--health-port", str(self.health_port)]
+               f"127.0.0.1:{self.port}", "--device", self.device, "--health-port", str(self.health_port),
+               *self.flags]
         if self.token:
             cmd += ["--token", self.token]
         if self.cache_dir:
             cmd += ["--cache-dir", str(self.cache_dir)]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=self.preexec_fn)
         line = self.proc.stdout.readline()
         if "serving" not in line:
             self.proc.kill()
@@ -70,7 +73,8 @@ def local():
 
 @pytest.fixture()
 def box(tmp_path):
-    b = BoxProcess(free_port(), cache_dir=tmp_path / "boxcache").start()
+    # the tiny config's max_seq_len (128) is DeepSeek's reference cache size; the engines here allow 4096
+    b = BoxProcess(free_port(), cache_dir=tmp_path / "boxcache", flags=("--max-context", "4096")).start()
     yield b
     if b.proc.poll() is None:
         b.kill()

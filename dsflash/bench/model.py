@@ -276,8 +276,8 @@ def bench_link(model: str, device: str, prompt_len: int, steps: int) -> dict:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     box = subprocess.Popen([sys.executable, "-m", "dsflash.cli", "box", "--model", model, "--listen",
-                            f"127.0.0.1:{port}", "--device", device], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+                            f"127.0.0.1:{port}", "--device", device, "--max-context", str(prompt_len + steps + 16)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert "serving" in box.stdout.readline()
         link_mod.BoxLink.request, link_mod.RemoteEncoder._parse = counting_request, counting_parse

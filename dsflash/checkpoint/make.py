@@ -1,5 +1,5 @@
-"""`dsflash make-checkpoint`: a seeded checkpoint (config.json + model.safetensors) in the official
-layout, for tests and benchmarks of shapes other than the golden ones.
+"""`dsflash make-checkpoint`: a seeded checkpoint (config.json + model.safetensors + model.manifest.json,
+the tensors' hashes) in the official layout, for tests and benchmarks of shapes other than the golden ones.
 
 Weights are drawn in their checkpoint dtypes with the statistics tt-metal's `testing.py` measured on
 the released checkpoint (spec §2.3 [TT-TEST] init_weights): with unit norm weights and plain fan-in
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from dsflash.checkpoint.expect import BF16, E8M0, F8, I8, expected_tensors
+from dsflash.checkpoint.manifest import write_manifest
 from dsflash.checkpoint.reader import DTYPE_SIZES
 from dsflash.config import PRESETS, ConfigError, ModelArgs, preset, validate
 from dsflash.numerics import BLOCK
@@ -173,6 +174,7 @@ def make_checkpoint(args: ModelArgs, seed: int, out_dir: str | Path) -> Path:
                 f.write(data)
     os.replace(partial, path)
     (out / "config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
+    write_manifest(out)  # for `--verify-weights`
     return out
 
 

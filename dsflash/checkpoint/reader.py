@@ -41,6 +41,11 @@ TensorInfo = tuple[str, list[int]]  # safetensors dtype string, shape
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and check one safetensors header: every tensor's byte range must match its dtype and
     shape, and the ranges must tile the data area exactly (no gap, no overlap, nothing missing)."""
+    return read_layout(path)[0]
+
+
+def read_layout(path: Path) -> tuple[dict[str, TensorInfo], dict[str, tuple[int, int]]]:
+    """`read_header`'s tensors, and where each one's bytes lie in the file ([begin, end) file offsets)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -78,6 +83,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                                   f"its data_offsets span {end - begin}")
         tensors[name] = (dtype, list(shape))
         ranges.append((begin, end, name))
+    data_start = 8 + n
 
     data_size = size - 8 - n
     position = 0
@@ -92,7 +98,21 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                               f"the file holds {data_size} bytes of data")
     if position < data_size:
         raise CheckpointError(f"{path}: {data_size - position} unexpected bytes after the last tensor")
-    return tensors
+    return tensors, {name: (data_start + begin, data_start + end) for begin, end, name in ranges}
+
+
+def has_nan(t: torch.Tensor) -> bool:
+    """Whether a tensor stored in an 8-bit float format holds a NaN. E4M3 ("fn": no infinities) is NaN at
+    S.1111.111, the bytes 0x7F and 0xFF, which are the int8 and the uint8 maximum; an E8M0 scale (a bare
+    exponent) at 0xFF. So one or two max-reductions over the stored bytes tell, with no temporary tensor
+    (several GB/s on one core): cheap enough for every load. Other dtypes: False."""
+    if not t.numel():
+        return False
+    if t.dtype == torch.float8_e4m3fn:
+        return bool(t.view(torch.int8).max() == 127 or t.view(torch.uint8).max() == 255)
+    if t.dtype == torch.float8_e8m0fnu:
+        return bool(t.view(torch.uint8).max() == 255)
+    return False
 
 
 class Checkpoint:
@@ -105,12 +125,13 @@ class Checkpoint:
         self._files = {}
         self._where: dict[str, str] = {}
         self._info: dict[str, TensorInfo] = {}
+        self._range: dict[str, tuple[int, int]] = {}
         files = sorted(self.path.glob("*.safetensors"))
         files = [f for f in files if f.name != "golden.safetensors"]
         if not files:
             raise CheckpointError(f"{self.path}: no *.safetensors weight files")
         for f in files:
-            tensors = read_header(f)
+            tensors, ranges = read_layout(f)
             try:
                 h = safe_open(str(f), framework="pt")
             except Exception as e:  # safetensors raises its own error types for what read_header let through
@@ -121,6 +142,7 @@ class Checkpoint:
                     raise CheckpointError(f"tensor {k!r} appears in both {self._where[k]} and {f.name}")
                 self._where[k] = f.name
                 self._info[k] = info
+                self._range[k] = ranges[k]
 
     def names(self) -> list[str]:
         return sorted(self._where)
@@ -134,9 +156,31 @@ class Checkpoint:
         except KeyError as e:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}") from e
         try:
-            return self._files[fname].get_tensor(name)
+            t = self._files[fname].get_tensor(name)
         except Exception as e:
             raise CheckpointError(f"{self.path / fname}: tensor {name!r} unreadable ({e})") from e
+        if has_nan(t):  # damage that would load, then poison every request
+            nan = torch.isnan(t.float()).flatten()
+            raise CheckpointError(f"{self.path / fname}: tensor {name!r} holds NaN ({int(nan.sum())} values, the "
+                                  f"first at element {int(nan.nonzero()[0])}): the file is damaged")
+        return t
+
+    def file_of(self, name: str) -> str:
+        return self._where[name]
+
+    def digest(self, name: str) -> str:
+        """Hex SHA-256 of the tensor's bytes as the file stores them."""
+        begin, end = self._range[name]
+        h = hashlib.sha256()
+        with open(self.path / self._where[name], "rb") as f:
+            f.seek(begin)
+            while begin < end:
+                chunk = f.read(min(end - begin, 1 << 24))
+                if not chunk:
+                    raise CheckpointError(f"{self.path / self._where[name]}: truncated inside tensor {name!r}")
+                h.update(chunk)
+                begin += len(chunk)
+        return h.hexdigest()
 
     def dtype_shape(self, name: str) -> tuple[str, list[int]]:
         try:

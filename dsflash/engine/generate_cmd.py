@@ -8,13 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+from dsflash.checkpoint.manifest import verify_weights
+from dsflash.checkpoint.reader import CheckpointError
 from dsflash.engine.images import ImageSpan
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import DEFAULT_CHUNK, Engine, default_device
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.vision import preprocess_image
-from dsflash.split.link import box_half
+from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
 from dsflash.tokenizer import EOS_ID, load_tokenizer
 
 
@@ -36,6 +38,16 @@ class Progress:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _generate(args)
+    except (BoxUnavailable, BoxRefused, CheckpointError) as e:  # the reason, in one line rather than a traceback
+        print(f"dsflash generate: {e}", file=sys.stderr)
+        return 1
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.verify_weights:
+        verify_weights(args.model)
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
     engine = Engine.load(args.model, encoder=encoder, device=args.device, cuda_graphs=not args.eager)
     tokenizer, images = None, []
@@ -117,4 +129,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--box-token", help="the box's shared secret")
     p.add_argument("--box-deadline", type=float, default=60.0, help="seconds to wait for a box that went away")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--verify-weights", action="store_true",
+                   help="check every tensor against the checkpoint's model.manifest.json before loading")
     p.set_defaults(func=run)

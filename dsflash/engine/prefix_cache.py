@@ -2,27 +2,49 @@
 
 RAM holds the most recently used snapshots up to a byte budget; a disk directory (optional) holds
 more, evicted by hits and age. A request resumes from the longest cached prefix of its tokens.
-A cache file that is corrupt or from another model/numerics is deleted and treated as a miss.
+
+The disk is best effort: a write that fails (a full disk, an I/O error) is logged once and costs only that
+entry's disk copy, never the request; a file that is truncated, corrupt or from another model/numerics is
+deleted when read and treated as a miss; a writer's temporary file left by a dead process is removed at
+start; files the cache did not name are left alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
 import struct
 import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
 
-from dsflash.engine.snapshot import SnapshotError, read_header
-from dsflash.numerics import NUMERICS_VERSION
+from dsflash.engine.snapshot import SnapshotError, check
+
+log = logging.getLogger(__name__)
+
+# the cache's own file names: "<prefix length>-<key>.dsnap", and "<...>.<writer pid>.tmp" while one is written
+# (earlier builds wrote "<...>.tmp", no pid: always stale now)
+SNAPSHOT_NAME = re.compile(r"(\d+)-([0-9a-f]{40})\.dsnap")
+TEMP_NAME = re.compile(r"\d+-[0-9a-f]{40}(?:\.(\d+))?\.tmp")
 
 
 def prefix_key(identity: str, tokens: list[int]) -> str:
     h = hashlib.sha256(identity.encode())
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
     return h.hexdigest()[:40]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 class PrefixCache:
@@ -34,11 +56,16 @@ class PrefixCache:
         self._lengths: dict[int, int] = {}  # prefix length -> number of entries with it
         self.disk = Path(disk_dir) if disk_dir else None
         self._hits: dict[str, int] = {}
+        self._warned: set[str] = set()
         self._lock = threading.RLock()  # the server runs two generations at once
         if self.disk:
             self.disk.mkdir(parents=True, exist_ok=True)
-            for f in self.disk.glob("*.dsnap"):
-                self._count(int(f.name.split("-")[0]), +1)
+            for f in self.disk.iterdir():
+                temp = TEMP_NAME.fullmatch(f.name)
+                if temp and not (temp[1] and _alive(int(temp[1]))):
+                    self._unlink(f)
+            for _, n, _ in self._disk_files():
+                self._count(n, +1)
 
     def _count(self, n: int, delta: int) -> None:
         self._lengths[n] = self._lengths.get(n, 0) + delta
@@ -47,6 +74,30 @@ class PrefixCache:
 
     def _file(self, n: int, key: str) -> Path:
         return self.disk / f"{n}-{key}.dsnap"
+
+    def _disk_files(self) -> list[tuple[Path, int, str]]:
+        """(path, prefix length, key) of each snapshot file on disk."""
+        return [(f, int(m[1]), m[2]) for f in self.disk.glob("*.dsnap") if (m := SNAPSHOT_NAME.fullmatch(f.name))]
+
+    def _warn_once(self, what: str, e: OSError) -> None:
+        kind = f"{what}:{e.errno}"
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("prefix cache: cannot %s in %s (%s); the cache goes on without it", what, self.disk, e)
+
+    def _unlink(self, path: Path) -> bool:
+        try:
+            path.unlink()
+        except FileNotFoundError:  # another process sharing the directory was first
+            return False
+        except OSError as e:
+            self._warn_once("delete files", e)
+            return False
+        return True
+
+    def _remove(self, path: Path, n: int) -> None:
+        if self._unlink(path):
+            self._count(n, -1)
 
     def put(self, tokens: list[int], blob: bytes) -> None:
         with self._lock:
@@ -68,29 +119,44 @@ class PrefixCache:
         if not self.disk:
             return
         path = self._file(n, key)
-        if path.exists():
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # each writer its own: directories may be shared
+        try:
+            if path.exists():
+                return
+            tmp.write_bytes(blob)
+            os.replace(tmp, path)  # readers never see a half-written snapshot
+        except OSError as e:  # a full or failing disk: this entry has no disk copy, the request goes on
+            self._warn_once("write snapshots", e)
+            self._unlink(tmp)
             return
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(blob)
-        os.replace(tmp, path)  # readers never see a half-written snapshot
         self._count(n, +1)
         self._evict_disk()
 
     def _evict_disk(self) -> None:
-        files = list(self.disk.glob("*.dsnap"))
-        total = sum(f.stat().st_size for f in files)
+        files = []
+        try:
+            found = self._disk_files()
+        except OSError as e:
+            self._warn_once("list snapshots", e)
+            return
+        for f, n, key in found:
+            try:
+                st = f.stat()
+            except OSError:  # gone meanwhile
+                continue
+            files.append((f, n, key, st.st_size, st.st_mtime))
+        total = sum(size for *_, size, _ in files)
         now = time.time()
 
-        def score(f: Path) -> float:
-            age_h = (now - f.stat().st_mtime) / 3600
-            return (self._hits.get(f.stem.split("-", 1)[1], 0) + 1) / (1 + age_h)
+        def score(entry) -> float:
+            _, _, key, _, mtime = entry
+            return (self._hits.get(key, 0) + 1) / (1 + (now - mtime) / 3600)
 
-        for f in sorted(files, key=score):
+        for f, n, _, size, _ in sorted(files, key=score):
             if total <= self.disk_bytes:
                 break
-            total -= f.stat().st_size
-            f.unlink(missing_ok=True)
-            self._count(int(f.name.split("-")[0]), -1)
+            total -= size
+            self._remove(f, n)
 
     def lookup(self, tokens: list[int]) -> tuple[int, bytes | None]:
         """(length, snapshot) of the longest cached prefix of `tokens`, or (0, None)."""
@@ -105,18 +171,30 @@ class PrefixCache:
                 self._ram.move_to_end(key)
                 self._hits[key] = self._hits.get(key, 0) + 1
                 return n, hit[1]
-            if self.disk and self._file(n, key).exists():
-                path = self._file(n, key)
-                blob = path.read_bytes()
-                try:
-                    header = read_header(blob)
-                    if header.get("model") != self.identity or header.get("numerics") != NUMERICS_VERSION:
-                        raise SnapshotError("another model or numerics version")
-                except SnapshotError:
-                    path.unlink(missing_ok=True)
-                    self._count(n, -1)
-                    continue
-                os.utime(path)
+            blob = self._read_disk(n, key) if self.disk else None
+            if blob is not None:
                 self._hits[key] = self._hits.get(key, 0) + 1
                 return n, blob
         return 0, None
+
+    def _read_disk(self, n: int, key: str) -> bytes | None:
+        """The snapshot file of (n, key), checked whole (a damaged or foreign one is deleted), else None."""
+        path = self._file(n, key)
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:  # not cached at this length
+            return None
+        except OSError as e:
+            self._warn_once("read snapshots", e)
+            return None
+        try:
+            check(blob, self.identity)
+        except SnapshotError as e:
+            log.warning("prefix cache: deleting %s: %s", path.name, e)
+            self._remove(path, n)
+            return None
+        try:
+            os.utime(path)  # its age counts from its last use
+        except OSError:
+            pass
+        return blob

@@ -93,8 +93,9 @@ def read_header(blob: bytes) -> dict:
     return header
 
 
-def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu"
-           ) -> tuple[dict[str, SequenceState], list[int], dict[str, torch.Tensor]]:
+def check(blob: bytes, model_id: str) -> tuple[dict, bytes]:
+    """The header and payload of a whole snapshot of `model_id` made by this numerics version: every refusal
+    short of reading tensors (the prefix cache deletes a file that fails here)."""
     header = read_header(blob)
     if header.get("numerics") != NUMERICS_VERSION:
         raise SnapshotError(f"snapshot made with numerics version {header.get('numerics')}, "
@@ -107,6 +108,12 @@ def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu"
         raise SnapshotError(f"truncated snapshot: payload {len(payload)} bytes, header says {header['payload_bytes']}")
     if hashlib.sha256(payload).hexdigest() != header["sha256"]:
         raise SnapshotError("corrupted snapshot: payload checksum mismatch")
+    return header, payload
+
+
+def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu"
+           ) -> tuple[dict[str, SequenceState], list[int], dict[str, torch.Tensor]]:
+    header, payload = check(blob, model_id)
     tensors = st_load(payload)
     packed = header.get("packed", {})
     for key, t in tensors.items():

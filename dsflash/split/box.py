@@ -4,6 +4,10 @@ One compute worker takes tasks from a priority queue: a step (at most 8 rows) go
 chunk, and a prefill advances one chunk per task, so one session's long prefill never holds up
 another's decode step. Each connection has its own sessions; a malformed frame closes only the
 connection that sent it.
+
+Nothing a peer does costs the box more than `Limits` grants: connections past the cap are answered
+ERROR busy, a connection that does not finish its HELLO, falls silent or stalls inside a frame is closed
+after its timeout, and a connection's sessions, queued requests and context are bounded.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import hmac
 import ipaddress
 import itertools
 import json
+import logging
 import queue
 import socket
 import sys
@@ -25,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from dsflash.checkpoint.manifest import verify_weights
+from dsflash.checkpoint.reader import CheckpointError
 from dsflash.engine import snapshot
 from dsflash.engine.halves import LocalEncoder
 from dsflash.engine.images import SpanKey, cache_key, span_keys
@@ -44,10 +51,46 @@ from dsflash.split.protocol import (
     field_of,
     read_frame,
     tensors_body,
+    token_count,
     tokens_and_images,
 )
 
+log = logging.getLogger(__name__)
+
 MAX_CHUNK = 1 << 16
+ACCEPT_PAUSE = (0.01, 1.0)  # seconds: the first and the longest pause after a failed accept
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one box grants its peers; each is a `dsflash box` flag."""
+
+    max_connections: int = 64  # open connections, authenticated or not; one more is answered ERROR busy
+    handshake_timeout: float = 10.0  # seconds from accept to a complete HELLO
+    # an authenticated connection silent this long is closed; the back side pings every few seconds
+    idle_timeout: float = 120.0
+    read_timeout: float = 30.0  # once a frame has begun, the longest wait for each read of its remaining bytes
+    max_sessions: int = 256  # per connection
+    max_pending: int = 64  # requests queued or running, per connection
+    max_context: int | None = None  # tokens per session (None: the model's max_seq_len)
+
+
+class Refusal(Exception):
+    """A request the box will not run: answered with an ERROR frame naming `code`; the connection stays."""
+
+    def __init__(self, code: str, message: str, retryable: bool = False, **extra):
+        super().__init__(message)
+        self.code, self.retryable, self.extra = code, retryable, extra
+
+    def frame(self, request: int) -> Frame:
+        f = error_frame(request, self.code, str(self), self.retryable)
+        f.meta.update(self.extra)
+        return f
+
+
+def _secret(token: str) -> bytes:
+    # compared as bytes: hmac.compare_digest takes str only when it is ASCII
+    return token.encode("utf-8", "surrogatepass")
 
 
 @dataclass
@@ -66,11 +109,13 @@ class BoxSession:
 
 
 class Connection:
-    def __init__(self, sock: socket.socket, peer: str):
+    def __init__(self, sock: socket.socket, peer: str, max_pending: int):
         self.sock, self.peer = sock, peer
+        self.opened = time.monotonic()
         self.sessions: dict[int, BoxSession] = {}
         self.send_lock = threading.Lock()
         self.alive = True
+        self.pending = threading.BoundedSemaphore(max_pending)  # one unit per request queued or running
 
     def send(self, frame: Frame) -> None:
         if not self.alive:
@@ -84,12 +129,18 @@ class Connection:
 
 class Box:
     def __init__(self, model_path: str | Path, token: str | None = None, cache_dir: str | None = None,
-                 max_frame: int = MAX_FRAME, device: str = "cpu", cuda_graphs: bool = True):
+                 max_frame: int = MAX_FRAME, device: str = "cpu", cuda_graphs: bool = True,
+                 limits: Limits = Limits()):
         self.model = Runner(load_model(model_path, half="encoder", device=device), cuda_graphs)
         self.args = self.model.args
         self.identity = engine_identity(self.model.model)
         self.token = token
         self.max_frame = max_frame
+        self.limits = limits
+        self.max_context = limits.max_context or self.args.max_seq_len
+        self._open = 0  # connections accepted and not yet closed (the cap counts these)
+        self._open_lock = threading.Lock()
+        self._warned: set[str] = set()
         self.cache = PrefixCache(self.identity, ram_bytes=256 << 20, disk_dir=cache_dir)
         self.tasks: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
@@ -103,18 +154,69 @@ class Box:
         srv = socket.create_server((host, port), reuse_port=False)
         self.port = srv.getsockname()[1]
         print(f"dsflash box: serving {self.identity} on {host}:{self.port}", flush=True)
+        pause = ACCEPT_PAUSE[0]
         while True:
-            sock, peer = srv.accept()
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(sock, f"{peer[0]}:{peer[1]}")
+            try:
+                sock, peer = srv.accept()
+            except OSError as e:
+                # out of descriptors (EMFILE, ENFILE) or kernel memory: the peer waits in the listen backlog
+                # while handshake and idle timeouts free descriptors; back off rather than spin or end the box
+                self._warn_once(f"accept: {e.strerror}", f"accept failed ({e}); backing off")
+                time.sleep(pause)
+                pause = min(pause * 2, ACCEPT_PAUSE[1])
+                continue
+            pause = ACCEPT_PAUSE[0]
+            self._admit(sock, f"{peer[0]}:{peer[1]}")
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("dsflash box: %s", message)
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        with self._open_lock:
+            admitted = self._open < self.limits.max_connections
+            self._open += admitted
+        if not admitted:
+            # one small frame into a fresh socket's empty send buffer: it cannot block the accept loop
+            sock.setblocking(False)
+            try:
+                sock.send(error_frame(0, "busy", f"the box has its {self.limits.max_connections} connections open",
+                                      retryable=True).encode())
+            except OSError:
+                pass
+            sock.close()
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Connection(sock, peer, self.limits.max_pending)
+        try:
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+        except RuntimeError as e:  # no thread to spare: this peer is turned away, the box goes on
+            self._warn_once("thread", f"cannot start a connection thread ({e})")
+            self._close(conn)
+
+    def _close(self, conn: Connection) -> None:
+        conn.alive = False
+        self.connections.discard(conn)
+        conn.sessions.clear()
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        with self._open_lock:
+            self._open -= 1
+
+    def _authorised(self, token) -> bool:
+        return self.token is None or isinstance(token, str) and hmac.compare_digest(_secret(token),
+                                                                                   _secret(self.token))
 
     def _handle(self, conn: Connection) -> None:
+        lim = self.limits
         try:
-            hello = read_frame(conn.sock, 1 << 16)
+            hello = read_frame(conn.sock, 1 << 16, until=conn.opened + lim.handshake_timeout)
             if hello.type != FrameType.HELLO:
                 raise ProtocolError("the first frame must be HELLO")
-            if self.token is not None and not hmac.compare_digest(str(hello.meta.get("token", "")), self.token):
+            if not self._authorised(hello.meta.get("token")):
                 conn.send(error_frame(hello.request, "auth", "wrong or missing token", retryable=False))
                 return
             if hello.meta.get("identity") != self.identity or hello.meta.get("numerics") != NUMERICS_VERSION:
@@ -124,22 +226,23 @@ class Box:
                                       retryable=False))
                 return
             conn.send(Frame(FrameType.WELCOME, hello.request,
-                            {"identity": self.identity, "numerics": NUMERICS_VERSION, "protocol": VERSION}))
+                            {"identity": self.identity, "numerics": NUMERICS_VERSION, "protocol": VERSION,
+                             "idle_timeout": lim.idle_timeout, "max_context": self.max_context}))
             self.connections.add(conn)
             while conn.alive:
-                self._dispatch(conn, read_frame(conn.sock, self.max_frame))
+                f = read_frame(conn.sock, self.max_frame, wait=lim.idle_timeout, stall=lim.read_timeout)
+                try:
+                    self._dispatch(conn, f)
+                except Refusal as r:
+                    conn.send(r.frame(f.request))
         except ProtocolError as e:
             conn.send(error_frame(0, "malformed", str(e), retryable=False))
+        except TimeoutError as e:  # silent or stalled: the peer keeps no thread or descriptor past its timeout
+            conn.send(error_frame(0, "timeout", str(e), retryable=True))
         except (ConnectionError, OSError):
             pass
         finally:
-            conn.alive = False
-            self.connections.discard(conn)
-            conn.sessions.clear()
-            try:
-                conn.sock.close()
-            except OSError:
-                pass
+            self._close(conn)
 
     def _dispatch(self, conn: Connection, f: Frame) -> None:
         if f.type == FrameType.PING:
@@ -151,15 +254,26 @@ class Box:
             keep = field_of(f.meta, "keep", int, 0)
             chunk = min(field_of(f.meta, "chunk", int, 1), MAX_CHUNK)
             tail = field_of(f.meta, "tail", int, 0)
+            n = token_count(f.meta, f.body)
+            if not n:
+                raise Refusal("empty_append", "an APPEND carries at least one token")
+            self._check_context(keep + n)
             ids, images = self._payload(f)
             prio = 0 if len(ids) <= MAX_STEP_ROWS and not images else 1
-            self._enqueue(prio, conn, f.request, ("append", sid, keep, chunk, tail, ids, images))
+            self._submit(prio, conn, f.request, ("append", sid, keep, chunk, tail, ids, images))
         elif f.type == FrameType.SYNC:
             sid = field_of(f.meta, "session", int, 0)
+            self._check_context(token_count(f.meta, f.body))
             ids, images = self._payload(f)
-            self._enqueue(1, conn, f.request, ("sync", sid, ids, images))
+            self._submit(1, conn, f.request, ("sync", sid, ids, images))
         else:
             raise ProtocolError(f"unexpected {f.type.name} frame")
+
+    def _check_context(self, requested: int) -> None:
+        """Before the body is parsed: a history past the limit costs the box nothing but its bytes."""
+        if requested > self.max_context:
+            raise Refusal("context_length", f"this request needs {requested} tokens of context, the box's limit "
+                          f"is {self.max_context}", requested=requested, limit=self.max_context)
 
     def _payload(self, f: Frame) -> tuple[list[int], list]:
         a = self.args
@@ -175,8 +289,19 @@ class Box:
         if bad:
             raise ProtocolError(f"token ids outside [0, {vocab}): {bad[:5]}")
 
+    def _submit(self, prio: int, conn: Connection, request: int, work) -> None:
+        """A new request; its unit of `conn.pending` is given back when it is answered to the end."""
+        if not conn.pending.acquire(blocking=False):
+            raise Refusal("busy", f"this connection has {self.limits.max_pending} requests queued", retryable=True)
+        self._enqueue(prio, conn, request, work)
+
     def _enqueue(self, prio: int, conn: Connection, request: int, work) -> None:
         self.tasks.put((prio, next(self._order), conn, request, work))
+
+    def _open_session(self, conn: Connection, sid: int) -> None:
+        if sid not in conn.sessions and len(conn.sessions) >= self.limits.max_sessions:
+            raise Refusal("too_many_sessions", f"this connection has {len(conn.sessions)} sessions open, the box's "
+                          "limit: close one first")
 
     # ---- compute side ----
     def _worker(self) -> None:
@@ -186,12 +311,17 @@ class Box:
                 continue
             try:
                 more = self._run(conn, request, work)
+            except Refusal as r:
+                more = None
+                conn.send(r.frame(request))
             except Exception as e:  # one request's failure answers that request; the box keeps serving
+                more = None
                 where = traceback.extract_tb(e.__traceback__)[-1]
                 conn.send(error_frame(request, type(e).__name__, f"{e} (at {where.filename}:{where.lineno})",
                                       retryable=False))
-                continue
-            if more is not None:
+            if more is None:
+                conn.pending.release()
+            else:
                 self._enqueue(prio, conn, request, more)
 
     def _run(self, conn: Connection, request: int, work):
@@ -202,6 +332,7 @@ class Box:
             if s is None:
                 if keep:
                     raise ValueError(f"session {sid} is not open on this box (reconnected?): sync it first")
+                self._open_session(conn, sid)
                 s = conn.sessions[sid] = BoxSession(LocalEncoder(self.model))
             if keep > len(s.tokens) or len(s.tokens) - keep > ROLLBACK_ROWS:
                 raise ValueError(f"session {sid} has {len(s.tokens)} tokens; cannot continue from {keep}")
@@ -250,6 +381,7 @@ class Box:
                 s = None
         cached = 0
         if s is None:
+            self._open_session(conn, sid)
             n, blob = self.cache.lookup(target)
             s = BoxSession(LocalEncoder(self.model))
             if blob is not None:
@@ -285,6 +417,7 @@ class Box:
     def health(self) -> dict:
         return {"status": "ok", "identity": self.identity, "numerics": NUMERICS_VERSION,
                 "sessions": sum(len(c.sessions) for c in self.connections), "connections": len(self.connections),
+                "handshaking": self._open - len(self.connections), "max_context": self.max_context,
                 "queued_tasks": self.tasks.qsize(), "steps_served": self.steps_served,
                 "uptime_s": round(time.time() - self.started, 1), "protocol": VERSION}
 
@@ -331,8 +464,16 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(host) and not args.token:
         print(f"dsflash box: listening on non-loopback {host} needs --token", file=sys.stderr)
         return 2
-    box = Box(args.model, token=args.token, cache_dir=args.cache_dir, device=args.device,
-              cuda_graphs=not args.eager)
+    limits = Limits(args.max_connections, args.handshake_timeout, args.idle_timeout, args.read_timeout,
+                    args.max_sessions, args.max_pending, args.max_context)
+    try:
+        if args.verify_weights:
+            verify_weights(args.model)
+        box = Box(args.model, token=args.token, cache_dir=args.cache_dir, device=args.device,
+                  cuda_graphs=not args.eager, limits=limits)
+    except CheckpointError as e:  # damaged or mismatched weights: say which tensor, serve nothing
+        print(f"dsflash box: {e}", file=sys.stderr)
+        return 2
     serve_health(box, host, args.health_port if args.health_port is not None else port + 1)
     box.serve(host, port)
     return 0
@@ -347,4 +488,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", help="directory for the box's prefix cache of encoder states")
     p.add_argument("--device", default=default_device(), help="cpu or cuda (default: cuda when present)")
     p.add_argument("--eager", action="store_true", help="run every forward eagerly (no CUDA graphs for short steps)")
+    d = Limits()
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help=f"open connections at most; one more is answered ERROR busy (default {d.max_connections})")
+    p.add_argument("--handshake-timeout", type=float, default=d.handshake_timeout, metavar="S",
+                   help=f"seconds a new connection has to complete its HELLO (default {d.handshake_timeout:g})")
+    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="S",
+                   help=f"close a connection silent this long; the back side pings (default {d.idle_timeout:g})")
+    p.add_argument("--read-timeout", type=float, default=d.read_timeout, metavar="S",
+                   help=f"longest wait for the rest of a frame once it began (default {d.read_timeout:g})")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions,
+                   help=f"sessions per connection (default {d.max_sessions})")
+    p.add_argument("--max-pending", type=int, default=d.max_pending,
+                   help=f"requests queued or running per connection (default {d.max_pending})")
+    p.add_argument("--max-context", type=int, help="tokens per session (default: the model's max_seq_len)")
+    p.add_argument("--verify-weights", action="store_true",
+                   help="check every tensor against the checkpoint's model.manifest.json before loading")
     p.set_defaults(func=run)

@@ -5,7 +5,9 @@ several requests are in flight at once (the box pipelines them). When the connec
 restarts, the next call reconnects with bounded backoff, re-synchronises each session from its
 committed tokens (the box resumes from its own prefix cache or re-prefills them) and repeats the
 request: a box step is bit-identical to a prefill of the same rows, so the text goes on unchanged.
-If the box stays away past the deadline the caller gets BoxUnavailable, a retryable error.
+A hung box counts as gone: the link PINGs it every few seconds and drops a connection on which nothing
+arrives for its liveness window. If the box stays away past the deadline (counted from when it was last
+heard) the caller gets BoxUnavailable, a retryable error.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from dsflash.config import ModelArgs
 from dsflash.engine.halves import HandOff
-from dsflash.engine.session import Engine
+from dsflash.engine.session import ContextLengthError, Engine
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.model.state import SequenceState
 from dsflash.numerics import NUMERICS_VERSION
@@ -31,6 +33,7 @@ from dsflash.split.protocol import (
     VERSION,
     Frame,
     FrameType,
+    ProtocolError,
     body_tensors,
     images_body,
     read_frame,
@@ -53,6 +56,19 @@ class _Lost(Exception):
     pass
 
 
+KEEPER_RETRY = 2.0  # seconds between background reconnection attempts once the box is known to be away
+
+
+def _error(meta: dict) -> Exception:
+    """What an ERROR frame answering a request stands for."""
+    code, message = meta.get("code"), meta.get("message")
+    if code == "context_length":  # as the one-process engine says it, so the server answers 400 either way
+        return ContextLengthError(meta.get("requested"), meta.get("limit"))
+    if meta.get("retryable"):  # busy: the request may succeed later
+        return BoxUnavailable(f"box busy ({code}): {message}")
+    return BoxRefused(f"box error {code}: {message}")
+
+
 class BoxLink:
     def __init__(self, addr: str, identity: str, token: str | None = None, deadline: float = 60.0,
                  connect_timeout: float = 5.0):
@@ -60,93 +76,186 @@ class BoxLink:
         self.addr = (host.strip("[]"), int(port))
         self.identity, self.token = identity, token
         self.deadline, self.connect_timeout = deadline, connect_timeout
+        # a connected box silent this long counts as lost (hung, or cut off). It answers PINGs from its reader
+        # thread, so a long prefill chunk on its worker keeps it talking. Half the deadline at most: a hang is
+        # noticed, and given up on, within about the deadline
+        self.liveness = max(1.0, min(deadline / 2, 20.0))
         self.epoch = 0  # bumped on every new connection: sessions opened before must re-sync
         self.reconnects = 0
         self._sock: socket.socket | None = None
-        self._replies: dict[int, queue.Queue] = {}
+        self._replies: dict[int, tuple[queue.Queue, socket.socket]] = {}  # request id -> (its queue, its connection)
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()  # guards the connection state below
         self._send_lock = threading.Lock()
+        self._connecting = False  # one caller at a time tries to connect; the others wait for its outcome
+        self._tries = 0  # connection attempts finished
+        self._down_since: float | None = None  # while the box is away: when it was last heard
+        self._why = ""  # the last failed attempt's error
+        self._ping_every = self.liveness / 4
+        self._closed = False
+        threading.Thread(target=self._keep, daemon=True, name=f"box-link-{port}").start()
 
     @property
     def connected(self) -> bool:
+        """Whether the box is reachable now: a connection is up and the box answers on it (one silent past
+        `liveness` is dropped); while it is away the link reconnects in the background."""
         return self._sock is not None
 
     # ---- connection ----
-    def _connect_once(self) -> None:
-        sock = socket.create_connection(self.addr, timeout=self.connect_timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = {"protocol": VERSION, "identity": self.identity, "numerics": NUMERICS_VERSION,
-                 "token": self.token or ""}
-        sock.sendall(Frame(FrameType.HELLO, 0, hello).encode())
-        reply = read_frame(sock, 1 << 16)
+    def _connect_once(self, timeout: float) -> None:
+        sock = socket.create_connection(self.addr, timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = {"protocol": VERSION, "identity": self.identity, "numerics": NUMERICS_VERSION,
+                     "token": self.token or ""}
+            sock.sendall(Frame(FrameType.HELLO, 0, hello).encode())
+            reply = read_frame(sock, 1 << 16)
+        except ProtocolError as e:
+            sock.close()
+            raise BoxRefused(f"box {self.addr[0]}:{self.addr[1]} does not speak this link protocol: {e}") from e
+        except BaseException:
+            sock.close()
+            raise
         if reply.type == FrameType.ERROR:
             sock.close()
+            if reply.meta.get("retryable"):  # at its connection cap: try again within the deadline
+                raise ConnectionError(f"box busy: {reply.meta.get('message')}")
             raise BoxRefused(f"box refused the connection: {reply.meta.get('message')}")
         if reply.type != FrameType.WELCOME or reply.meta.get("identity") != self.identity:
             sock.close()
             raise BoxRefused(f"box serves another model: {reply.meta}")
-        sock.settimeout(None)
-        self._sock = sock
-        self.epoch += 1
+        idle = reply.meta.get("idle_timeout")
+        ping_every = min(self.liveness, idle if isinstance(idle, int | float) and idle > 0 else self.liveness) / 4
+        sock.settimeout(self.liveness)  # every later read and send on it
+        with self._cv:
+            self._sock, self._ping_every = sock, ping_every
+            self._down_since = None
+            self.epoch += 1
+            if self.epoch > 1:
+                self.reconnects += 1
         threading.Thread(target=self._reader, args=(sock,), daemon=True).start()
 
     def ensure(self) -> int:
-        """Connect if needed (bounded backoff up to the deadline); returns the connection epoch."""
-        with self._lock:
-            if self._sock is not None:
-                return self.epoch
-            t0, delay = time.monotonic(), 0.05
-            while True:
-                try:
-                    self._connect_once()
-                    if self.epoch > 1:
-                        self.reconnects += 1
+        """The connection epoch, connecting first when needed. While the box is away one caller at a time
+        tries to connect, outside the lock, and the others wait for that attempt (no one holds the lock
+        across a back-off sleep). Everyone gives up once the outage, counted from when the box was last
+        heard, is `deadline` old: a dead box costs each request about one deadline at most, and one
+        attempt once it is known dead."""
+        delay = 0.05
+        while True:
+            with self._cv:
+                tries = self._tries
+                self._cv.wait_for(lambda: not self._connecting)
+                if self._closed:
+                    raise BoxUnavailable("the link to the box is closed")
+                if self._sock is not None:
                     return self.epoch
-                except (OSError, ConnectionError) as e:
-                    if time.monotonic() - t0 + delay > self.deadline:
-                        raise BoxUnavailable(f"box {self.addr[0]}:{self.addr[1]} unreachable for "
-                                             f"{self.deadline:.0f} s ({e})") from e
-                    time.sleep(delay)
-                    delay = min(delay * 2, 2.0)
+                now = time.monotonic()
+                if self._down_since is None:
+                    self._down_since = now
+                give_up = self._down_since + self.deadline
+                if now >= give_up and self._tries != tries:
+                    raise self._unavailable()  # another caller's attempt just failed: too late for one more
+                self._connecting = True
+            failed = None
+            try:
+                # past the deadline, one short attempt: the box may be back
+                self._connect_once(min(self.connect_timeout, max(give_up - now, 1.0)))
+            except (OSError, ConnectionError) as e:
+                failed = e
+            finally:
+                with self._cv:
+                    self._connecting = False
+                    self._tries += 1
+                    if failed is not None:
+                        self._why = str(failed)
+                    self._cv.notify_all()
+            if failed is None:
+                continue
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise self._unavailable() from failed
+            time.sleep(min(delay, left))  # the last attempt falls at the deadline, not a back-off step before it
+            delay = min(delay * 2, 2.0)
+
+    def _unavailable(self) -> BoxUnavailable:
+        return BoxUnavailable(f"box {self.addr[0]}:{self.addr[1]} unreachable for {self.deadline:.0f} s ({self._why})")
+
+    def _keep(self) -> None:
+        """PING the box while connected: it closes a connection silent for its idle timeout, and its PONGs
+        keep the reader's liveness window open while nothing else is said. While it is away, reconnect in
+        the background, so `connected` turns true again without waiting for a request."""
+        while not self._closed:
+            sock = self._sock
+            if sock is None:
+                try:
+                    self.ensure()
+                except Exception:  # away, refused, or closed: try again later; requests see their own errors
+                    time.sleep(KEEPER_RETRY)
+                continue
+            self.tell(Frame(FrameType.PING, 0))
+            time.sleep(self._ping_every)
 
     def _reader(self, sock: socket.socket) -> None:
+        heard = None
         try:
             while True:
                 f = read_frame(sock, MAX_FRAME)
-                q = self._replies.get(f.request)
-                if q is not None:
-                    q.put(f)
-        except Exception:  # any read failure ends this connection; waiting callers are told
+                entry = self._replies.get(f.request)
+                if entry is not None and entry[1] is sock:
+                    entry[0].put(f)
+        except TimeoutError:  # no byte, not even a PONG, for `liveness` seconds: hung or cut off
+            heard = time.monotonic() - self.liveness
+        except Exception:  # any other read failure ends this connection too
             pass
-        with self._lock:
+        self._drop(sock, heard)
+
+    def _drop(self, sock: socket.socket, heard: float | None = None) -> None:
+        """End a connection: the callers waiting on it are told, and the outage dates from `heard`, when
+        the box was last heard (now, when it closed the connection)."""
+        with self._cv:
             if self._sock is sock:
                 self._sock = None
-        for q in list(self._replies.values()):
-            q.put(None)
+                self._down_since = heard if heard is not None else time.monotonic()
+            for q, on in list(self._replies.values()):
+                if on is sock:
+                    q.put(None)
         try:
             sock.close()
         except OSError:
             pass
 
+    def _send(self, sock: socket.socket, frame: Frame) -> None:
+        with self._send_lock:
+            sock.sendall(frame.encode())
+
     def request(self, frame: Frame) -> queue.Queue:
         req = next(self._ids)
         frame.request = req
         q: queue.Queue = queue.Queue()
-        self._replies[req] = q
-        sock = self._sock
+        with self._cv:  # registered only on the live connection, so its end always reaches this queue
+            sock = self._sock
+            if sock is not None:
+                self._replies[req] = (q, sock)
+        if sock is None:
+            raise _Lost()
         try:
-            if sock is None:
-                raise OSError("not connected")
-            with self._send_lock:
-                sock.sendall(frame.encode())
+            self._send(sock, frame)
         except OSError as e:
             self._replies.pop(req, None)
-            with self._lock:
-                if self._sock is sock:
-                    self._sock = None
+            self._drop(sock)
             raise _Lost() from e
         return q
+
+    def tell(self, frame: Frame) -> None:
+        """Send a frame that gets no reply to wait for (CLOSE, PING); a lost connection is left to the next
+        request."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                self._send(sock, frame)
+            except OSError:
+                self._drop(sock)
 
     def replies(self, q: queue.Queue, last: FrameType) -> Iterator[Frame]:
         """Frames answering one request, up to a frame of type `last` or one whose meta says last."""
@@ -156,23 +265,26 @@ class BoxLink:
                 if f is None:
                     raise _Lost()
                 if f.type == FrameType.ERROR:
-                    raise BoxRefused(f"box error {f.meta.get('code')}: {f.meta.get('message')}")
+                    raise _error(f.meta)
                 yield f
                 if f.meta.get("last") if f.type == FrameType.PART else f.type == last:
                     return
         finally:
-            for k, v in list(self._replies.items()):
+            for k, (v, _) in list(self._replies.items()):
                 if v is q:
                     self._replies.pop(k, None)
 
     def close(self) -> None:
-        sock, self._sock = self._sock, None
+        with self._cv:
+            self._closed = True
+            sock = self._sock
+            self._cv.notify_all()
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
             except OSError:
                 pass
+            self._drop(sock)
 
 
 class RemoteEncoder:
@@ -255,11 +367,8 @@ class RemoteEncoder:
         return None  # the box keeps its own state: a resumed session re-syncs it from the tokens
 
     def close(self) -> None:
-        try:
-            if self._epoch == self.link.epoch:
-                self.link.request(Frame(FrameType.CLOSE, 0, {"session": self.sid}))
-        except _Lost:
-            pass
+        if self._epoch == self.link.epoch:
+            self.link.tell(Frame(FrameType.CLOSE, 0, {"session": self.sid}))
 
 
 class BoxHalf:
@@ -271,6 +380,11 @@ class BoxHalf:
     @property
     def reconnects(self) -> int:
         return self.link.reconnects
+
+    @property
+    def available(self) -> bool:
+        """Whether the box is reachable now (for a health check: False while it is away or hung)."""
+        return self.link.connected
 
     def open(self) -> RemoteEncoder:
         return RemoteEncoder(self.link, self.args)

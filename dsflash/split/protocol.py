@@ -14,13 +14,16 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
 
 MAGIC = b"DSFL"
-VERSION = 2  # 2: the layer-20 cache rows are always packed (no `packed` flag)
+# 3: the back side PINGs while connected (the box closes silent connections), WELCOME carries the box's
+# idle_timeout and max_context; 2: the layer-20 cache rows are always packed (no `packed` flag)
+VERSION = 3
 HEADER = struct.Struct("<4sHBBII")
 MAX_FRAME = 256 << 20  # a 1M-token prompt is 4 MiB of int32; a prefill part of 8K rows ~0.3 GiB at most
 
@@ -55,18 +58,42 @@ class Frame:
         return HEADER.pack(MAGIC, VERSION, int(self.type), 0, self.request, len(payload)) + payload
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
+def _recv(sock: socket.socket, n: int, timeout: float | None, until: float | None, what: str) -> bytes:
+    """Up to `n` bytes; each read waits at most `timeout` s and never past the monotonic time `until`
+    (both None: as the socket is set)."""
+    if until is not None:
+        left = until - time.monotonic()
+        timeout = left if timeout is None else min(timeout, left)
+        if timeout <= 0:
+            raise TimeoutError(f"{what} (over the deadline)")
+    if timeout is not None or until is not None:
+        sock.settimeout(timeout)
+    try:
+        chunk = sock.recv(min(n, 1 << 20))
+    except TimeoutError:
+        raise TimeoutError(f"{what} (no byte for {sock.gettimeout():.1f} s)") from None
+    if not chunk:
+        raise ConnectionError("connection closed")
+    return chunk
+
+
+def _recv_exact(sock: socket.socket, n: int, timeout: float | None, until: float | None, what: str,
+                buf: bytes = b"") -> bytes:
+    buf = bytearray(buf)
     while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ConnectionError("connection closed")
-        buf += chunk
+        buf += _recv(sock, n - len(buf), timeout, until, what)
     return bytes(buf)
 
 
-def read_frame(sock: socket.socket, max_frame: int = MAX_FRAME) -> Frame:
-    magic, version, ftype, _flags, request, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
+def read_frame(sock: socket.socket, max_frame: int = MAX_FRAME, *, wait: float | None = None,
+               stall: float | None = None, until: float | None = None) -> Frame:
+    """The next frame. `wait`: seconds to wait for it to begin; `stall`: seconds any later read of it may
+    wait for bytes, so a peer that announces a frame and sends less cannot hold the reader; `until`: a
+    monotonic time by which the whole frame must be in. Running out raises TimeoutError; None leaves
+    the socket's own timeout in force."""
+    first = _recv(sock, HEADER.size, wait, until, "no frame began")
+    head = _recv_exact(sock, HEADER.size, stall, until, "frame header stalled", first)
+    magic, version, ftype, _flags, request, length = HEADER.unpack(head)
     if magic != MAGIC:
         raise ProtocolError("bad magic: not a dsflash link frame")
     if version != VERSION:
@@ -77,7 +104,7 @@ def read_frame(sock: socket.socket, max_frame: int = MAX_FRAME) -> Frame:
         raise ProtocolError(f"unknown frame type {ftype}") from e
     if length > max_frame:
         raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte limit")
-    payload = _recv_exact(sock, length)
+    payload = _recv_exact(sock, length, stall, until, f"frame payload of {length} bytes stalled")
     if length < 4:
         raise ProtocolError("payload shorter than its meta length field")
     (mlen,) = struct.unpack_from("<I", payload)
@@ -87,6 +114,8 @@ def read_frame(sock: socket.socket, max_frame: int = MAX_FRAME) -> Frame:
         meta = json.loads(payload[4:4 + mlen])
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(f"meta is not JSON ({e})") from e
+    except RecursionError:  # the payload limit allows tens of thousands of nested brackets
+        raise ProtocolError("meta nests too deeply") from None
     if not isinstance(meta, dict):
         raise ProtocolError("meta is not a JSON object")
     return Frame(ftype, request, meta, payload[4 + mlen:])
@@ -143,6 +172,11 @@ def images_body(spans) -> tuple[list[dict], bytes]:
     return meta, tensors_body([s.image.pixels.to(torch.bfloat16) for s in spans])
 
 
+def token_count(meta: dict, body: bytes) -> int:
+    """How many token ids an APPEND/SYNC carries, from its meta and body length alone (before parsing)."""
+    return field_of(meta, "n_tokens", int, 0) if meta.get("images") else len(body) // 4
+
+
 def tokens_and_images(meta: dict, body: bytes, patch: int, ratio: int) -> tuple[list[int], list]:
     """Split an APPEND/SYNC body into token ids and image spans (ProtocolError if they disagree)."""
     from dsflash.engine.images import ImageSpan
@@ -153,7 +187,7 @@ def tokens_and_images(meta: dict, body: bytes, patch: int, ratio: int) -> tuple[
         return body_tokens(body), []
     if not isinstance(images, list):
         raise ProtocolError("meta field 'images' must be a list")
-    n = field_of(meta, "n_tokens", int, 0)
+    n = token_count(meta, body)
     ids = body_tokens(body[:4 * n])
     specs, starts = [], []
     for i, im in enumerate(images):
