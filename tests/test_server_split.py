@@ -66,6 +66,9 @@ def test_split_server_answers_then_503_while_box_down_then_recovers(split_server
     r = httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=60)
     assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0
     assert r.json()["error"]["code"] == "box_unavailable"
+    health = httpx.get(base + "/health")  # the box is away: not "ok"
+    assert health.status_code == 503 and health.json()["status"] == "degraded"
+    assert health.json()["box"]["connected"] is False
     for n in (1, 2):  # one error event for the whole stream, also with several choices
         with httpx.stream("POST", base + "/v1/chat/completions", json={**CHAT, "stream": True, "n": n},
                           timeout=60) as s:

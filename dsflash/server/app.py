@@ -74,6 +74,9 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         if link is not None:
             out["box"] = {"address": f"{link.addr[0]}:{link.addr[1]}", "connected": link.connected,
                           "reconnects": link.reconnects}
+            if not link.connected:  # requests get 503 meanwhile: a load balancer should look elsewhere
+                out["status"] = "degraded"
+                return JSONResponse(out, status_code=503)
         return out
 
     @app.get("/metrics")
