@@ -14,12 +14,10 @@ import torch
 from dsflash.checkpoint.expect import expected_tensors
 from dsflash.checkpoint.reader import Checkpoint, CheckpointError, model_identity, open_checkpoint, read_header
 from dsflash.config import TINY_A, TINY_B, V41_FLASH, load_config
+from tests.conftest import GOLDEN, GOLDEN_CASES, TEXT_CASE, VISION_CASES
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-GOLDEN = SHARED / "golden"
-CASES = [*sorted(p for p in GOLDEN.iterdir() if (p / "model.safetensors").is_file()),
-         SHARED / "golden-vision" / "tinyA-vis_s5"]
-CASE = GOLDEN / "tinyA_s0_T40"
+CASES = [*GOLDEN_CASES, *VISION_CASES]
+CASE = TEXT_CASE
 
 
 def _raw_header(path: Path) -> dict:

@@ -11,10 +11,10 @@ from safetensors.numpy import load_file
 
 from dsflash.config import preset
 from dsflash.numerics.packing import packed_width
-from tests.conftest import GOLDEN_CASES
+from tests.conftest import TEXT_CASE
 
 ROOT = Path(__file__).resolve().parents[1]
-CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
+CASE = TEXT_CASE
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 

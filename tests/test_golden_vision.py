@@ -1,9 +1,10 @@
-"""The vision path against the golden image cases (`shared/golden-vision`, README "Image cases").
+"""The vision path against the golden image cases (`tests/golden/golden-vision`, README "Image cases").
 
 - the ViT and aligner bit-identical to the reference's stored rows (every intermediate of the public case);
 - the preprocessing (PNG -> pixels) equal to the stored ViT input;
-- our image rules against the reference checker `shared/golden/load_case.py` (imported here only, through
-  sys.path), number by number, on the stored arrays, on the engine's outputs and on broken variants;
+- our image rules against the reference checker `tests/golden/golden/load_case.py` (imported by the tests
+  only, in tests/conftest.py), number by number, on the stored arrays, on the engine's outputs and on broken
+  variants;
 - image spans in the text model: chunking invariance, the routing bias, errors, and the text path unchanged;
 - `dsflash check-golden` on every image case: PASS or FAITHFUL.
 """
@@ -11,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -24,16 +24,9 @@ from dsflash.golden.case import GoldenCase, load_case, replay_selections
 from dsflash.golden.check import check_case
 from dsflash.golden.rules import FAIL, FAITHFUL, PASS, CaseVerdict, case_images, judge_image_case
 from dsflash.model.vision import IMAGE, image_token_types, preprocess_image, span_length
-from tests.conftest import GOLDEN
+from tests.conftest import TEXT_CASE, VISION_CASES, reference
+from tests.conftest import VISION_CASE as PUBLIC
 from tests.golden_reference import assert_same_as_reference
-
-VISION = GOLDEN.parent / "golden-vision"
-VISION_CASES = sorted(p for p in VISION.glob("*") if (p / "golden.safetensors").exists())
-PUBLIC = VISION / "tinyA-vis_s5"
-if not (GOLDEN / "load_case.py").is_file() or not (PUBLIC / "golden.safetensors").is_file():
-    pytest.skip(f"golden image cases not found at {VISION}", allow_module_level=True)
-sys.path.insert(0, str(GOLDEN))
-import load_case as reference  # noqa: E402
 
 PREFILL_KEYS = ("logits", "handoff_streams", "handoff_pre_mix")
 
@@ -325,7 +318,7 @@ def test_text_path_unchanged():
     tower build none, and the decoder half of an image model builds none either."""
     from dsflash.model.load import load_model
 
-    text_case = GOLDEN / "tinyA_s0_T40"
+    text_case = TEXT_CASE
     model = load_model(text_case)
     assert model.vision is None
     g = load_case(text_case).golden
