@@ -1,3 +1,4 @@
+import importlib.util
 import os
 from pathlib import Path
 
@@ -6,18 +7,42 @@ import torch
 
 from dsflash.model.state import SequenceState
 
-# the golden cases live beside the checkout (../shared/golden); DSFLASH_GOLDEN_DIR points elsewhere
-GOLDEN = Path(os.environ.get("DSFLASH_GOLDEN_DIR") or Path(__file__).resolve().parents[1].parent / "shared" / "golden")
-GOLDEN_CASES = sorted(p for p in GOLDEN.glob("*") if (p / "golden.safetensors").exists())
+ROOT = Path(__file__).resolve().parents[1]
+
+# The golden cases, read through here only (tests/golden/README.md): the text cases and DeepSeek's reference
+# reader and checker `load_case.py` in tests/golden/golden (DSFLASH_GOLDEN_DIR points elsewhere), the image
+# cases in tests/golden/golden-vision (DSFLASH_GOLDEN_VISION_DIR).
+GOLDEN = Path(os.environ.get("DSFLASH_GOLDEN_DIR") or ROOT / "tests" / "golden" / "golden")
+GOLDEN_VISION = Path(os.environ.get("DSFLASH_GOLDEN_VISION_DIR") or ROOT / "tests" / "golden" / "golden-vision")
+GOLDEN_CASES = sorted(p for p in GOLDEN.glob("*") if (p / "golden.safetensors").is_file())
+VISION_CASES = sorted(p for p in GOLDEN_VISION.glob("*") if (p / "golden.safetensors").is_file())
+TEXT_CASE = GOLDEN / "tinyA_s0_T40"  # the public text case with every per-layer array
+VISION_CASE = GOLDEN_VISION / "tinyA-vis_s5"  # the public image case with every intermediate
+# the tier `dsflash check-golden` reaches on each public case on the CPU reference backend (README.md, "Golden
+# status"; a case found through an override but not named here must reach PASS or FAITHFUL)
+CPU_TIERS = {"tinyA_s0_T40": "FAITHFUL", "tinyA-w128_s1_T200": "PASS", "tinyA-vis_s5": "PASS"}
+for _need in (GOLDEN / "load_case.py", TEXT_CASE / "golden.safetensors", VISION_CASE / "golden.safetensors"):
+    if not _need.is_file():  # a missing case is a broken checkout or override, never a reason to skip
+        raise FileNotFoundError(f"{_need} missing (golden cases: tests/golden/README.md)")
+
+
+def _import_reference():
+    spec = importlib.util.spec_from_file_location("load_case", GOLDEN / "load_case.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# the reference reader and checker (numpy only, an implementation independent of dsflash); dsflash never
+# imports it
+reference = _import_reference()
 
 
 @pytest.fixture(scope="session")
 def golden_cases() -> list[Path]:
-    assert GOLDEN_CASES, f"no golden cases under {GOLDEN}"
     return GOLDEN_CASES
 
 
-ROOT = Path(__file__).resolve().parents[1]
 # a server process over `create_app` (argv: checkpoint, port, max_context, model name, prefill chunk)
 SERVE_SCRIPT = """
 import sys

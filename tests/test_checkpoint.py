@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 from dataclasses import replace
@@ -14,12 +15,10 @@ import torch
 from dsflash.checkpoint.expect import expected_tensors
 from dsflash.checkpoint.reader import Checkpoint, CheckpointError, model_identity, open_checkpoint, read_header
 from dsflash.config import TINY_A, TINY_B, V41_FLASH, load_config
+from tests.conftest import GOLDEN, GOLDEN_CASES, TEXT_CASE, VISION_CASES
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-GOLDEN = SHARED / "golden"
-CASES = [*sorted(p for p in GOLDEN.iterdir() if (p / "model.safetensors").is_file()),
-         SHARED / "golden-vision" / "tinyA-vis_s5"]
-CASE = GOLDEN / "tinyA_s0_T40"
+CASES = [*GOLDEN_CASES, *VISION_CASES]
+CASE = TEXT_CASE
 
 
 def _raw_header(path: Path) -> dict:
@@ -170,7 +169,7 @@ def test_read_header_of_a_good_file():
 def test_model_identity():
     ckpt = Checkpoint(CASE)
     identity = model_identity(ckpt.args, ckpt)
-    assert len(identity) == 64 and int(identity, 16) >= 0
+    assert re.fullmatch("[0-9a-f]{64}", identity)  # a hex SHA-256
     other_seed = Checkpoint(GOLDEN / "tinyA-w128_s1_T200")
     assert model_identity(TINY_A, other_seed) == identity  # the same layout whatever the weights
     assert model_identity(replace(TINY_A, max_seq_len=4096, temperature=0.7), ckpt) == identity  # runtime only

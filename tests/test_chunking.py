@@ -8,14 +8,14 @@ from dsflash.engine.runner import Runner
 from dsflash.kernels import cpu
 from dsflash.model.load import load_model
 from dsflash.model.state import SequenceState
-from tests.conftest import GOLDEN_CASES, interleaved_steps
+from tests.conftest import TEXT_CASE, interleaved_steps
 
 
 @pytest.fixture(scope="module")
 def model_and_ids():
     from safetensors.numpy import load_file
 
-    case = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
+    case = TEXT_CASE
     ids = torch.from_numpy(load_file(str(case / "golden.safetensors"))["full.input_ids"])
     return load_model(case), ids
 
@@ -67,7 +67,7 @@ def test_graph_shaped_forwards_are_bit_identical_on_cpu(model_and_ids):
     """A short forward the way a CUDA graph runs it (SegmentGraphs without capture: the indexer scoring the
     sources' whole buffers, picks by gather, state written at device offsets) gives the eager forward's bits:
     the graphed arithmetic, checked where CI runs (tests/test_cuda_model.py replays real graphs)."""
-    case = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
+    case = TEXT_CASE
     eager, _ = model_and_ids
     shaped = Runner(load_model(case), graphs=SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False))  # rows pad to a tile
     assert torch.equal(interleaved_steps(eager, "cpu"), interleaved_steps(shaped, "cpu"))

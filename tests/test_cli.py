@@ -11,10 +11,10 @@ from safetensors.numpy import load_file
 
 from dsflash.config import preset
 from dsflash.numerics.packing import packed_width
-from tests.conftest import GOLDEN_CASES
+from tests.conftest import TEXT_CASE
 
 ROOT = Path(__file__).resolve().parents[1]
-CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
+CASE = TEXT_CASE
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
@@ -33,7 +33,14 @@ def test_generate_json_same_tokens_with_and_without_dspark(tmp_path):
         assert r.returncode == 0, r.stderr
         runs.append(json.loads(r.stdout))
     assert runs[0]["tokens"] == runs[1]["tokens"] and runs[2]["tokens"] == runs[3]["tokens"]
-    assert runs[1]["accept_rate"] >= 0 and runs[0]["cached_tokens"] == 0
+    for run in runs:
+        assert (run["prompt_tokens"], run["cached_tokens"], run["generated"], len(run["tokens"])) == (30, 0, 10, 10)
+    # the report of what was decoded: without DSpark one token per cycle after the prefill's (10 in 9 cycles),
+    # no drafts; with it the tiny checkpoint's seeded drafter is never right on this prompt (no draft equals
+    # the greedy or the seeded sample), so nothing is accepted and the cycles are the same. Acceptance that is
+    # counted where the verify rejected, or a cycle count that is off, shows here (real acceptance: test_engine)
+    for run in runs:
+        assert (run["accept_rate"], run["tokens_per_cycle"]) == (0.0, 10 / 9), run
 
 
 def test_logits_command_replays_a_golden_case_bit_for_bit(tmp_path):

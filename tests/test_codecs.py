@@ -3,9 +3,6 @@ the three weight layouts against the golden cases' reader."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -29,9 +26,8 @@ from dsflash.numerics.codecs import (
     unpack_fp4,
 )
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
-sys.path.insert(0, str(GOLDEN))
-import load_case  # noqa: E402  (the golden cases' own numpy reader, an independent implementation)
+# the golden cases' own numpy reader (load_case.py), an independent implementation
+from tests.conftest import TEXT_CASE, reference
 
 ALL_CODES = torch.arange(256, dtype=torch.uint8)
 E4M3_FINITE = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
@@ -74,9 +70,9 @@ def test_e2m1_table():
 def test_decoders_take_numpy_and_torch_storage_dtypes():
     codes = np.arange(256, dtype=np.uint8)
     assert isinstance(decode_e4m3(codes), np.ndarray)
-    np.testing.assert_array_equal(decode_e4m3(codes), load_case.e4m3_to_f32(codes))
+    np.testing.assert_array_equal(decode_e4m3(codes), reference.e4m3_to_f32(codes))
     with np.errstate(over="ignore"):  # the reader computes 2^128 for the NaN code before masking it
-        np.testing.assert_array_equal(decode_e8m0(codes), load_case.e8m0_to_f32(codes))
+        np.testing.assert_array_equal(decode_e8m0(codes), reference.e8m0_to_f32(codes))
     assert _same(decode_e4m3(ALL_CODES.view(torch.float8_e4m3fn)), decode_e4m3(ALL_CODES))
     assert _same(decode_e8m0(ALL_CODES.view(torch.float8_e8m0fnu)), decode_e8m0(ALL_CODES))
 
@@ -167,11 +163,11 @@ def test_fp4_packing():
 
 
 # ---------------------------------------------------------------------------------------------
-# weight layouts against the golden reader (load_case.dequant_weight)
+# weight layouts against the golden reader (load_case.py's dequant_weight)
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def golden_weights():
-    weights, _ = load_case.read_safetensors_raw(GOLDEN / "tinyA_s0_T40" / "model.safetensors")
+    weights, _ = reference.read_safetensors_raw(TEXT_CASE / "model.safetensors")
     return weights
 
 
@@ -192,7 +188,7 @@ def test_dequant_layouts_match_the_golden_reader(golden_weights):
         else:
             got = dequant_fp8_blocks(w, s)
         assert got.dtype == torch.float32
-        assert np.array_equal(got.numpy(), load_case.dequant_weight(golden_weights, name)), name
+        assert np.array_equal(got.numpy(), reference.dequant_weight(golden_weights, name)), name
         layouts[dtype] += 1
     assert layouts["F8_E4M3"] > 0 and layouts["I8"] > 0
 
@@ -221,8 +217,8 @@ def test_quantize_fp8_blocks_as_the_reference_recipe():
 
 def test_requantizing_golden_weights_is_lossless(golden_weights):
     name = "layers.0.attn.wq_b.weight"
-    w = torch.from_numpy(load_case.dequant_weight(golden_weights, name))
+    w = torch.from_numpy(reference.dequant_weight(golden_weights, name))
     assert torch.equal(dequant_fp8_blocks(*quantize_fp8_blocks(w)), w)
     name = "layers.1.engram.embed.weight"
-    rows = torch.from_numpy(load_case.dequant_weight(golden_weights, name))
+    rows = torch.from_numpy(reference.dequant_weight(golden_weights, name))
     assert torch.equal(dequant_fp8_rows(*quantize_fp8_rows(rows)), rows)

@@ -6,7 +6,6 @@ import copy
 import json
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,11 +25,7 @@ from dsflash.config import (
     preset,
     validate,
 )
-
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-GOLDEN = SHARED / "golden"
-TEXT_CASES = sorted(p for p in GOLDEN.iterdir() if (p / "config.json").is_file())
-VISION_CASE = SHARED / "golden-vision" / "tinyA-vis_s5"
+from tests.conftest import GOLDEN_CASES, TEXT_CASE, VISION_CASE
 
 # the released HF config.json (spec §2.1 values, HF key names), written out independently of the code
 RELEASED_HF = {
@@ -82,7 +77,7 @@ def _official(**changes) -> dict:
 # ---------------------------------------------------------------------------------------------
 # spellings
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", TEXT_CASES, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", GOLDEN_CASES, ids=lambda p: p.name)
 def test_golden_config_reads_in_official_spelling(case):
     args = load_config(case)
     raw = json.loads((case / "config.json").read_text())
@@ -91,9 +86,9 @@ def test_golden_config_reads_in_official_spelling(case):
 
 
 def test_tiny_a_preset_is_the_golden_config():
-    raw = json.loads((GOLDEN / "tinyA_s0_T40" / "config.json").read_text())
+    raw = json.loads((TEXT_CASE / "config.json").read_text())
     assert PRESETS["tiny-a"].to_dict() == raw
-    assert load_config(GOLDEN / "tinyA_s0_T40") == PRESETS["tiny-a"]
+    assert load_config(TEXT_CASE) == PRESETS["tiny-a"]
 
 
 def test_vision_case_config():
@@ -219,7 +214,7 @@ def test_no_dspark_stages_needs_no_targets():
 # ---------------------------------------------------------------------------------------------
 # Engram primes
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", TEXT_CASES, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", GOLDEN_CASES, ids=lambda p: p.name)
 def test_engram_primes_match_the_reference(case):
     golden = load_file(case / "golden.safetensors")
     assert np.array_equal(np.array(engram_primes(load_config(case))), golden["engram_primes"])

@@ -15,10 +15,10 @@ from dsflash.model.load import load_model
 from dsflash.model.state import SequenceState
 from dsflash.model.transformer import Debug
 from dsflash.split.link import box_half
-from tests.conftest import GOLDEN_CASES, interleaved_steps, partly_right_drafter
+from tests.conftest import GOLDEN_CASES, TEXT_CASE, interleaved_steps, partly_right_drafter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; run on the GPU machine")
-CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
+CASE = TEXT_CASE
 
 
 @pytest.mark.parametrize("case", GOLDEN_CASES, ids=lambda p: p.name)

@@ -15,9 +15,9 @@ from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.load import load_model
 from dsflash.model.state import GrowingRows, RollbackError, SequenceState
-from tests.conftest import GOLDEN_CASES, partly_right_drafter
+from tests.conftest import TEXT_CASE, partly_right_drafter
 
-CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
+CASE = TEXT_CASE
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,11 @@
-"""Our golden reader and tolerance rules against the reference checker `shared/golden/load_case.py`.
+"""Our golden reader and tolerance rules against the reference checker `tests/golden/golden/load_case.py`.
 
-The reference checker is imported here only (through sys.path); dsflash itself never imports it.
+The reference checker is imported by the tests only (tests/conftest.py); dsflash itself never imports it.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +16,8 @@ from dsflash import cli
 from dsflash.golden.case import GoldenCase, GoldenCaseError, load_case, replay_selections
 from dsflash.golden.check import check_case, check_golden
 from dsflash.golden.rules import FAIL, FAITHFUL, PASS, CaseVerdict, judge_case
+from tests.conftest import GOLDEN, TEXT_CASE, reference
 from tests.golden_reference import assert_same_as_reference
-
-SHARED_GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
-if not (SHARED_GOLDEN / "load_case.py").is_file():
-    pytest.skip(f"golden cases not found at {SHARED_GOLDEN}", allow_module_level=True)
-sys.path.insert(0, str(SHARED_GOLDEN))
-import load_case as reference  # noqa: E402
 
 CASES = ["tinyA_s0_T40", "tinyA-w128_s1_T200"]
 PREFILL_KEYS = ("logits", "handoff_streams", "handoff_pre_mix")
@@ -31,7 +25,7 @@ PREFILL_KEYS = ("logits", "handoff_streams", "handoff_pre_mix")
 
 @pytest.fixture(scope="module", params=CASES)
 def cases(request) -> tuple[GoldenCase, dict]:
-    case_dir = SHARED_GOLDEN / request.param
+    case_dir = GOLDEN / request.param
     return load_case(case_dir), reference.load_case(str(case_dir))
 
 
@@ -147,7 +141,7 @@ def test_engine_step_not_implemented_is_missing(cases):
 
 
 def test_replay_selections_shapes():
-    case = load_case(SHARED_GOLDEN / "tinyA_s0_T40")
+    case = load_case(TEXT_CASE)
     full = replay_selections(case, "full.")
     assert {i: a.shape for i, a in full["index_topk"].items()} == {1: (72, 8), 3: (72, 8), 5: (72, 8)}
     assert all(a.dtype == np.int32 for a in full["index_topk"].values())
@@ -162,7 +156,7 @@ def test_replay_selections_shapes():
 
 
 def copy_case(tmp_path: Path, name: str, skip: tuple[str, ...] = ()) -> Path:
-    src, dst = SHARED_GOLDEN / "tinyA_s0_T40", tmp_path / name
+    src, dst = TEXT_CASE, tmp_path / name
     dst.mkdir()
     for f in src.iterdir():
         if f.name not in skip:
@@ -191,7 +185,7 @@ def test_corrupt_and_incomplete_cases(tmp_path):
     with pytest.raises(GoldenCaseError, match="golden.safetensors unreadable"):
         load_case(corrupt)
     incomplete = copy_case(tmp_path, "incomplete", skip=("golden.safetensors",))
-    g = dict(load_case(SHARED_GOLDEN / "tinyA_s0_T40").golden)
+    g = dict(load_case(TEXT_CASE).golden)
     del g["battery_lowtie.logits"]
     save_file(g, str(incomplete / "golden.safetensors"))
     with pytest.raises(GoldenCaseError, match="missing battery_lowtie.logits"):
@@ -212,7 +206,7 @@ def test_incomplete_image_case_is_unreadable(tmp_path):
 
 
 def test_check_golden_reports_every_case(tmp_path, capsys):
-    good = SHARED_GOLDEN / "tinyA_s0_T40"
+    good = TEXT_CASE
     unreadable = copy_case(tmp_path, "no_golden", skip=("golden.safetensors",))
     out = tmp_path / "result.json"
 

@@ -13,9 +13,7 @@ from dsflash.engine.images import ImageSpan
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.session import Engine
 from dsflash.model.vision import ImageInput, preprocess_image
-from tests.conftest import GOLDEN
-
-CASE = GOLDEN.parent / "golden-vision" / "tinyA-vis_s5"
+from tests.conftest import VISION_CASE as CASE
 
 
 @pytest.fixture(scope="module")

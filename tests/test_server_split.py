@@ -58,7 +58,9 @@ def test_split_server_answers_then_503_while_box_down_then_recovers(split_server
     extra = {"chat_template_kwargs": {"thinking": False}}
     first = client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=0,
                                            extra_body=extra)
-    assert first.choices[0].message.content is not None
+    # greedy, no EOS in 4 tokens: a real answer, which the recovered server must repeat below
+    assert (first.choices[0].finish_reason, first.usage.completion_tokens) == ("length", 4)
+    assert first.choices[0].message.content
     assert httpx.get(base + "/health").json()["box"]["connected"]
 
     state["box"].send_signal(signal.SIGKILL)

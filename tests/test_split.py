@@ -21,9 +21,9 @@ from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
 from dsflash.split.protocol import VERSION, Frame, FrameType, read_frame
-from tests.conftest import GOLDEN_CASES, free_port, partly_right_drafter
+from tests.conftest import TEXT_CASE, free_port, partly_right_drafter
 
-CASE = next(c for c in GOLDEN_CASES if c.name == "tinyA_s0_T40")
+CASE = TEXT_CASE
 ROOT = Path(__file__).resolve().parents[1]
 
 
