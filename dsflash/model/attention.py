@@ -165,7 +165,7 @@ class Indexer:
                             lambda: self.k.fp4_dequant_packed(packed, a.index_head_dim, *INDEX_KEY))
         q = self.k.linear(qr, self.wq_b).unflatten(-1, (a.index_n_heads, a.index_head_dim))
         rope.rotate(q, chunk.positions)
-        q = self.k.fp4_fake_quant(q, 32, e4m3_scale=False)
+        q = self.k.fp4_fake_quant(q, *INDEX_KEY)  # the index queries take the index keys' FP4 format
         weights = self.k.linear(x, self.weights_proj) * (a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5)
         k = min(a.index_topk, keys.size(0))
         out = torch.empty((chunk.rows, a.index_topk), dtype=torch.int64, device=keys.device)
