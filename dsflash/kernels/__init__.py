@@ -18,8 +18,6 @@ from torch import Tensor
 from dsflash.kernels import cpu
 from dsflash.kernels.api import Kernels
 from dsflash.kernels.cpu import Weight
-from dsflash.numerics import BLOCK
-from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
 from dsflash.numerics.packing import dequant_packed, quant_packed
 from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
 
@@ -31,13 +29,10 @@ __all__ = ["Kernels", "load_kernels"]
 
 def _reference(device: torch.device) -> Kernels[list[Weight]]:
     def weight(kind: str, stored: Tensor, scale: Tensor | None) -> Weight:
-        """Exact float32 code values and per-(row, BLOCK-input block) float32 scales."""
-        stored = stored.cpu()  # the codecs' tables live on the CPU; the result moves to `device`
-        if kind == "fp8":
-            rows = scale.float().cpu().repeat_interleave(BLOCK, dim=0)[: stored.size(0)]
-            return Weight("fp8", stored.float().to(device), rows.contiguous().to(device))
-        if kind == "fp4":
-            return Weight("fp4", decode_e2m1(unpack_fp4(stored)).to(device), scale.float().cpu().to(device))
+        """FP8/FP4 weights in their stored formats (cpu.StoredWeight, decoded by each GEMM); bf16 and fp32
+        ones in that dtype (a bf16-stored weight the reference holds in fp32 widened here, once)."""
+        if kind in ("fp8", "fp4"):
+            return cpu.StoredWeight(kind, stored.to(device), scale.to(device))
         return Weight(kind, stored.to(device=device, dtype=torch.float32 if kind == "fp32" else torch.bfloat16))
 
     return Kernels(

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.numerics import BLOCK
+from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
 from dsflash.numerics.quant import fp8_act_codes, k_range_blocks
 
 ROW_TILE = 64
@@ -54,6 +55,41 @@ class Weight:
     @property
     def in_features(self) -> int:
         return self.values.size(1)
+
+
+class StoredWeight(Weight):
+    """An FP8/FP4 weight kept in memory as the checkpoint stores it: E4M3 codes [out, in] with E8M0 scales
+    per 32x32 tile, or E2M1 codes packed two a byte [out, in/2] with E8M0 scales per row and 32 inputs --
+    its stored bytes, not 4 B a parameter. `values` and `scale` are decoded when a GEMM reads them: exactly
+    the fp32 code values and per-(row, K-block) scales a widened Weight holds, so the GEMM's bits are the
+    same."""
+
+    def __init__(self, kind: str, codes: torch.Tensor, stored_scale: torch.Tensor):
+        assert kind in ("fp8", "fp4"), kind
+        self.kind, self.codes, self.stored_scale = kind, codes, stored_scale
+
+    @property
+    def values(self) -> torch.Tensor:
+        if self.kind == "fp8":
+            return self.codes.float()
+        return decode_e2m1(unpack_fp4(self.codes))
+
+    @property
+    def scale(self) -> torch.Tensor:
+        scale = self.stored_scale.float()
+        return scale.repeat_interleave(BLOCK, dim=0)[: self.out_features] if self.kind == "fp8" else scale
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.size(0)
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.size(1) * (2 if self.kind == "fp4" else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.stored_scale.nbytes
 
 
 def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, w: Weight) -> torch.Tensor:
