@@ -86,3 +86,37 @@ def test_bench_commands_write_results(tmp_path):
         assert r.returncode == 0, r.stderr
         (report,) = tmp_path.glob(name)
         assert "aten::" in report.read_text()
+
+
+def test_generate_without_a_model_uses_the_built_in_checkpoint(tmp_path):
+    """`dsflash generate` works with no --model, as `serve` does: the built-in checkpoint and its tokenizer."""
+    r = subprocess.run([sys.executable, "-m", "dsflash.cli", "generate", "--prompt", "Hello there", "-n", "4",
+                        "--json"], env={**ENV, "DSFLASH_HOME": str(tmp_path)}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "built-in tiny checkpoint" in r.stderr and (tmp_path / "builtin-tiny-a-s0-v2" / "tokenizer.json").is_file()
+    out = json.loads(r.stdout)
+    assert out["generated"] == 4 and isinstance(out["text"], str)
+
+
+def test_threads_default_to_the_cores_this_process_may_use():
+    """torch's CPU threads: --threads N on every command, else the process's CPU affinity (not the machine's
+    cores); 0 is refused in one line."""
+    import argparse
+
+    import torch
+
+    from dsflash import cli
+
+    commands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert commands and all("--threads" in c.format_help() for c in commands.values()), list(commands)
+    before = torch.get_num_threads()
+    try:
+        cli.set_threads(1)
+        assert torch.get_num_threads() == 1
+        cli.set_threads(None)
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+        r = dsflash("generate", "--model", str(CASE), "--prompt-tokens", "x.json", "--threads", "0")
+        assert r.returncode != 0 and "Traceback" not in r.stderr and "--threads must be at least 1" in r.stderr
+    finally:
+        torch.set_num_threads(before)

@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsflash.checkpoint.builtin import builtin_checkpoint
 from dsflash.engine.json_mode import START, JsonObject, SchemaError, compile_schema, feed, is_complete, schema_start
 from dsflash.engine.sampling import SamplingParams, sample
 from dsflash.engine.spec import DecodeStats, decode
-from dsflash.server.builtin import builtin_checkpoint
 from dsflash.tokenizer import EOS_ID, load_tokenizer, token_bytes
 from tests.conftest import partly_right_drafter
 

@@ -29,7 +29,7 @@ NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> tuple[Path, Path]:
-    from dsflash.server.builtin import builtin_checkpoint
+    from dsflash.checkpoint.builtin import builtin_checkpoint
 
     tmp = tmp_path_factory.mktemp("serve")
     return tmp, builtin_checkpoint(tmp)  # tiny-a weights (make_checkpoint) + build_tiny_tokenizer's tokenizer.json
@@ -548,7 +548,7 @@ def test_images_to_a_model_without_vision_are_400(server):
 def test_api_key_through_dsflash_serve(tmp_path):
     """`dsflash serve --api-key`: both client libraries with the key work, without it get 401; probes
     stay open."""
-    from dsflash.server.builtin import builtin_checkpoint
+    from dsflash.checkpoint.builtin import builtin_checkpoint
 
     port = free_port()
     proc = start_server(["-m", "dsflash.cli", "serve", "--model", str(builtin_checkpoint(tmp_path)), "--port",

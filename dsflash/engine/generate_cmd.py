@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from dsflash.checkpoint.builtin import builtin_checkpoint
 from dsflash.checkpoint.manifest import verify_weights
 from dsflash.checkpoint.reader import CheckpointError
 from dsflash.engine.images import ImageSpan
@@ -46,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.model is None:
+        args.model = builtin_checkpoint()
+        print(f"dsflash generate: no --model given, using the built-in tiny checkpoint at {args.model}",
+              file=sys.stderr)
     if args.verify_weights:
         verify_weights(args.model)
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
@@ -104,7 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from one prompt, streaming, with timing")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny checkpoint)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     src.add_argument("--prompt-tokens", help="JSON array of token ids")

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model
     if model is None:
-        from dsflash.server.builtin import builtin_checkpoint
+        from dsflash.checkpoint.builtin import builtin_checkpoint
 
         model = builtin_checkpoint()
         print(f"dsflash serve: no --model given, using the built-in tiny checkpoint at {model}", file=sys.stderr)
