@@ -78,6 +78,21 @@ def judge_both(case: GoldenCase, ref_case: dict, outputs: dict) -> tuple[CaseVer
 # ---------------------------------------------------------------------------------------------
 # the vision tower and the preprocessing
 # ---------------------------------------------------------------------------------------------
+def assert_gelu_rows(ours: torch.Tensor, theirs: np.ndarray) -> None:
+    """The aligner's erf GELU (torch's bf16 F.gelu, as the reference) rounds through torch's vectorised erf,
+    whose last fp32 bit depends on the CPU's vector unit: on an AVX2-only CPU one element of the public case
+    (x = -3.5625) lands one bf16 step from the reference's. Bit-identical where torch runs the reference's
+    vector code (`torch.backends.cpu.get_cpu_capability()` of AVX512); elsewhere at most one step on at most
+    1 % of the elements (the aligner's output, checked above, stays bit-identical on both)."""
+    ours = ours.float().numpy()
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        assert np.array_equal(ours, theirs)
+        return
+    off = ours != theirs
+    step = np.abs(theirs[off]) * 2.0 ** -7  # one bf16 step (8 significant bits) at those values
+    assert off.mean() <= 0.01 and np.all(np.abs(ours - theirs)[off] <= step), (off.sum(), ours[off], theirs[off])
+
+
 def test_vit_and_aligner_bit_identical(case, engine):
     g = case.golden
     vision = engine.model.vision
@@ -94,7 +109,7 @@ def test_vit_and_aligner_bit_identical(case, engine):
             for b, out in enumerate(trace["vit_block_out"]):
                 assert np.array_equal(out.float().numpy(), g[f"image{k}.vit_block_out"][b]), b
             assert np.array_equal(trace["aligner_in"].float().numpy(), g[f"image{k}.aligner_in"])
-            assert np.array_equal(trace["aligner_hidden"].float().numpy(), g[f"image{k}.aligner_hidden"])
+            assert_gelu_rows(trace["aligner_hidden"], g[f"image{k}.aligner_hidden"])
         if f"image{k}.vit_rope_cos" in g:
             cos, sin = vision.rope(n_vit_h, n_vit_w)
             assert np.array_equal(cos[:, 0].numpy(), g[f"image{k}.vit_rope_cos"])
