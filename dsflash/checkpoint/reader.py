@@ -182,6 +182,15 @@ class Checkpoint:
                 begin += len(chunk)
         return h.hexdigest()
 
+    def byte_range(self, name: str) -> tuple[Path, int, int]:
+        """The file holding a tensor and its bytes' [begin, end) offsets in it (for reads that bypass the
+        mmap: Engram rows and routed experts on the disk tier)."""
+        try:
+            begin, end = self._range[name]
+        except KeyError as e:
+            raise CheckpointError(f"{self.path}: missing tensor {name!r}") from e
+        return self.path / self._where[name], begin, end
+
     def dtype_shape(self, name: str) -> tuple[str, list[int]]:
         try:
             dtype, shape = self._info[name]

@@ -29,6 +29,7 @@ from dsflash.model.attention import append_entries
 from dsflash.model.dspark import argmax_sampler
 from dsflash.model.load import load_model
 from dsflash.model.state import ROLLBACK_ROWS, PositionRing, SequenceState
+from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.model.transformer import Streams, Transformer
 from dsflash.model.vision import TEXT
 from dsflash.numerics import NUMERICS_VERSION
@@ -76,13 +77,13 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, max_context: int | None = None,
              encoder: Callable[[Engine], EncoderHalf] | None = None, device: str = "cpu",
-             reference: bool = False, cuda_graphs: bool = True) -> Engine:
+             reference: bool = False, cuda_graphs: bool = True, tiers: Tiers = RESIDENT) -> Engine:
         """The decoder half from the checkpoint at `path`, and the encoder half from it too, or from
         `encoder(engine)` when given (e.g. `dsflash.split.link.box_half`, a box over TCP). `device`/
         `reference` pick the kernel backend (dsflash.kernels); `cuda_graphs` lets short forwards replay
-        captured segments (engine/graphs.py)."""
+        captured segments (engine/graphs.py); `tiers` places Engram and the routed experts (model/tiers.py)."""
         def half(name: str) -> Runner:
-            return Runner(load_model(path, half=name, device=device, reference=reference), cuda_graphs)
+            return Runner(load_model(path, half=name, device=device, reference=reference, tiers=tiers), cuda_graphs)
 
         decoder = half("decoder")
         engine = cls(decoder, None, max_context or decoder.args.max_seq_len, engine_identity(decoder.model))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dsflash.checkpoint.reader import open_checkpoint
+from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.model.transformer import Transformer
 
 
@@ -33,8 +34,8 @@ def engram_token_map(path: Path, vocab_size: int) -> tuple[list[int], int]:
     return compressed_token_map(source)
 
 
-def load_model(path: str | Path, half: str | None = None, device: str = "cpu", reference: bool = False
-               ) -> Transformer:
+def load_model(path: str | Path, half: str | None = None, device: str = "cpu", reference: bool = False,
+               tiers: Tiers = RESIDENT) -> Transformer:
     """The whole model, or one half of the split: "encoder" (embed, Engram, layers [0, d) and layer d's
     cache write) or "decoder" (layers [d, n), head, DSpark), d = the first decoder layer."""
     path = Path(path)
@@ -48,4 +49,4 @@ def load_model(path: str | Path, half: str | None = None, device: str = "cpu", r
         if classes != args.engram_compressed_vocab_size:
             raise ValueError(f"{path}: the tokenizer gives {classes} Engram token classes, config "
                              f"engram_compressed_vocab_size is {args.engram_compressed_vocab_size}")
-    return Transformer(args, ckpt, token_map, layers=layers, device=device, reference=reference)
+    return Transformer(args, ckpt, token_map, layers=layers, device=device, reference=reference, tiers=tiers)

@@ -24,6 +24,7 @@ from dsflash.model.engram import Engram, EngramLayout
 from dsflash.model.mhc import Block, hc_pre
 from dsflash.model.rope import Rope
 from dsflash.model.state import SequenceState
+from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.model.vision import Vision
 from dsflash.model.weights import WeightLoader
 
@@ -69,8 +70,8 @@ class ForwardOutput:
 
 class Transformer:
     def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None,
-                 device: str | torch.device = "cpu", reference: bool = False):
-        self.args, self.ckpt = args, ckpt
+                 device: str | torch.device = "cpu", reference: bool = False, tiers: Tiers = RESIDENT):
+        self.args, self.ckpt, self.tiers = args, ckpt, tiers
         self.layers = layers if layers is not None else range(args.n_layers)
         self.k = load_kernels(device, reference)
         self.device = self.k.device

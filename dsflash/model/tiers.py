@@ -1,0 +1,34 @@
+"""Where the two largest weight families live (issue 17): the Engram tables and the routed experts.
+
+"gpu" keeps them on the compute device (for the CPU backend: in host memory), "host" in pinned host
+memory read by the device, "disk" in the checkpoint's files, read on demand. Every tier gives the same
+bits as "gpu"; only bytes moved and time differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TIERS = ("gpu", "host", "disk")
+
+
+@dataclass(frozen=True)
+class Tiers:
+    engram: str = "gpu"
+    experts: str = "gpu"
+    expert_cache: int | None = None  # bytes of device expert slots for host/disk experts (None: one layer's bank)
+
+    def __post_init__(self) -> None:
+        for name in ("engram", "experts"):
+            if getattr(self, name) not in TIERS:
+                raise ValueError(f"{name} tier {getattr(self, name)!r}: expected one of {', '.join(TIERS)}")
+        if self.expert_cache is not None and self.expert_cache <= 0:
+            raise ValueError(f"expert cache of {self.expert_cache} bytes: expected a positive size")
+
+    @property
+    def resident(self) -> bool:
+        """Everything on the compute device: what CUDA-graph capture assumes."""
+        return self.engram == "gpu" and self.experts == "gpu"
+
+
+RESIDENT = Tiers()  # the default: everything on the compute device
