@@ -1,0 +1,97 @@
+"""Routed experts on the host and disk tiers (model/expert_cache.py): a device cache of expert slots smaller
+than one layer's bank gives the resident bits for a prefill, steps, a rollback and DSpark drafts, with its
+evictions, hits and bytes read counted."""
+
+import pytest
+import torch
+
+from dsflash.checkpoint.reader import Checkpoint
+from dsflash.engine.session import Engine
+from dsflash.model import expert_cache
+from dsflash.model.load import load_model
+from dsflash.model.state import SequenceState
+from dsflash.model.tiers import Tiers
+from tests.conftest import TEXT_CASE
+
+CASE = TEXT_CASE  # tiny-a: 4 routed experts a layer, top-2; 6 layers and one DSpark stage
+IDS = torch.randint(3, 500, (90,), generator=torch.Generator().manual_seed(0))
+
+
+def expert_bytes(ckpt: Checkpoint, prefix: str = "layers.0.ffn.experts.0.") -> int:
+    """One expert's stored bytes (w1, w3, w2 and their scales): its slot's size on the reference backend."""
+    total = 0
+    for name in ("w1", "w3", "w2"):
+        for suffix in (".weight", ".scale"):
+            _, begin, end = ckpt.byte_range(prefix + name + suffix)
+            total += end - begin
+    return total
+
+
+def run(engine: Engine) -> list[torch.Tensor]:
+    """Prefill logits, two steps, a rollback inside them and a step after it, then DSpark drafts."""
+    s = engine.session()
+    out = [s.prefill(IDS[:70].tolist(), chunk=64)]
+    p = s.pos
+    out.append(s.step(p, IDS[70:73].tolist()))
+    out.append(s.step(p + 3, IDS[73:74].tolist()))
+    s.rollback(p + 1)
+    out.append(s.step(p + 1, IDS[80:82].tolist()))
+    out.append(torch.tensor(s.draft(int(IDS[81]))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def resident() -> list[torch.Tensor]:
+    return run(Engine.load(CASE, max_context=512))
+
+
+@pytest.mark.parametrize("tier", ["disk", "host"])
+@pytest.mark.parametrize("slots,wide", [(3, True), (3, False), (9, False)], ids=["3-slots-wide", "3-slots", "9-slots"])
+def test_cached_experts_are_bit_identical_to_resident(resident, monkeypatch, tier, slots, wide):
+    """3 slots (fewer than a layer's 4 experts: every call in groups, evicting) and 9 (one group a call):
+    wide calls (on the reference backend every chunk pads to 64 rows, 128 picks) split into two groups and
+    read ahead; with the threshold out of reach a call that fits is one group, the resident calls over slots."""
+    if not wide:
+        monkeypatch.setattr(expert_cache, "WIDE_PICKS_PER_EXPERT", 1 << 30)
+    tiers = Tiers(experts=tier, expert_cache=slots * expert_bytes(Checkpoint(CASE)))
+    engine = Engine.load(CASE, max_context=512, tiers=tiers)
+    got = run(engine)
+    for i, (a, b) in enumerate(zip(got, resident, strict=True)):
+        assert torch.equal(a, b), i
+    stats = [half.model.tier_stats()["experts"] for half in (engine.decoder, engine.encoder.runner)]
+    # each half's MoE layers hold 12 or 16 experts: more than the cache, so slots are reused; 9 slots keep
+    # some experts from call to call
+    assert all(s["misses"] > 0 and s["evictions"] > 0 and (s["hits"] > 0) == (slots == 9) for s in stats), stats
+    assert all(s["bytes_read"] >= s["misses"] * expert_bytes(Checkpoint(CASE)) for s in stats), stats
+
+
+def test_disk_reads_count_the_bytes(monkeypatch):
+    """A cache that holds every expert: each (layer, expert) is read once, its stored bytes exactly, and a
+    second forward over the same rows reads nothing."""
+    monkeypatch.setattr(expert_cache, "WIDE_PICKS_PER_EXPERT", 1 << 30)  # no reads ahead: only what is routed to
+    ckpt = Checkpoint(CASE)
+    model = load_model(CASE, tiers=Tiers(experts="disk", expert_cache=64 * expert_bytes(ckpt)))
+    resident = load_model(CASE)
+    for m in (model, resident):
+        m.out = m.forward(SequenceState(), IDS[:40]).logits
+    assert torch.equal(model.out, resident.out)
+    stats = model.tier_stats()["experts"]
+    used = stats["misses"]
+    assert 0 < used <= 6 * 4 and stats["evictions"] == 0 and stats["prefetched"] == 0
+    assert stats["bytes_read"] == used * expert_bytes(ckpt)
+    model.forward(SequenceState(), IDS[:40])
+    again = model.tier_stats()["experts"]
+    assert (again["bytes_read"], again["misses"], again["hits"]) == (stats["bytes_read"], used, stats["hits"] + used)
+    assert resident.tier_stats() == {}
+
+
+def test_reads_ahead_count_and_a_cache_too_small_is_refused():
+    """A wide call reads the next layer's experts ahead (counted, bytes included); a cache smaller than one
+    expert is refused with the size it needs."""
+    ckpt = Checkpoint(CASE)
+    model = load_model(CASE, tiers=Tiers(experts="disk", expert_cache=2 * expert_bytes(ckpt)))
+    model.forward(SequenceState(), IDS[:40])
+    stats = model.tier_stats()["experts"]
+    assert stats["prefetched"] > 0 and stats["bytes_read"] >= (stats["misses"]) * expert_bytes(ckpt)
+    with pytest.raises(ValueError, match="holds no expert"):
+        load_model(CASE, tiers=Tiers(experts="disk", expert_cache=expert_bytes(ckpt) - 1))
