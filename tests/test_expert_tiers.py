@@ -2,6 +2,8 @@
 than one layer's bank gives the resident bits for a prefill, steps, a rollback and DSpark drafts, with its
 evictions, hits and bytes read counted."""
 
+import json
+
 import pytest
 import torch
 
@@ -95,3 +97,28 @@ def test_reads_ahead_count_and_a_cache_too_small_is_refused():
     assert stats["prefetched"] > 0 and stats["bytes_read"] >= (stats["misses"]) * expert_bytes(ckpt)
     with pytest.raises(ValueError, match="holds no expert"):
         load_model(CASE, tiers=Tiers(experts="disk", expert_cache=expert_bytes(ckpt) - 1))
+
+
+def test_tier_stats_reach_metrics_and_generate_json(capsys, monkeypatch, tmp_path):
+    """The expert cache's counters, summed over the halves, in /metrics' text and in `generate --json`."""
+    from dsflash.cli import main
+    from dsflash.server.metrics import Metrics
+
+    engine = Engine.load(CASE, max_context=512, tiers=Tiers(experts="disk"))
+    engine.session().prefill(IDS[:20].tolist())
+    m = Metrics()
+    m.tier_stats = engine.tier_stats
+    text = m.render()
+    total = engine.tier_stats()["experts"]
+    assert f"dsflash_experts_misses_total {total['misses']}" in text and "dsflash_experts_hit_rate " in text
+    halves = [h.model.tier_stats()["experts"]["bytes_read"] for h in (engine.decoder, engine.encoder.runner)]
+    assert total["bytes_read"] == sum(halves) > 0
+    assert Engine.load(CASE, max_context=512).tier_stats() == {}
+    # generate's placement flags come from engine/placement.py; here its Engine.load is given the disk tier
+    load = Engine.load
+    monkeypatch.setattr(Engine, "load", lambda *a, **kw: load(*a, **{**kw, "tiers": Tiers(experts="disk")}))
+    (tmp_path / "p.json").write_text(str(IDS[:12].tolist()))
+    assert main(["generate", "--model", str(CASE), "--prompt-tokens", str(tmp_path / "p.json"), "-n", "3",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["tokens"]) == 3 and report["tiers"]["experts"]["misses"] > 0, report
