@@ -119,6 +119,27 @@ def test_tier_stats_reach_metrics_and_generate_json(capsys, monkeypatch, tmp_pat
     monkeypatch.setattr(Engine, "load", lambda *a, **kw: load(*a, **{**kw, "tiers": Tiers(experts="disk")}))
     (tmp_path / "p.json").write_text(str(IDS[:12].tolist()))
     assert main(["generate", "--model", str(CASE), "--prompt-tokens", str(tmp_path / "p.json"), "-n", "3",
-                 "--json"]) == 0
+                 "--json", "--threads", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["tokens"]) == 3 and report["tiers"]["experts"]["misses"] > 0, report
+
+
+def test_bench_tiers_writes_a_checkpoint_and_compares_the_tiers(tmp_path):
+    """`dsflash bench tiers` on the tiny preset: the slice written as real safetensors files, each tier's
+    prefill streams the resident's bits, the disk tier's bytes counted, the results file written."""
+    from dsflash.cli import main
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    assert main(["bench", "--threads", "1", "tiers", "--preset", "tiny-a", "--layers", "2", "--dir", str(ckpt),
+                 "--lengths", "64", "--context", "64", "--rows", "1", "--reps", "1", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["bench-0.safetensors", "bench-1.safetensors",
+                                                                  "bench-rest.safetensors"]
+    (result,) = out.glob("tiers-tiny-a-e4-l2-*.json")
+    r = json.loads(result.read_text())
+    assert list(r["tiers"]) == ["gpu", "host", "disk"] and r["commit"] and r["machine"]
+    streams = {t["prefill"]["64"]["streams"] for t in r["tiers"].values()}
+    assert len(streams) == 1
+    disk = r["tiers"]["disk"]
+    assert disk["prefill"]["64"]["bytes_per_token"] > 0 and disk["steps"]["1"]["ms"] > 0
+    assert "| disk |" in result.with_suffix(".md").read_text()

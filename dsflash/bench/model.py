@@ -425,6 +425,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     bsub = bench.add_subparsers(dest="bench", required=True)
     for what in ("step", "prefill", "all", "profile", "link"):
         add_parser(bsub, what)
+    from dsflash.bench.tiers import add_parser as add_tiers
+
+    add_tiers(bsub)
     k = bsub.add_parser("kernels", help="each CUDA kernel at real shapes against the measured ceilings")
     k.add_argument("rest", nargs=argparse.REMAINDER)
     k.set_defaults(func=lambda ns: __import__("dsflash.bench.kernels", fromlist=["main"]).main(ns.rest))
