@@ -193,7 +193,8 @@ class ExpertStore:
                 bank = None
                 for e in range(n):
                     weight = w.linear(f"{prefix}{e}.{name}")
-                    bank = bank or self.k.expert_slots(weight, n, True)
+                    if bank is None:
+                        bank = self.k.expert_slots(weight, n, True)
                     self.k.expert_put(bank, e, weight)
                 entry.host.append(bank)
             if self.cuda:  # the device-to-host copies done before the side stream reads the pinned banks
