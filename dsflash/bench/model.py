@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dsflash.config import ModelArgs, preset
+from dsflash.config import V41_FLASH, ModelArgs, preset
 from dsflash.engine.halves import LocalEncoder, LocalHalf
 from dsflash.engine.runner import Runner
 from dsflash.engine.session import Engine, Session, engine_identity
@@ -322,11 +322,20 @@ def commit() -> str:
         return "unknown"
 
 
+def _expert_caveat(r: dict) -> str:
+    """What an expert count below the released one hides (config.bench_preset)."""
+    experts = r["checkpoint"].get("experts")
+    if experts is None or experts >= V41_FLASH.n_routed_experts:
+        return ""
+    return (f"; {experts} experts, not the released {V41_FLASH.n_routed_experts}: a prefill chunk gives each expert "
+            f"{V41_FLASH.n_routed_experts / experts:g}x the rows and a multi-row step touches fewer distinct experts, "
+            "so prefill and multi-row steps read faster than the released model's")
+
+
 def to_markdown(r: dict) -> str:
     lines = [f"# Engine benchmark {r['date']}", "", f"GPU/machine: {r['gpu']}; commit {r['commit']}; torch "
              f"{r['torch']}; CUDA graphs {'on' if r.get('cuda_graphs', True) else 'off'}", f"Command: `{r['command']}`",
-             f"Checkpoint: {r['checkpoint']} (per-token cost is set by top-{r['top_k']} routing, not by the expert "
-             "count)", ""]
+             f"Checkpoint: {r['checkpoint']} (top-{r['top_k']} routing{_expert_caveat(r)})", ""]
     if r.get("box_step_ms"):
         rows = sorted({n for v in r["box_step_ms"].values() for n in v}, key=int)
         lines += ["| context | " + " | ".join(f"box L={n} ms" for n in rows) + " | back step ms | draft ms |",
