@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -106,10 +107,32 @@ class _Counters:
                 "stall_s": d["stall_s"], "misses": d["misses"], "evictions": d["evictions"]}
 
 
+def _steps(runner: Runner, state: SequenceState, ids: torch.Tensor, context: int, rows: list[int], reps: int,
+           counters: _Counters, res: dict, saved: Callable[[dict], None]) -> None:
+    """Steps of each row count after `context` tokens, each rolled back: ms and the cache's counters, into
+    res["steps"]."""
+    a, dev = runner.args, runner.device
+    ratios = {s: a.compress_ratios[s] for s in state.compressed}
+    for n in rows:
+        new = ids[context:context + n]
+
+        def step(new: torch.Tensor = new) -> None:
+            runner.forward(state, new)
+            state.truncate(context, ratios)
+
+        for _ in range(2):  # untimed and not counted: the first call compiles, the second captures a graph
+            step()
+        counters.delta(1)
+        ms = timed_rounds({0: step}, dev, reps, warmup=0)[0]
+        res["steps"][n] = {"ms": ms, "tok_s": n * 1000 / ms, **counters.delta(n * reps)}
+        saved(res)
+
+
 def bench_tier(args: ModelArgs, ckpt_dir: Path, layers: int, tier: str, cache: int | None, device: str,
-               lengths: list[int], context: int, rows: list[int], reps: int, eager: bool, warmup: int) -> dict:
+               lengths: list[int], context: int, rows: list[int], reps: int, eager: bool, warmup: int,
+               saved: Callable[[dict], None]) -> dict:
     """One tier's load, prefills and steps (see the module docstring), after an untimed prefill of `warmup`
-    tokens."""
+    tokens; `saved(results so far)` after each measurement (a run cut short keeps what it measured)."""
     dev = torch.device(device)
     token_map = [i % args.engram_compressed_vocab_size for i in range(args.vocab_size)]
     t0 = time.perf_counter()
@@ -124,7 +147,6 @@ def bench_tier(args: ModelArgs, ckpt_dir: Path, layers: int, tier: str, cache: i
     ids = torch.tensor(prompt(max(lengths + [context]) + max(rows), args.vocab_size), device=dev)
     runner.forward(SequenceState(device=dev), ids[:warmup])
     counters = _Counters(model)
-    kept = None
     for n in sorted(set(lengths + [context])):
         state = SequenceState(device=dev)
         sync(dev)
@@ -136,21 +158,9 @@ def bench_tier(args: ModelArgs, ckpt_dir: Path, layers: int, tier: str, cache: i
         entry = {"ms": ms, "tok_s": n * 1000 / ms, "streams": _digest(out.streams), **counters.delta(n)}
         if n in lengths:
             res["prefill"][n] = entry
-        if n == context:
-            kept = state
-    ratios = {s: args.compress_ratios[s] for s in kept.compressed}
-    for n in rows:
-        new = ids[context:context + n]
-
-        def step(new: torch.Tensor = new) -> None:
-            runner.forward(kept, new)
-            kept.truncate(context, ratios)
-
-        for _ in range(2):  # untimed and not counted: the first call compiles, the second captures a graph
-            step()
-        counters.delta(1)
-        ms = timed_rounds({0: step}, dev, reps, warmup=0)[0]
-        res["steps"][n] = {"ms": ms, "tok_s": n * 1000 / ms, **counters.delta(n * reps)}
+            saved(res)
+        if n == context:  # the steps right after their context (before longer prefills: cheaper ones first)
+            _steps(runner, state, ids, context, rows, reps, counters, res, saved)
     if model.expert_store is not None:
         model.expert_store.close()
     return res
@@ -195,21 +205,26 @@ def run(ns: argparse.Namespace) -> int:
          "checkpoint": {"preset": ns.preset, "experts": args.n_routed_experts, "layers": ns.layers, "dir": ns.dir,
                         "expert_bytes": expert_bytes, "write_s": time.perf_counter() - t0},
          "tiers": {}}
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"tiers-{ns.preset}-e{args.n_routed_experts}-l{ns.layers}-{r['date']}"
     for i, tier in enumerate(ns.tiers):
+        def saved(res: dict, tier: str = tier) -> None:
+            r["tiers"][tier] = res
+            stem.with_suffix(".json").write_text(json.dumps(r, indent=1))
+            stem.with_suffix(".md").write_text(to_markdown(r))
+
         # the first tier's warm-up is a whole chunk: it compiles the kernels of every prefill shape class for
         # the process; the later tiers' a short one, for the cache's own shapes
         warmup = min(ns.lengths[0], CHUNK if i == 0 else WARMUP_TOKENS)
-        r["tiers"][tier] = bench_tier(args, Path(ns.dir), ns.layers, tier, cache, ns.device, ns.lengths, ns.context,
-                                      ns.rows, ns.reps, ns.eager, warmup)
+        saved(bench_tier(args, Path(ns.dir), ns.layers, tier, cache, ns.device, ns.lengths, ns.context, ns.rows,
+                         ns.reps, ns.eager, warmup, saved))
         print(f"{tier}: {json.dumps(r['tiers'][tier])}", flush=True)
         gc.collect()  # the tier's model and its memory gone before the next one loads
         if ns.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"tiers-{ns.preset}-e{args.n_routed_experts}-l{ns.layers}-{r['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(r, indent=1))
-    stem.with_suffix(".md").write_text(to_markdown(r))
+            if hasattr(torch._C, "_host_emptyCache"):  # and the pinned host blocks the tier left cached
+                torch._C._host_emptyCache()
     print(to_markdown(r))
     return 0
 
