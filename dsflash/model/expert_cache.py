@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from dsflash.checkpoint.reader import CheckpointError
+from dsflash.config import ModelArgs
 from dsflash.kernels import Kernels
 from dsflash.kernels.cpu import Weight
 from dsflash.model.tiers import Tiers
@@ -60,14 +61,16 @@ Stored = list[tuple[str, torch.Tensor, torch.Tensor]]  # per projection: (kind, 
 class ExpertStats:
     """What the cache did, summed over a model's forwards: experts found in a slot (`hits`) or loaded
     (`misses`), slots overwritten (`evictions`), payload bytes brought from host memory or disk
-    (`bytes_read`, reads ahead included), experts read ahead (`prefetched`), and host seconds a forward
-    waited in `acquire` for reads and for issuing copies (`stall_s`)."""
+    (`bytes_read`, reads ahead included), experts read ahead (`prefetched`) and of those the ones read but
+    not routed to (`ahead_unused`), and host seconds a forward waited in `acquire` for reads and for issuing
+    copies (`stall_s`)."""
 
     hits: int = 0
     misses: int = 0
     evictions: int = 0
     bytes_read: int = 0
     prefetched: int = 0
+    ahead_unused: int = 0
     stall_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -159,11 +162,13 @@ class ExpertStore:
     """The routed experts of one model (all its MoE layers and DSpark stages) on the host or disk tier,
     and the device cache they run from; see the module docstring."""
 
-    def __init__(self, k: Kernels, ckpt, tiers: Tiers, default_slots: int):
+    def __init__(self, k: Kernels, ckpt, tiers: Tiers, args: ModelArgs):
         if tiers.experts not in ("host", "disk"):
             raise ValueError(f"an expert store holds host or disk experts, not {tiers.experts!r}")
         self.k, self.ckpt, self.tier = k, ckpt, tiers.experts
-        self.cache_bytes, self.default_slots = tiers.expert_cache, default_slots
+        # default cache: one backbone layer's bank; backbone layers read ahead backbone layers only (the DSpark
+        # stages run in drafts, not after the last layer)
+        self.cache_bytes, self.default_slots, self.n_layers = tiers.expert_cache, args.n_routed_experts, args.n_layers
         self.cuda = k.device.type == "cuda"
         self.side = torch.cuda.Stream(k.device) if self.cuda else None
         self.reader = _Reader(pinned=self.cuda) if self.tier == "disk" else None
@@ -245,8 +250,10 @@ class ExpertStore:
         for key in need:
             if key in self._slot_of:
                 self._slot_of.move_to_end(key)
-        for key in [key for key in self._staged if key[0] == layer and key not in missing]:
-            self._staged.pop(key)  # read ahead for this layer but not routed to: dropped
+        wanted = set(need) | {(layer, e) for e in then or ()}
+        for key in [key for key in self._staged if key[0] == layer and key not in wanted]:
+            # read ahead for this layer but not routed to: dropped, counted when it was read (or is being read)
+            self.stats.ahead_unused += not self._staged.pop(key).cancel()
         reads = {key: self._start_read(key) for key in missing}
         self.stats.hits += len(need) - len(missing)
         self.stats.misses += len(missing)
@@ -296,7 +303,7 @@ class ExpertStore:
         return slots, wait_all
 
     def _next_layer(self, layer: int) -> list[Key]:
-        later = [i for i in self.layers if i > layer]
+        later = [i for i in self.layers if i > layer and (i < self.n_layers) == (layer < self.n_layers)]
         if not later:
             return []
         nxt = min(later)

@@ -77,7 +77,7 @@ class Transformer:
         self.k = load_kernels(device, reference)
         self.device = self.k.device
         # routed experts on the host or disk tier: one store and device cache for every MoE layer here
-        self.expert_store = (ExpertStore(self.k, ckpt, tiers, args.n_routed_experts) if tiers.experts != "gpu"
+        self.expert_store = (ExpertStore(self.k, ckpt, tiers, args) if tiers.experts != "gpu"
                              else None)
         w = WeightLoader(ckpt, self.k, self.expert_store)
         self.ropes = (Rope(args, compressed=False, kernels=self.k), Rope(args, compressed=True, kernels=self.k))
