@@ -36,7 +36,7 @@ from dsflash.model.state import SequenceState
 from dsflash.model.tiers import TIERS, Tiers
 from dsflash.model.transformer import Transformer
 
-from .model import commit, machine, prompt, sync, timed_rounds
+from .common import commit, machine, prompt, sync, timed_rounds
 from .synthetic import SyntheticCheckpoint
 
 CHUNK = 8192  # prefill chunk rows (engine/session.py DEFAULT_CHUNK)
