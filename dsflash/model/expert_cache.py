@@ -29,6 +29,7 @@ import errno
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -102,6 +103,8 @@ class _Reader:
         self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="dsflash-experts")
         self._fds: dict[Path, tuple[int, bool]] = {}
         self._lock = threading.Lock()
+        # a model dropped without close(): its threads and files go with it
+        weakref.finalize(self, _release, self.pool, self._fds)
 
     def _fd(self, path: Path, direct: bool = True) -> tuple[int, bool]:
         with self._lock:
@@ -136,9 +139,14 @@ class _Reader:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         with self._lock:
-            for fd, _ in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            _release(self.pool, self._fds)
+
+
+def _release(pool: ThreadPoolExecutor, fds: dict[Path, tuple[int, bool]]) -> None:
+    pool.shutdown(wait=False, cancel_futures=True)
+    for fd, _ in fds.values():
+        os.close(fd)
+    fds.clear()
 
 
 def _pread(fd: int, buf: torch.Tensor, offset: int, need: int, path: Path) -> None:
