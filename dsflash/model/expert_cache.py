@@ -263,6 +263,10 @@ class ExpertStore:
             # read ahead for this layer but not routed to: dropped, counted when it was read (or is being read)
             self.stats.ahead_unused += not self._staged.pop(key).cancel()
         reads = {key: self._start_read(key) for key in missing}
+        # the reads ahead queue behind this group's at once: the pool stays busy while this group installs
+        ahead = [(layer, e) for e in then] if then else self._next_layer(layer) if wide else []
+        for key in ahead:
+            self._stage(key)
         self.stats.hits += len(need) - len(missing)
         self.stats.misses += len(missing)
         if missing:
@@ -282,9 +286,6 @@ class ExpertStore:
         self._held = keep
         if self.cuda:
             self._mark = compute.record_event()
-        ahead = [(layer, e) for e in then] if then else self._next_layer(layer) if wide else []
-        for key in ahead:
-            self._stage(key)
         remap = torch.full((self.layers[layer].n,), -1, dtype=torch.int64)
         remap[experts] = torch.tensor([self._slot_of[key] for key in need], dtype=torch.int64)
         self.stats.stall_s += time.perf_counter() - t0
