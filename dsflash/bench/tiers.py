@@ -65,6 +65,8 @@ def write_checkpoint(args: ModelArgs, layers: int, out: Path, device: str) -> in
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return experts
     stamp.unlink(missing_ok=True)
+    for old in out.glob("bench-*.safetensors"):  # another slice's files would hold some tensors twice
+        old.unlink()
     groups: dict[str, list[str]] = {}
     for n in names:
         layer = n.split(".")[1] if n.startswith("layers.") and int(n.split(".")[1]) < layers else "rest"
