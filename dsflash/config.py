@@ -571,8 +571,10 @@ BENCH_EXPERTS = 48
 
 def bench_preset(n_experts: int = BENCH_EXPERTS) -> ModelArgs:
     """The released widths and layer schedule with `n_experts` routed experts per layer (DSpark stages
-    keep at most their released 128), small Engram tables and no vision tower. The per-token cost is set
-    by the top-6 routing, not by the expert count."""
+    keep at most their released 128), small Engram tables and no vision tower. A step's FLOPs are set by
+    the top-6 routing, but fewer experts than the released 384 understate two costs: a prefill chunk gives
+    each expert more rows (larger, more efficient GEMMs; 48 experts: 8x, above the FP4 widening threshold)
+    and a multi-row step touches fewer distinct experts (fewer weight bytes read)."""
     return _with_engram_rows(replace(
         V41_FLASH,
         n_routed_experts=n_experts,

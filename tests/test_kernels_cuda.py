@@ -677,6 +677,37 @@ def test_prefill_expert_tiles_widened_in_groups_give_one_row_bits(n, k, monkeypa
         assert torch.equal(got[slot:slot + 1], kc.linear(x[slot // 6: slot // 6 + 1], bank[int(ids.flatten()[slot])]))
 
 
+@pytest.mark.parametrize("rows", [3, 200])
+def test_expert_slots_filled_from_pinned_memory_give_the_banks_bits(rows):
+    """The expert cache's slots (model/expert_cache.py): a pinned host bank filled by expert_put, five slots
+    filled from it on a side stream, then expert_linear over the slots with the ids remapped expert -> slot
+    gives the resident bank's bits: a step's one-row programs (3 rows) and a prefill's tiles (600 slots)."""
+    n, k = 2304, 5120
+    g = gen(rows)
+    ws = [kc.to_cuda_weight(rand_weight("fp4", n, k, g), DEV) for _ in range(8)]
+    bank = kc.expert_bank(ws)
+    host = kc.expert_slots(ws[0], 8, True)
+    for e, w in enumerate(ws):
+        kc.expert_put(host, e, w)
+    torch.cuda.synchronize()
+    assert host.values.is_pinned() and host.scale.is_pinned()
+    used = [6, 1, 3, 4, 0]  # the expert in each slot
+    slots = kc.expert_slots(ws[0], len(used), False)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for s, e in enumerate(used):
+            kc.expert_put(slots, s, host[e])
+    torch.cuda.current_stream().wait_stream(side)
+    remap = torch.full((8,), -1, dtype=torch.int64)
+    remap[used] = torch.arange(len(used))
+    ids = torch.stack([torch.tensor(used)[torch.randperm(5, generator=g)[:3]] for _ in range(rows)]).to(DEV)
+    assert (ids.numel() >= configs.EXPERT_TILE_MIN_SLOTS) == (rows == 200)
+    x = rand_act(rows, k, g).to(DEV)
+    assert torch.equal(kc.expert_linear(x, slots, remap.to(DEV)[ids], 3), kc.expert_linear(x, bank, ids, 3))
+    with pytest.raises(ValueError, match="differs"):
+        kc.expert_put(slots, 0, kc.to_cuda_weight(rand_weight("fp4", 64, k, g), DEV))
+
+
 @pytest.mark.parametrize("kind,n,k", [s for s in LINEAR_SHAPES if s[0] in ("fp8", "fp4")])
 def test_narrow_and_large_tiles_give_the_wide_tiles_bits(kind, n, k):
     """Calls of <= 16 rows use 16-row tiles (mma.sync), FP8 calls of >= LARGE_TILE_MIN_M rows 128x128 tiles;

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -27,40 +25,14 @@ from pathlib import Path
 
 import torch
 
-from dsflash.config import ModelArgs, preset
+from dsflash.bench.common import commit, machine, prompt, sync, timed_rounds
+from dsflash.bench.tiers import add_parser as add_tiers
+from dsflash.config import V41_FLASH, ModelArgs, preset
 from dsflash.engine.halves import LocalEncoder, LocalHalf
 from dsflash.engine.runner import Runner
 from dsflash.engine.session import Engine, Session, engine_identity
 from dsflash.model.state import SequenceState
 from dsflash.model.transformer import Transformer
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_rounds(fns: dict[object, Callable[[], None]], device: torch.device, reps: int,
-                 warmup_s: float = 0.0, warmup: int = 2) -> dict[object, float]:
-    """Median wall ms of each fn, device work included, timed in `reps` rounds that each run every fn once:
-    a machine that speeds up during the run (a freshly started one measured up to 5 ms slower per step at
-    first) then shifts every fn alike, and differences between them (the back step) stay fair. Untimed
-    rounds first: `warmup` (the first call compiles, the second captures the CUDA graphs), then more until
-    `warmup_s` seconds have passed."""
-    start, rounds = time.perf_counter(), 0
-    while rounds < warmup or time.perf_counter() - start < warmup_s:
-        for fn in fns.values():
-            fn()
-        rounds += 1
-    times: dict[object, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append((time.perf_counter() - t0) * 1000)
-    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def build_engine(args: ModelArgs, device: str, reference: bool = False, cuda_graphs: bool = True) -> Engine:
@@ -73,10 +45,6 @@ def build_engine(args: ModelArgs, device: str, reference: bool = False, cuda_gra
     dec = Runner(Transformer(args, ckpt, None, range(d, args.n_layers), device=device, reference=reference),
                  cuda_graphs)
     return Engine(dec, LocalHalf(enc), 1 << 21, engine_identity(dec.model))
-
-
-def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
-    return torch.randint(3, vocab - 2, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _box_step(enc: LocalEncoder, keep: int, new: list[int]) -> Callable[[], None]:
@@ -306,27 +274,20 @@ def bench_link(model: str, device: str, prompt_len: int, steps: int) -> dict:
         box.wait()
 
 
-def machine(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
-
-
-def commit() -> str:
-    if os.environ.get("DSFLASH_COMMIT"):
-        return os.environ["DSFLASH_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+def _expert_caveat(r: dict) -> str:
+    """What an expert count below the released one hides (config.bench_preset)."""
+    experts = r["checkpoint"].get("experts")
+    if experts is None or experts >= V41_FLASH.n_routed_experts:
+        return ""
+    return (f"; {experts} experts, not the released {V41_FLASH.n_routed_experts}: a prefill chunk gives each expert "
+            f"{V41_FLASH.n_routed_experts / experts:g}x the rows and a multi-row step touches fewer distinct experts, "
+            "so prefill and multi-row steps read faster than the released model's")
 
 
 def to_markdown(r: dict) -> str:
     lines = [f"# Engine benchmark {r['date']}", "", f"GPU/machine: {r['gpu']}; commit {r['commit']}; torch "
              f"{r['torch']}; CUDA graphs {'on' if r.get('cuda_graphs', True) else 'off'}", f"Command: `{r['command']}`",
-             f"Checkpoint: {r['checkpoint']} (per-token cost is set by top-{r['top_k']} routing, not by the expert "
-             "count)", ""]
+             f"Checkpoint: {r['checkpoint']} (top-{r['top_k']} routing{_expert_caveat(r)})", ""]
     if r.get("box_step_ms"):
         rows = sorted({n for v in r["box_step_ms"].values() for n in v}, key=int)
         lines += ["| context | " + " | ".join(f"box L={n} ms" for n in rows) + " | back step ms | draft ms |",
@@ -425,6 +386,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bsub = bench.add_subparsers(dest="bench", required=True)
     for what in ("step", "prefill", "all", "profile", "link"):
         add_parser(bsub, what)
+    add_tiers(bsub)
     k = bsub.add_parser("kernels", help="each CUDA kernel at real shapes against the measured ceilings")
     k.add_argument("rest", nargs=argparse.REMAINDER)
     k.set_defaults(func=lambda ns: __import__("dsflash.bench.kernels", fromlist=["main"]).main(ns.rest))

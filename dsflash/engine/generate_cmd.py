@@ -98,6 +98,9 @@ def _generate(args: argparse.Namespace) -> int:
             print(tok, end=" ", flush=True)
     session.close()
     report = {"tokens": out, "text": text if tokenizer else None, **stats.as_dict()}
+    tiers = engine.tier_stats()
+    if tiers:  # e.g. "experts": the expert cache's hits, misses, evictions, bytes read and stall seconds
+        report["tiers"] = tiers
     if args.json:
         print(json.dumps(report))
     else:

@@ -29,7 +29,7 @@ from dsflash.model.attention import append_entries
 from dsflash.model.dspark import argmax_sampler
 from dsflash.model.load import load_model
 from dsflash.model.state import ROLLBACK_ROWS, PositionRing, SequenceState
-from dsflash.model.tiers import RESIDENT, Tiers
+from dsflash.model.tiers import RESIDENT, Tiers, sum_stats
 from dsflash.model.transformer import Streams, Transformer
 from dsflash.model.vision import TEXT
 from dsflash.numerics import NUMERICS_VERSION
@@ -96,6 +96,12 @@ class Engine:
 
     def session(self) -> Session:
         return Session(self)
+
+    def tier_stats(self) -> dict[str, dict]:
+        """The off-device tiers' counters (Transformer.tier_stats) of the model halves in this process, summed
+        (a box's are its own)."""
+        runners = [self.decoder] + ([self.encoder.runner] if isinstance(self.encoder, LocalHalf) else [])
+        return sum_stats([r.model.tier_stats() for r in runners])
 
 
 class Session:

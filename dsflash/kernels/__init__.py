@@ -38,7 +38,8 @@ def _reference(device: torch.device) -> Kernels[list[Weight]]:
     return Kernels(
         name="reference", device=device, row_tile=cpu.ROW_TILE, linear=cpu.linear, sparse_attn=cpu.sparse_attn,
         hc_split_sinkhorn=cpu.hc_split_sinkhorn, grouped_linear=cpu.grouped_linear, expert_bank=cpu.expert_bank,
-        expert_linear=cpu.expert_linear, slot_moe_rows=cpu.ROW_TILE, index_scores=cpu.index_scores,
+        expert_slots=cpu.expert_slots, expert_put=cpu.expert_put, expert_linear=cpu.expert_linear,
+        slot_moe_rows=cpu.ROW_TILE, index_scores=cpu.index_scores,
         topk_indices=cpu.topk_indices, candidate_blocks=cpu.candidate_blocks, moe_route=None,
         mean_square=cpu.mean_square, row_sum=cpu.row_sum, small_sum=cpu.small_sum, stream_mean=cpu.stream_mean,
         rms_norm=cpu.rms_norm, rms_scale=cpu.rms_scale, fp8_fake_quant=fp8_fake_quant, fp4_fake_quant=fp4_fake_quant,

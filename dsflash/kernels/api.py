@@ -59,6 +59,11 @@ class Kernels(Generic[BankT]):
     hc_split_sinkhorn: Callable[[Tensor, Tensor, Tensor, int, int, float], tuple[Tensor, Tensor, Tensor]]
     grouped_linear: Callable[[Tensor, Tensor], Tensor]  # (x [N, G, D], w [G, R, D]) -> [N, G, R], bf16
     expert_bank: Callable[[list[Weight]], BankT]  # one projection's routed-expert Weights -> the bank
+    # (a weight, count, pinned) -> a bank of `count` entries shaped like it, on the device or (pinned) in
+    # pinned host memory: the expert cache's slots and the host tier's experts (model/expert_cache.py)
+    expert_slots: Callable[[Weight, int, bool], BankT]
+    # (bank, entry, weight) -> None: the weight copied into the entry (asynchronously, on the current stream)
+    expert_put: Callable[[BankT, int, Weight], None]
     # (x, bank, expert per slot, slots per row) -> bf16 [slots, out]
     expert_linear: Callable[[Tensor, BankT, Tensor, int], Tensor]
     # MoE layers of at most this many rows run every (row, slot) pair through expert_linear (no host read

@@ -130,6 +130,18 @@ def expert_bank(weights: list[Weight]) -> list[Weight]:
     return list(weights)
 
 
+def expert_slots(like: Weight, count: int, pinned: bool = False) -> list[Weight]:
+    """A bank of `count` entries for weights shaped like `like` (an expert cache's slots, or the host tier's
+    copy of a layer's experts), filled by `expert_put`; entries not yet put read as `like`. `pinned` means
+    nothing here: the reference backend's device is host memory."""
+    return [like] * count
+
+
+def expert_put(bank: list[Weight], i: int, w: Weight) -> None:
+    """Entry i of a bank (expert_slots) becomes w."""
+    bank[i] = w
+
+
 def expert_linear(x: torch.Tensor, bank: list[Weight], experts: torch.Tensor, slots_per_row: int) -> torch.Tensor:
     """Routed-expert GEMM over slots: row s is x[s // slots_per_row] @ W_{experts[s]}^T (bf16), computed
     per expert over that expert's slots (row-invariant like `linear`)."""

@@ -107,34 +107,67 @@ class MoE:
         self.args = args
         self.gate = Gate(args, layer, w, prefix + "gate")
         # the routed experts' weights as two banks (w1 then w3 of every expert, and w2), so a step's gate
-        # and up products are one launch; an expert's weights are views into them
+        # and up products are one launch; an expert's weights are views into them. Experts on the host or
+        # disk tier live in the model's expert store instead, run from its device cache of slots
         n = self.n_experts
-        self.w13 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.{name}") for name in ("w1", "w3")
-                                       for e in range(n)])
-        self.w2 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.w2") for e in range(n)])
-        self.experts = [Expert(self.k, self.w13[e], self.w2[e], self.w13[n + e], args.swiglu_limit) for e in range(n)]
+        self.store = w.experts
+        if self.store is not None:
+            self.store.register(layer, w, f"{prefix}experts.", n)
+        else:
+            self.w13 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.{name}") for name in ("w1", "w3")
+                                           for e in range(n)])
+            self.w2 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.w2") for e in range(n)])
+            self.experts = [Expert(self.k, self.w13[e], self.w2[e], self.w13[n + e], args.swiglu_limit)
+                            for e in range(n)]
         self.shared = Expert.load(w, prefix + "shared_experts.", args.swiglu_limit)
 
     def __call__(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
         weights, ids = self.gate(x, chunk, ascending=True)
         if chunk is not None and chunk.trace is not None:  # debugging: the router's own order, routed again
             chunk.trace.setdefault("moe_ids", {})[self.layer] = self.gate(x, chunk)[1][: chunk.n]
+        if self.store is not None:
+            return self._routed_from_cache(x, weights, ids)
         if x.size(0) <= self.k.slot_moe_rows:
-            return self._routed_by_slot(x, weights, ids)
+            return self._routed_by_slot(x, weights, ids, self.w13, self.w2, self.n_experts)
         y = self._routed_by_expert(x, weights, ids)
         y += self.shared(x)
         return y.to(x.dtype)
 
-    def _routed_by_slot(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _routed_by_slot(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2, n: int
+                        ) -> torch.Tensor:
         """Every (row, slot) pair in two expert_linear calls (gate and up together, then down), with no host
         read of the routing, then the shared expert. Each row's slots come in ascending expert id, the
-        reference's summation order."""
+        reference's summation order. `ids` index the banks w13 (w1 at entry i, w3 at n + i) and w2: the
+        layer's own (expert ids) or the expert cache's (slots)."""
         # per row: its k gate slots (w1 of each expert), then its k up slots (w3: bank entries n + id)
-        gate_up = self.k.expert_linear(x, self.w13, torch.cat([ids, ids + self.n_experts], 1), 2 * self.topk)
+        gate_up = self.k.expert_linear(x, w13, torch.cat([ids, ids + n], 1), 2 * self.topk)
         gate_up = gate_up.view(ids.size(0), 2, self.topk, -1)
         h = self.k.swiglu(gate_up[:, 0], gate_up[:, 1], self.args.swiglu_limit, weights.unsqueeze(-1))
-        return self.k.moe_sum(self.k.expert_linear(h.view(ids.numel(), -1), self.w2, ids, 1).view(*ids.shape, -1),
+        return self.k.moe_sum(self.k.expert_linear(h.view(ids.numel(), -1), w2, ids, 1).view(*ids.shape, -1),
                               self.shared(x))
+
+    def _routed_from_cache(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts from the expert store's device slots (model/expert_cache.py), ids remapped
+        expert -> slot on the device. When the used experts fit in one group: `_routed_by_slot` over the slots,
+        the resident calls with other addresses. Otherwise group by group, each group's (row, slot) pairs
+        gathered into calls of their own (one row per pair: a row's products do not depend on the others in
+        the call, on either backend), their rows put back in place, then one sum in slot order: the
+        resident bits (the reference's per-expert loop adds each row's experts in the same ascending order)."""
+        store = self.store
+        groups, wide = store.groups(ids, self.n_experts)
+        if len(groups) == 1:
+            slots = store.acquire(self.layer, groups[0], wide=wide)[ids]
+            return self._routed_by_slot(x, weights, slots, store.w13, store.w2, store.slots)
+        routed = x.new_empty((*ids.shape, x.size(1)))
+        for g, experts in enumerate(groups):
+            slot = store.acquire(self.layer, experts, groups[g + 1] if g + 1 < len(groups) else None, wide)[ids]
+            pairs = torch.nonzero(slot.flatten() >= 0).flatten()
+            s = slot.flatten()[pairs]
+            gate_up = self.k.expert_linear(x[pairs // self.topk], store.w13, torch.stack([s, s + store.slots], 1), 2)
+            gate_up = gate_up.view(pairs.numel(), 2, -1)
+            h = self.k.swiglu(gate_up[:, 0], gate_up[:, 1], self.args.swiglu_limit, weights.flatten()[pairs, None])
+            routed.view(-1, x.size(1))[pairs] = self.k.expert_linear(h, store.w2, s, 1)
+        return self.k.moe_sum(routed, self.shared(x))
 
     def _routed_by_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each used expert over its rows, experts in ascending id (the reference's summation order)."""

@@ -32,3 +32,18 @@ class Tiers:
 
 
 RESIDENT = Tiers()  # the default: everything on the compute device
+
+
+def sum_stats(parts: list[dict[str, dict]]) -> dict[str, dict]:
+    """Several models' `Transformer.tier_stats()` (e.g. the two halves in one process) as one: each family's
+    counters added, its hit rate recomputed from the sums."""
+    total: dict[str, dict] = {}
+    for part in parts:
+        for family, stats in part.items():
+            into = total.setdefault(family, {})
+            for key, value in stats.items():
+                into[key] = into.get(key, 0) + value
+    for stats in total.values():
+        if "hits" in stats and "misses" in stats:
+            stats["hit_rate"] = stats["hits"] / max(1, stats["hits"] + stats["misses"])
+    return total

@@ -21,6 +21,7 @@ from dsflash.model.attention import Attention, SourceWriter, source_rows
 from dsflash.model.common import Chunk, Replayer, Selections, fit_rows
 from dsflash.model.dspark import DSpark
 from dsflash.model.engram import Engram, EngramLayout
+from dsflash.model.expert_cache import ExpertStore
 from dsflash.model.mhc import Block, hc_pre
 from dsflash.model.rope import Rope
 from dsflash.model.state import SequenceState
@@ -75,7 +76,10 @@ class Transformer:
         self.layers = layers if layers is not None else range(args.n_layers)
         self.k = load_kernels(device, reference)
         self.device = self.k.device
-        w = WeightLoader(ckpt, self.k)
+        # routed experts on the host or disk tier: one store and device cache for every MoE layer here
+        self.expert_store = (ExpertStore(self.k, ckpt, tiers, args) if tiers.experts != "gpu"
+                             else None)
+        w = WeightLoader(ckpt, self.k, self.expert_store)
         self.ropes = (Rope(args, compressed=False, kernels=self.k), Rope(args, compressed=True, kernels=self.k))
         self.embed = w.tensor("embed.weight")
         # the side that embeds tokens (the box in a split) owns the vision tower and the span delimiters
@@ -104,6 +108,14 @@ class Transformer:
         self.dspark = None
         if self.has_head and args.n_mtp_layers and args.dspark_block_size:
             self.dspark = DSpark(args, w, self.ropes, self.embed, self.head)
+
+    def tier_stats(self) -> dict:
+        """What the off-device tiers did so far, by family ("experts": model/expert_cache.ExpertStats as a
+        dict, with its hit rate); empty when everything is resident."""
+        stats = {}
+        if self.expert_store is not None:
+            stats["experts"] = self.expert_store.stats.as_dict()
+        return stats
 
     @property
     def rope_epoch(self) -> tuple[int, ...]:

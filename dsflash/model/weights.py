@@ -7,19 +7,25 @@ output head, Markov head, confidence head) are widened here, once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.kernels import Kernels
 from dsflash.kernels.cpu import Weight
 
+if TYPE_CHECKING:
+    from dsflash.model.expert_cache import ExpertStore
+
 
 class WeightLoader:
     """Reads one checkpoint and hands out tensors by official name, on the device and in the form of
-    the kernel backend the model is built for (`k`)."""
+    the kernel backend the model is built for (`k`). `experts`: where the MoE layers' routed experts live
+    when they are not resident (model/expert_cache.py), None for resident banks."""
 
-    def __init__(self, ckpt: Checkpoint, k: Kernels):
-        self.ckpt, self.k = ckpt, k
+    def __init__(self, ckpt: Checkpoint, k: Kernels, experts: ExpertStore | None = None):
+        self.ckpt, self.k, self.experts = ckpt, k, experts
 
     def has(self, name: str) -> bool:
         return self.ckpt.has(name)

@@ -30,6 +30,7 @@ class Metrics:
         self.prompt_tokens = self.prefill_tokens = self.generated_tokens = self.cached_tokens = 0
         self.drafted = self.accepted = 0
         self.box_reconnects: Callable[[], int] | None = None  # read from the box link, when split
+        self.tier_stats: Callable[[], dict[str, dict]] | None = None  # Engine.tier_stats: off-device weights
         self.ttft = Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.itl = Histogram((0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.queued = 0
@@ -72,6 +73,12 @@ class Metrics:
             counter("dsflash_draft_accepted_total", "DSpark draft tokens accepted.", self.accepted)
             if self.box_reconnects is not None:
                 counter("dsflash_box_reconnects_total", "Reconnections to the box.", self.box_reconnects())
+            for family, stats in (self.tier_stats() if self.tier_stats is not None else {}).items():
+                for key, value in stats.items():  # e.g. dsflash_experts_misses_total, dsflash_experts_hit_rate
+                    kind = "gauge" if key.endswith("rate") else "counter"
+                    name = f"dsflash_{family}_{key}" + ("_total" if kind == "counter" else "")
+                    lines += [f"# HELP {name} {family} tier: {key.replace('_', ' ')}.", f"# TYPE {name} {kind}",
+                              f"{name} {value}"]
             hist("dsflash_time_to_first_token_seconds", "Request arrival to first generated token.", self.ttft)
             hist("dsflash_inter_token_latency_seconds", "Time between generated tokens.", self.itl)
             lines.append("# HELP dsflash_queue_depth Generation requests waiting for the engine.")

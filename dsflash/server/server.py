@@ -31,6 +31,7 @@ class Server:
         self.metrics = Metrics()
         if engine.encoder.reconnects is not None:  # a box
             self.metrics.box_reconnects = lambda: engine.encoder.reconnects
+        self.metrics.tier_stats = engine.tier_stats
         self.worker = Worker(engine, tokenizer, cache, dspark, self.metrics, chunk)
         self.created = int(time.time())
 

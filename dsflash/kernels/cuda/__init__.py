@@ -41,7 +41,7 @@ from .elementwise import (
     stream_mean,
     swiglu,
 )
-from .experts import ExpertBank, expert_bank, expert_linear
+from .experts import ExpertBank, expert_bank, expert_linear, expert_put, expert_slots
 from .gemm import act_scales, grouped_linear, linear, quant_act
 from .indexer import candidate_blocks, index_scores, topk_indices
 from .mhc import collapse, expand, hc_split_sinkhorn
@@ -50,7 +50,8 @@ from .router import moe_route
 from .weights import CudaWeight, fp4_words, to_cuda_weight, weight_from_codes
 
 __all__ = ["kernels", "CudaWeight", "ExpertBank", "to_cuda_weight", "fp4_words", "quant_act",
-           "act_scales", "linear", "grouped_linear", "expert_bank", "expert_linear", "sparse_attn",
+           "act_scales", "linear", "grouped_linear", "expert_bank", "expert_slots",
+           "expert_put", "expert_linear", "sparse_attn",
            "hc_split_sinkhorn", "index_scores", "topk_indices", "candidate_blocks", "moe_route", "mean_square",
            "row_sum", "small_sum", "stream_mean", "rms_norm", "rms_scale", "fp8_fake_quant", "fp4_fake_quant",
            "fp4_quant_packed", "fp4_dequant_packed", "collapse", "expand", "moe_sum", "swiglu", "softmax_pool",
@@ -71,7 +72,8 @@ def kernels(device: torch.device) -> Kernels[ExpertBank]:
     return Kernels(
         name="cuda", device=device, row_tile=1, linear=linear, sparse_attn=sparse_attn,
         hc_split_sinkhorn=hc_split_sinkhorn, grouped_linear=grouped_linear, expert_bank=expert_bank,
-        expert_linear=expert_linear, slot_moe_rows=SLOT_MOE_ROWS, index_scores=index_scores,
+        expert_slots=expert_slots, expert_put=expert_put, expert_linear=expert_linear,
+        slot_moe_rows=SLOT_MOE_ROWS, index_scores=index_scores,
         topk_indices=topk_indices, candidate_blocks=candidate_blocks, moe_route=moe_route, mean_square=mean_square,
         row_sum=row_sum, small_sum=small_sum, stream_mean=stream_mean, rms_norm=rms_norm, rms_scale=rms_scale,
         fp8_fake_quant=fp8_fake_quant, fp4_fake_quant=fp4_fake_quant, fp4_quant_packed=fp4_quant_packed,

@@ -52,6 +52,23 @@ def expert_bank(weights: list[Weight]) -> ExpertBank:
                       first.scale_rows)
 
 
+def expert_slots(like: CudaWeight, count: int, pinned: bool = False) -> ExpertBank:
+    """An uninitialised bank of `count` weights shaped like `like` (an expert cache's slots), on its device
+    or, `pinned`, in pinned host memory (the host tier's experts, copied to the slots by DMA)."""
+    where = {"device": "cpu", "pin_memory": True} if pinned else {"device": like.values.device}
+    return ExpertBank(like.kind, torch.empty((count, *like.values.shape), dtype=like.values.dtype, **where),
+                      torch.empty((count, *like.scale.shape), dtype=like.scale.dtype, **where), like.scale_rows)
+
+
+def expert_put(bank: ExpertBank, i: int, w: CudaWeight) -> None:
+    """Copy w into entry i, asynchronously on the current stream (from pinned memory: a DMA)."""
+    if (w.kind, w.values.shape, w.scale.shape, w.scale.dtype, w.scale_rows) != (
+            bank.kind, bank.values.shape[1:], bank.scale.shape[1:], bank.scale.dtype, bank.scale_rows):
+        raise ValueError("an expert's weight differs in kind, shape or scale layout from its bank's")
+    bank.values[i].copy_(w.values, non_blocking=True)
+    bank.scale[i].copy_(w.scale, non_blocking=True)
+
+
 def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slots_per_row: int, *,
                   spread: bool | None = None, config: LinearConfig | None = None,
                   preconvert: bool | None = None) -> torch.Tensor:
