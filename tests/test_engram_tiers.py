@@ -55,13 +55,14 @@ def test_disk_engram_is_bit_identical_and_never_loads_the_table(resident, monkey
     loaded = []
     get = Checkpoint.get
     monkeypatch.setattr(Checkpoint, "get", lambda self, name: (loaded.append(name), get(self, name))[1])
-    engine = Engine.load(CASE, tiers=Tiers(engram="disk", engram_cache=2 * 40 * ROW_BYTES))
+    # two tables of 4 sets of RowCache.WAYS rows each
+    engine = Engine.load(CASE, tiers=Tiers(engram="disk", engram_cache=2 * 4 * RowCache.WAYS * (ROW_BYTES + 16)))
     got = timeline(engine)
     assert not set(loaded) & set(table_names(CASE))
     for a, b in zip(resident, got, strict=True):
         assert torch.equal(a, b)
     stats = engine.encoder.runner.model.tier_stats()
-    assert stats["engram_rows_read"] > 80 and stats["engram_cache_hits"] > 0  # 40 rows a table: it evicted
+    assert stats["engram_rows_read"] > 64 and stats["engram_cache_hits"] > 0  # 32 rows a table: it evicted
     assert stats["engram_bytes_read"] == stats["engram_rows_read"] * ROW_BYTES
     # DSpark decoding (verify steps rolled back inside the encoder) keeps the plain tokens
     tokens = []
@@ -166,19 +167,36 @@ def test_host_table_gathers_the_resident_rows():
         table.prefetch(ids.flip(0))
         assert torch.equal(cpu.engram_rows(*table.request(ids).wait()), expect)
     assert table.stats.rows_unique < table.stats.rows_requested
+    # on the CPU backend host memory is the device's: "host" is the resident table
+    assert all(isinstance(e.table, ResidentTable) for e in load_model(CASE, "encoder", tiers=Tiers(engram="host"))
+               .engram.values())
 
 
-def test_row_cache_drops_the_least_recently_used_row():
-    cache = RowCache(3, 2)
-    cache.insert([5, 6, 7], np.array([[5, 5], [6, 6], [7, 7]], dtype=np.uint8))
-    held, slots, missing = cache.find([6, 9, 5])
-    assert held == [0, 2] and missing == [1] and cache.slab[slots].tolist() == [[6, 6], [5, 5]]
-    cache.insert([9], np.array([[9, 9]], dtype=np.uint8))  # 7 was used least recently
-    held, slots, missing = cache.find([5, 6, 7, 9])
-    assert missing == [2] and cache.slab[slots].tolist() == [[5, 5], [6, 6], [9, 9]]
-    empty = RowCache(0, 2)
-    empty.insert([1], np.array([[1, 1]], dtype=np.uint8))
-    assert empty.find([1]) == ([], [], [0])
+def test_row_cache_drops_each_sets_least_recently_used_row():
+    ways, width = RowCache.WAYS, 2
+    one_set = (width + 16) * ways  # a row, its id and its last use: the budget counts the index too
+
+    def rows(ids):
+        return np.array([[r % 256, r // 256] for r in ids], dtype=np.uint8)
+
+    cache = RowCache(one_set, width, rows=1000)
+    first = np.arange(10, 10 + ways)
+    cache.insert(first, rows(first))
+    held, got = cache.find(np.array([11, 99, 10]))
+    assert held.tolist() == [True, False, True] and got.tolist() == rows([11, 10]).tolist()
+    cache.insert(np.array([99]), rows([99]))  # the set is full: 12 (inserted, never used since) goes
+    held, got = cache.find(np.array([*first, 99]))
+    assert held.tolist() == [r != 12 for r in [*first, 99]] and got.tolist() == rows([*first[first != 12], 99]).tolist()
+
+    two = RowCache(2 * one_set, width, rows=1000)  # row r in set r % 2
+    evens = np.arange(0, 2 * (ways + 1), 2)
+    two.insert(evens, rows(evens))  # one more than a set holds: the last one is not kept
+    held, _ = two.find(np.array([*evens, 1]))
+    assert held.tolist() == [True] * ways + [False, False]
+    assert RowCache(one_set - 1, width, rows=1000).sets == 0 and RowCache(10 * one_set, width, rows=3).sets == 3
+    empty = RowCache(0, width, rows=1000)
+    empty.insert(np.array([1]), rows([1]))
+    assert empty.find(np.array([1]))[0].tolist() == [False]
 
 
 def test_damaged_rows_on_disk_are_refused_naming_the_tensor(tmp_path):

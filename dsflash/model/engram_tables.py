@@ -8,7 +8,7 @@ indexing that changes nothing.
 - `HostTable` ("host", CUDA): the table in page-locked host memory; a chunk's distinct rows are gathered
   on the host into a pinned staging buffer and uploaded on a side stream.
 - `DiskTable` ("disk"): the table stays in the checkpoint file; a chunk's distinct rows are read with
-  `os.preadv` by a thread pool, through a bounded hot-row cache (least recently used first out).
+  `os.preadv` by a thread pool, through a bounded hot-row cache (`RowCache`).
 
 Host and disk tables work off the forward's thread: `request` starts a lookup (the hash ids leave the
 device without stalling the host), `Lookup.wait` hands its rows to the current stream. The Transformer
@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -239,49 +238,51 @@ def _page_unlock(t: torch.Tensor) -> None:
 
 
 class RowCache:
-    """Hot rows by id, least recently used dropped first; `slots` rows of `width` bytes in one slab (plus an
-    index entry of ~100 bytes a row, not counted in the size)."""
+    """Hot rows by id in `budget` bytes, the index included: a set-associative cache (row r in set r mod
+    sets, `WAYS` rows a set), each set dropping its least recently used row first. Vectorised over a
+    lookup's rows, so a prefill chunk's ~200K rows cost numpy calls, not a Python loop."""
 
-    def __init__(self, slots: int, width: int):
-        self.slab = np.empty((slots, width), dtype=np.uint8)
-        self.where: OrderedDict[int, int] = OrderedDict()  # row id -> slot, least recently used first
-        self.filled = 0  # slots [0, filled) hold rows; a full cache reuses its least recently used row's
+    WAYS = 8
 
-    def find(self, ids: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """(positions of ids held, their slots, positions of ids not held); marks the held ones used."""
-        held, slots, missing = [], [], []
-        where = self.where
-        for i, r in enumerate(ids):
-            slot = where.get(r)
-            if slot is None:
-                missing.append(i)
-            else:
-                where.move_to_end(r)
-                held.append(i)
-                slots.append(slot)
-        return held, slots, missing
+    def __init__(self, budget: int, width: int, rows: int):
+        # a row, its id and its last use; never more sets than the table has rows
+        self.sets = min(budget // ((width + 16) * self.WAYS), rows)
+        self.slab = np.empty((self.sets, self.WAYS, width), dtype=np.uint8)
+        self.tags = np.full((self.sets, self.WAYS), -1, dtype=np.int64)  # row id held per way, -1: none
+        self.used = np.zeros((self.sets, self.WAYS), dtype=np.int64)  # the lookup that last used it
+        self.clock = 0
 
-    def insert(self, ids: list[int], rows: np.ndarray) -> None:
-        """Hold rows [k, width] under ids (not held yet); the latest ones only when they exceed the cache."""
-        cap = self.slab.shape[0]
-        if not cap:
+    def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(held: bool [u], the held rows [held, width]) for distinct ids [u]; marks the held ones used."""
+        self.clock += 1
+        if not self.sets:
+            return np.zeros(ids.shape, dtype=bool), self.slab.reshape(0, self.slab.shape[-1])
+        sets = ids % self.sets
+        match = self.tags[sets] == ids[:, None]
+        held = match.any(axis=1)
+        where = sets[held], match[held].argmax(axis=1)
+        self.used[where] = self.clock
+        return held, self.slab[where]
+
+    def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Hold rows [k, width] under distinct ids not held, each in its set's least recently used way (the
+        rows of this lookup last; a set given more new rows than it has ways keeps the first ones)."""
+        if not self.sets or not ids.size:
             return
-        ids, rows = ids[-cap:], rows[-cap:]
-        slots = []
-        for r in ids:
-            if self.filled < cap:
-                slot, self.filled = self.filled, self.filled + 1
-            else:
-                slot = self.where.popitem(last=False)[1]
-            self.where[r] = slot
-            slots.append(slot)
-        self.slab[slots] = rows
+        sets = ids % self.sets
+        order = np.argsort(sets, kind="stable")
+        sets, ids, rows = sets[order], ids[order], rows[order]
+        rank = np.arange(sets.size) - np.searchsorted(sets, sets)  # k-th new row of its set
+        keep = rank < self.WAYS
+        sets, ids, rows, rank = sets[keep], ids[keep], rows[keep], rank[keep]
+        ways = np.argsort(self.used[sets], axis=1, kind="stable")[np.arange(sets.size), rank]
+        self.tags[sets, ways], self.used[sets, ways], self.slab[sets, ways] = ids, self.clock, rows
 
 
 class DiskTable(StagedTable):
     """The table left in the checkpoint file: row r of the weight at begin + r*De, its scales at the scale
-    tensor's begin + r*De/32. A lookup's distinct rows not in the hot-row cache (`cache_bytes` of rows) are
-    read by `READ_THREADS` threads; the table is never loaded."""
+    tensor's begin + r*De/32. A lookup's distinct rows not in the hot-row cache (`cache_bytes`, its index
+    included) are read by `READ_THREADS` threads; the table is never loaded."""
 
     def __init__(self, ckpt: Checkpoint, name: str, scale_name: str, device: torch.device, cache_bytes: int):
         (self.path, self.begin, _), (self.scale_path, self.scale_begin, _) = (ckpt.byte_range(name),
@@ -289,46 +290,42 @@ class DiskTable(StagedTable):
         rows, de = ckpt.dtype_shape(name)[1]
         super().__init__(name, rows, de, device)
         self.scale_name = scale_name
-        self.cache = RowCache(cache_bytes // self.row_bytes, self.row_bytes)
+        self.cache = RowCache(cache_bytes, self.row_bytes, rows)
         self._fds = (os.open(self.path, os.O_RDONLY), os.open(self.scale_path, os.O_RDONLY))
         weakref.finalize(self, _close, self._fds)
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="engram-read")
 
     def _fetch(self, unique: torch.Tensor, out_rows: torch.Tensor, out_scales: torch.Tensor) -> None:
-        ids = unique.tolist()
-        rows, scales = out_rows.numpy(), out_scales.numpy()
-        de = self.de
-        held, slots, missing = self.cache.find(ids)
-        if held:
-            cached = self.cache.slab[slots]
-            rows[held], scales[held] = cached[:, :de], cached[:, de:]
+        ids, rows, scales, de = unique.numpy(), out_rows.numpy(), out_scales.numpy(), self.de
+        held, cached = self.cache.find(ids)
+        rows[held], scales[held] = cached[:, :de], cached[:, de:]
         s = self.stats
-        s.cache_hits += len(held)
-        if not missing:
+        s.cache_hits += int(held.sum())
+        missing = np.flatnonzero(~held)
+        if not missing.size:
             return
         t0 = time.perf_counter()
-        parts = np.array_split(np.array(missing), min(READ_THREADS, len(missing)))
+        parts = np.array_split(missing, min(READ_THREADS, missing.size))
         for f in [self._readers.submit(self._read, part, ids, rows, scales) for part in parts]:
             f.result()
         s.read_s += time.perf_counter() - t0
-        s.rows_read += len(missing)
-        s.bytes_read += len(missing) * self.row_bytes
+        s.rows_read += missing.size
+        s.bytes_read += missing.size * self.row_bytes
         new_rows, new_scales = rows[missing], scales[missing]
-        self._check(new_rows, new_scales, [ids[i] for i in missing])
-        self.cache.insert([ids[i] for i in missing], np.concatenate([new_rows, new_scales], axis=1))
+        self._check(new_rows, new_scales, ids[missing])
+        self.cache.insert(ids[missing], np.concatenate([new_rows, new_scales], axis=1))
 
-    def _read(self, part: np.ndarray, ids: list[int], rows: np.ndarray, scales: np.ndarray) -> None:
+    def _read(self, part: np.ndarray, ids: np.ndarray, rows: np.ndarray, scales: np.ndarray) -> None:
         fd, sfd = self._fds
         de, sde = self.de, self.de // 32
-        for i in part.tolist():
-            r = ids[i]
+        for i, r in zip(part.tolist(), ids[part].tolist(), strict=True):
             for f, buf, offset, width, path, name in (
                     (fd, rows[i], self.begin + r * de, de, self.path, self.name),
                     (sfd, scales[i], self.scale_begin + r * sde, sde, self.scale_path, self.scale_name)):
                 if os.preadv(f, [buf], offset) != width:
                     raise CheckpointError(f"{path}: tensor {name!r}: short read of row {r} (the file is truncated)")
 
-    def _check(self, rows: np.ndarray, scales: np.ndarray, ids: list[int]) -> None:
+    def _check(self, rows: np.ndarray, scales: np.ndarray, ids: np.ndarray) -> None:
         """Damage the resident tier would refuse at load (reader.has_nan), refused on the rows read."""
         for data, dtype, path, name in ((rows, torch.float8_e4m3fn, self.path, self.name),
                                         (scales, torch.float8_e8m0fnu, self.scale_path, self.scale_name)):
