@@ -225,8 +225,8 @@ def _read_into(path, begin: int, t: torch.Tensor, name: str) -> None:
 def _page_lock(owner: object, t: torch.Tensor, name: str) -> None:
     """Page-lock t's memory for as long as `owner` lives (cudaHostRegister: the caching pinned allocator
     would round a 94 GiB table up to 128 GiB)."""
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+    err = err[0] if isinstance(err, tuple) else err  # (some bindings return (error, ...))
     if int(err) != 0:
         raise RuntimeError(f"Engram table {name!r}: page-locking {t.nbytes / 2**30:.1f} GiB of host memory failed "
                            f"(CUDA error {int(err)}); place Engram on disk instead")
