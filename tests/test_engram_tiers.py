@@ -217,3 +217,39 @@ def test_damaged_rows_on_disk_are_refused_naming_the_tensor(tmp_path):
                        Checkpoint(CASE).get(name)[1:3].view(torch.uint8))
     with pytest.raises(CheckpointError, match=r"layers\.0\.engram\.embed\.weight.*row 7 holds NaN"):
         table.request(torch.tensor([3, 7])).wait()
+
+
+def test_split_with_disk_engram_on_the_box_equals_one_process():
+    """A box (its real socket, in this process) whose encoder reads Engram from disk: the prefill logits and
+    the tokens of plain and DSpark decoding of one process with the resident table."""
+    import socket
+    import threading
+    import time
+
+    from dsflash.split.box import Box
+    from dsflash.split.link import box_half
+    from tests.conftest import free_port
+
+    box = Box(CASE)
+    # the box runs the encoder Runner it holds; `dsflash box` picks its tiers from the command line
+    box.model = Runner(load_model(CASE, half="encoder", tiers=Tiers(engram="disk")))
+    port = free_port()
+    threading.Thread(target=box.serve, args=("127.0.0.1", port), daemon=True).start()
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    local, split = Engine.load(CASE), Engine.load(CASE, encoder=box_half(f"127.0.0.1:{port}"))
+    outs = []
+    for engine in (local, split):
+        runs = []
+        for k in (0, 2):
+            s = engine.session()
+            logits = s.prefill(IDS[:50], chunk=16)
+            runs.append((logits, list(decode(s, logits, 8, SamplingParams(), stop=set(), dspark=k))))
+        outs.append(runs)
+    for (la, ta), (lb, tb) in zip(*outs, strict=True):
+        assert torch.equal(la, lb) and ta == tb
+    assert box.model.model.tier_stats()["engram_rows_read"] > 0
