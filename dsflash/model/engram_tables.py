@@ -23,6 +23,7 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -208,7 +209,8 @@ class HostTable(StagedTable):
         torch.index_select(self.scale, 0, unique, out=out_scales)
 
 
-def _read_into(path, begin: int, t: torch.Tensor, name: str) -> None:
+def _read_into(path: Path, begin: int, t: torch.Tensor, name: str) -> None:
+    """t's bytes from the file at `begin` on (a host table filled without a second copy)."""
     view = memoryview(t.numpy()).cast("B")
     fd = os.open(path, os.O_RDONLY)
     try:
