@@ -115,3 +115,37 @@ def test_cuda_graphs_dropped_least_recently_replayed_keep_the_bits():
     graphed.graphs.max_kept = 3
     assert torch.equal(interleaved_steps(eager, "cuda"), interleaved_steps(graphed, "cuda"))
     assert len(graphed.graphs._graphs) <= 3
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_engram_tiers_are_bit_identical_on_cuda(tier):
+    """Engram in page-locked host memory or read from disk, its rows gathered on the host and uploaded on a
+    side stream: the resident table's bits on the GPU, in CUDA-graph replays (the rows a static input,
+    gathered before the graph) and through the engine (a chunked prefill fetching the next chunk's rows
+    ahead, steps, a rollback)."""
+    from dsflash.model.engram_tables import HostTable
+    from dsflash.model.tiers import Tiers
+
+    eager = load_model(CASE, device="cuda")
+    graphed = Runner(load_model(CASE, device="cuda", tiers=Tiers(engram=tier)))
+    assert graphed.model.engram_staged
+    if tier == "host":
+        assert all(isinstance(e.table, HostTable) and e.table.table.is_pinned() for e in graphed.model.engram.values())
+    assert torch.equal(interleaved_steps(eager, "cuda"), interleaved_steps(graphed, "cuda"))
+    # replayed forwards with the staged rows among their inputs (positions, ids, 3 per Engram layer)
+    assert any(key[0][0] == "layers" and len(key[1]) == 2 + 3 * len(graphed.model.engram)
+               for key in graphed.graphs._graphs)
+    ids = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    outs = []
+    for tiers in (Tiers(), Tiers(engram=tier)):
+        s = Engine.load(CASE, device="cuda", max_context=4096, tiers=tiers).session()
+        out = [s.prefill(ids[:45], chunk=16)]
+        p = s.pos
+        out.append(s.step(p, ids[45:48]))
+        s.rollback(p + 1)
+        out += [s.step(p + 1, ids[48:49]), s.step(p + 2, ids[49:55])]
+        outs.append(torch.cat([o.reshape(-1, o.size(-1)) for o in out]))
+    assert torch.equal(*outs)
+    stats = graphed.model.tier_stats()["engram"]
+    assert stats["rows_requested"] > stats["rows_unique"] > 0
+    assert (stats["rows_read"] > 0) == (tier == "disk")

@@ -87,24 +87,31 @@ class LocalEncoder:
                 raise ValueError("this model has no vision tower: it takes no images")
             rows = torch.cat([vision.encode(s.image.pixels.to(dev), s.image.n_vit_h, s.image.n_vit_w)[1]
                               for s in sorted(images, key=lambda s: s.start)])
-        i = 0
-        while i < len(ids):
-            end = min(i + chunk, len(ids))
+        bounds = [0]
+        while bounds[-1] < len(ids):
+            end = min(bounds[-1] + chunk, len(ids))
             # a chunk ends outside image spans, so an interrupted append never stops inside one
             while types is not None and end < len(ids) and types[end] != TEXT and types[end] != IMAGE_START:
                 end += 1
+            bounds.append(end)
+
+        def has_image(i: int, end: int) -> bool:
+            return types is not None and bool((types[i:end] != TEXT).any())
+
+        for i, end, after in zip(bounds[:-1], bounds[1:], [*bounds[2:], None], strict=True):
             start = self.pos
             kwargs = {}
-            if types is not None and bool((types[i:end] != TEXT).any()):
+            if has_image(i, end):
                 # the chunk's IMAGE positions take the next aligner rows, in reading order
                 done = int((types[:i] == IMAGE).sum())
                 here = int((types[i:end] == IMAGE).sum())
                 kwargs = {"token_types": types[i:end], "image_rows": rows[done:done + here]}
+            if after is not None and not has_image(end, after):  # Engram off the device reads its rows ahead
+                kwargs["next_ids"] = torch.tensor(ids[end:after], dtype=torch.int64)
             piece = torch.tensor(ids[i:end], dtype=torch.int64, device=self.runner.device)
             out = self.runner.forward(self.state, Tokens(piece, **kwargs))
             skip = min(max(tail_from - start, 0), out.streams.size(0))
             yield HandOff(start + skip, out.streams[skip:], out.pre_mix[skip:], *out.source_entries, end - i)
-            i = end
 
     def rollback(self, keep: int) -> None:
         self.state.truncate(keep, self.runner.args.compress_ratios)

@@ -14,6 +14,7 @@ import torch
 from dsflash.config import ModelArgs, engram_primes
 from dsflash.kernels import Kernels
 from dsflash.model.common import Chunk
+from dsflash.model.engram_tables import Gathered, open_table
 from dsflash.model.weights import WeightLoader
 
 DEAD = -1  # compressed id of an image position: no n-gram reaches across it
@@ -46,9 +47,10 @@ class EngramLayout:
         return cls(torch.tensor(token_map, device=device), token_map[args.engram_pad_id], primes.to(device),
                    offsets.to(device), multipliers.to(device))
 
-    def hash_ids(self, chunk: Chunk, ids: torch.Tensor, max_ngram: int) -> torch.Tensor:
+    def hash_ids(self, chunk: Chunk, ids: torch.Tensor, max_ngram: int, commit: bool = True) -> torch.Tensor:
         """Row ids [rows, n_engram_layers, (max_ngram-1)*heads] of the chunk's positions; commits the
-        real rows' compressed ids to the sequence's history."""
+        real rows' compressed ids to the sequence's history (`commit=False`: the ids of a chunk to come,
+        after the history's end, for fetching its rows ahead)."""
         state = chunk.state
         compressed = self.token_map[ids]
         if chunk.image_mask is not None:
@@ -70,22 +72,24 @@ class EngramLayout:
         for i in range(1, max_ngram):
             rolling = torch.bitwise_xor(rolling, products[..., i])
             hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
-        state.engram_ids.put(positions[:1], compressed[: chunk.n], chunk.p0 + chunk.n)
+        if commit:
+            state.engram_ids.put(positions[:1], compressed[: chunk.n], chunk.p0 + chunk.n)
         return torch.cat(hashes, dim=-1) + self.offsets
 
 
 class Engram:
-    def __init__(self, args: ModelArgs, w: WeightLoader, prefix: str):
+    def __init__(self, args: ModelArgs, w: WeightLoader, prefix: str, tier: str = "gpu", cache_bytes: int = 0):
+        """`tier`/`cache_bytes`: where the table lives and the disk tier's hot-row cache (model/engram_tables.py)."""
         self.k = w.k
         self.dim, self.hc, self.eps = args.dim, args.hc_mult, args.norm_eps
-        self.table = w.tensor(prefix + "embed.weight")  # FP8 rows, dequantised on lookup
-        self.table_scale = w.tensor(prefix + "embed.scale")
+        self.table = open_table(tier, w.ckpt, w.k, prefix, cache_bytes)  # FP8 rows, dequantised on lookup
         self.wkv = w.linear(prefix + "wkv")
         # only ever used as a product
         self.qk_weight = w.tensor(prefix + "q_weight").float() * w.tensor(prefix + "k_weight").float()
 
-    def __call__(self, h: torch.Tensor, hash_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
-        rows = self.k.engram_rows(self.table, self.table_scale, hash_ids)
+    def __call__(self, h: torch.Tensor, gathered: Gathered, image_mask: torch.Tensor | None) -> torch.Tensor:
+        """h [N, hc, D] with the Engram of the rows its lookup (`self.table.request(hash_ids)`) gathered."""
+        rows = self.k.engram_rows(*gathered)
         kv = self.k.linear(rows.flatten(-2), self.wkv)
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         return engram_gate(self.k, h, key.unflatten(-1, (self.hc, self.dim)), value, self.qk_weight, self.eps,

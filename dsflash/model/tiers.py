@@ -17,6 +17,9 @@ class Tiers:
     engram: str = "gpu"
     experts: str = "gpu"
     expert_cache: int | None = None  # bytes of device expert slots for host/disk experts (None: one layer's bank)
+    # bytes of hot Engram rows the disk tier keeps in RAM, shared evenly by the model's Engram tables (0: none).
+    # 1 GiB holds ~4M of the released model's 264-byte rows (~87K tokens' worth at 48 rows a token)
+    engram_cache: int = 1 << 30
 
     def __post_init__(self) -> None:
         for name in ("engram", "experts"):
@@ -24,11 +27,8 @@ class Tiers:
                 raise ValueError(f"{name} tier {getattr(self, name)!r}: expected one of {', '.join(TIERS)}")
         if self.expert_cache is not None and self.expert_cache <= 0:
             raise ValueError(f"expert cache of {self.expert_cache} bytes: expected a positive size")
-
-    @property
-    def resident(self) -> bool:
-        """Everything on the compute device: what CUDA-graph capture assumes."""
-        return self.engram == "gpu" and self.experts == "gpu"
+        if self.engram_cache < 0:
+            raise ValueError(f"Engram cache of {self.engram_cache} bytes: expected a size of 0 or more")
 
 
 RESIDENT = Tiers()  # the default: everything on the compute device

@@ -9,7 +9,7 @@ ratio-1 layer (20 in V4.1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from dsflash.model.attention import Attention, SourceWriter, source_rows
 from dsflash.model.common import Chunk, Replayer, Selections, fit_rows
 from dsflash.model.dspark import DSpark
 from dsflash.model.engram import Engram, EngramLayout
+from dsflash.model.engram_tables import Gathered, Lookup, TableStats
 from dsflash.model.expert_cache import ExpertStore
 from dsflash.model.mhc import Block, hc_pre
 from dsflash.model.rope import Rope
@@ -38,6 +39,9 @@ class Tokens:
     # -1 text, 0 IMAGE_START, 1 IMAGE, 2 IMAGE_NEW_LINE, 3 IMAGE_END (model/vision.py); None: all text
     token_types: torch.Tensor | None = None
     image_rows: torch.Tensor | None = None  # bf16 [IMAGE rows of the chunk, dim]: aligner rows, reading order
+    # the token ids of the chunk that comes next, when known and all text: Engram tables off the device start
+    # gathering its rows while this chunk computes (the hashes need only the ids and the history)
+    next_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,12 +90,17 @@ class Transformer:
         self.vision = Vision(args, w) if args.vision_n_layers > 0 and self.layers.start == 0 else None
         self.blocks = {}
         self.engram = {}
+        # the disk tier's hot-row cache, shared evenly by this half's tables
+        engram_cache = tiers.engram_cache // max(1, sum(i in self.layers for i in args.engram_layer_ids))
         for i in self.layers:
             prefix = f"layers.{i}."
             attn = Attention(args, i, w, prefix + "attn.", self.ropes, writes_source=i != self.layers.start or i == 0)
             self.blocks[i] = Block(args, i, w, prefix, attn)
             if i in args.engram_layer_ids:
-                self.engram[i] = Engram(args, w, prefix + "engram.")
+                self.engram[i] = Engram(args, w, prefix + "engram.", tiers.engram, engram_cache)
+        # tables off the device: their rows are fetched on the host, so a replayed forward hashes and gathers
+        # before its graph (`_replay`), and a prefill fetches the next chunk's rows ahead
+        self.engram_staged = any(not e.table.resident for e in self.engram.values())
         self.engram_layout = None
         if self.engram:
             assert token_map is not None, "Engram layers need the compressed token map"
@@ -109,12 +118,18 @@ class Transformer:
         if self.has_head and args.n_mtp_layers and args.dspark_block_size:
             self.dspark = DSpark(args, w, self.ropes, self.embed, self.head)
 
-    def tier_stats(self) -> dict:
-        """What the off-device tiers did so far, by family ("experts": model/expert_cache.ExpertStats as a
-        dict, with its hit rate); empty when everything is resident."""
+    def tier_stats(self) -> dict[str, dict]:
+        """What the off-device tiers did so far, by family: "experts" (model/expert_cache.ExpertStats, with its
+        hit rate) and "engram" (model/engram_tables.TableStats summed over the tables); a family whose weights
+        are resident is left out."""
         stats = {}
         if self.expert_store is not None:
             stats["experts"] = self.expert_store.stats.as_dict()
+        if self.engram_staged:
+            total = TableStats()
+            for e in self.engram.values():
+                total.add(e.table.stats)
+            stats["engram"] = asdict(total)
         return stats
 
     @property
@@ -161,7 +176,7 @@ class Transformer:
                       _p0=state.pos)
         f = _Pass(chunk, n=n, end=state.pos + n, mask=mask, trace=debug.trace, tail_only=tail_only)
         if isinstance(x, Tokens):
-            f.ids, f.token_types, f.image_rows = x.ids, x.token_types, x.image_rows
+            f.ids, f.token_types, f.image_rows, f.next_ids = x.ids, x.token_types, x.image_rows, x.next_ids
         else:
             f.h, f.pre = fit_rows(x.h, rows), fit_rows(x.pre_mix, rows)
         eligible = debug.trace is None and debug.select is None and mask is None and not tail_only
@@ -216,12 +231,30 @@ class Transformer:
         f.h = x.unsqueeze(1).repeat(1, a.hc_mult, 1)
         f.pre = torch.zeros(chunk.rows, a.hc_mult, device=self.device)
         f.pre[:, 0] = 1.0
-        if self.engram:
-            f.hashes = self.engram_layout.hash_ids(chunk, ids, a.engram_max_ngram_size)
+        if self.engram and f.lookups is None:  # (a graph of staged tables is handed its rows)
+            self._engram_lookups(f, ids)
         if f.trace is not None:
             f.trace["input_embeds"] = x[:n]
             if f.hashes is not None:
                 f.trace["engram_hash_ids"] = f.hashes[:n]
+
+    def _engram_lookups(self, f: _Pass, ids: torch.Tensor) -> None:
+        """Hash the chunk (committing its compressed ids) and request every Engram layer's rows; for staged
+        tables also the next chunk's, hashed from the history just committed."""
+        a, layout = self.args, self.engram_layout
+        f.hashes = layout.hash_ids(f.chunk, ids, a.engram_max_ngram_size)
+        f.lookups = {i: e.table.request(f.hashes[:, a.engram_layer_ids.index(i)]) for i, e in self.engram.items()}
+        if f.next_ids is None or not self.engram_staged:
+            return
+        n = f.next_ids.numel()
+        rows = n + (-n % self.k.row_tile)
+        start = f.chunk.p0 + f.chunk.n
+        nxt = Chunk(f.chunk.state, torch.arange(start, start + rows, device=self.device), n,
+                    row_tile=self.k.row_tile, _p0=start)
+        hashes = layout.hash_ids(nxt, fit_rows(f.next_ids.to(self.device), rows), a.engram_max_ngram_size,
+                                 commit=False)
+        for i, e in self.engram.items():
+            e.table.prefetch(hashes[:, a.engram_layer_ids.index(i)])
 
     def _layers(self, f: _Pass) -> None:
         """The first range's embedding, then the layers over the pass: Engram before a block, the DSpark
@@ -241,7 +274,7 @@ class Transformer:
                     f.taps = [fit_rows(t[drop:], rows) for t in f.taps]
                     f.n -= drop
             if i in self.engram:
-                f.h = self.engram[i](f.h, f.hashes[:, a.engram_layer_ids.index(i)], f.mask)
+                f.h = self.engram[i](f.h, f.lookups[i].wait(), f.mask)
             if i in a.dspark_target_layer_ids:
                 f.taps.append(self.k.stream_mean(f.h))
             f.h, f.pre = block.forward(f.h, f.pre, f.chunk)
@@ -253,10 +286,12 @@ class Transformer:
     def _replay(self, f: _Pass, graphs: Replayer) -> bool:
         """`_layers(f)` as one CUDA graph, when every KV source the layers read holds an entry and the Engram
         hashes have a whole n-gram behind the chunk (else False: run them eagerly). The graph's inputs: the
-        chunk's positions and its token ids (the first range) or streams; its outputs: the streams, the
-        hand-off, the DSpark taps. It reads and writes the session's state in place -- window rings, the
-        compressors' rings, the sources' and the Engram ids' whole buffers (model/attention.py) -- so its
-        key names them by address; their row counts are set here, outside the graph."""
+        chunk's positions and its token ids (the first range) or streams, and for Engram tables off the device
+        the rows each table gathered (hashed and fetched here, before the graph, padded to one row per id: a
+        fixed shape); its outputs: the streams, the hand-off, the DSpark taps. It reads and writes the
+        session's state in place -- window rings, the compressors' rings, the sources' and (hashing inside)
+        the Engram ids' whole buffers (model/attention.py) -- so its key names them by address; their row
+        counts are set here, outside the graph."""
         chunk, a, state = f.chunk, self.args, f.chunk.state
         held, counts, phases = [], {}, []
         for i in self.layers:
@@ -271,14 +306,22 @@ class Transformer:
             if attn.kv_source is not None and attn.kv_source not in counts:
                 source = state.compressed.get(attn.kv_source)
                 counts[attn.kv_source] = source.n if source is not None else 0
-        if not all(counts.values()) or (f.h is None and self.engram and chunk.p0 < a.engram_max_ngram_size):
+        hashes_in_graph = f.h is None and self.engram and not self.engram_staged
+        if not all(counts.values()) or (hashes_in_graph and chunk.p0 < a.engram_max_ngram_size):
             return False
         growing = [(rows, count) for src, count in counts.items() for rows in source_rows(state, a, src)]
-        if f.h is None and self.engram:
+        if hashes_in_graph:
             growing.append((state.engram_ids, chunk.p0 + f.n))
         for rows, count in growing:
             rows.reserve(count)
             held.append(rows.buffer)
+        staged = []  # per Engram layer: its gathered rows, scales (as bytes) and ids into them
+        if f.h is None and self.engram_staged:
+            self._engram_lookups(f, fit_rows(f.ids, chunk.rows))
+            for lookup in f.lookups.values():
+                g = lookup.wait()
+                staged += [fit_zeros(g.table.view(torch.uint8), g.ids.numel()),
+                           fit_zeros(g.scale.view(torch.uint8), g.ids.numel()), g.ids]
         chunk.graphed = True
 
         def fn(positions: torch.Tensor, *t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -286,14 +329,18 @@ class Transformer:
             local = replace(chunk, positions=positions, _shared={})
             p = _Pass(local, n=f.n)
             if f.h is None:
-                p.ids = t[0]
+                p.ids, rows = t[0], t[1:]
+                if rows:
+                    p.lookups = {i: Lookup(Gathered(rows[3 * j].view(torch.float8_e4m3fn),
+                                                    rows[3 * j + 1].view(torch.float8_e8m0fnu), rows[3 * j + 2]))
+                                 for j, i in enumerate(self.engram)}
             else:
                 p.h, p.pre = t
             self._layers(p)
             return p.h, p.pre, *(p.handoff or ()), *p.taps
 
         key = ("layers", f.n, tuple(phases), tuple((t.data_ptr(), t.size(0)) for t in held))
-        out = graphs.run(key, fn, chunk.positions, *((f.ids,) if f.h is None else (f.h, f.pre)))
+        out = graphs.run(key, fn, chunk.positions, *((f.ids, *staged) if f.h is None else (f.h, f.pre)))
         for rows, count in growing:
             rows.n = count
         f.h, f.pre = out[:2]
@@ -301,6 +348,11 @@ class Transformer:
         f.handoff = out[2:4] if hands_off else None
         f.taps = list(out[4 if hands_off else 2:])
         return True
+
+
+def fit_zeros(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t [k, ...] padded with zero rows to `rows` rows (a fixed shape for a graph's static copy)."""
+    return torch.cat([t, t.new_zeros(rows - t.size(0), *t.shape[1:])])
 
 
 @dataclass
@@ -314,7 +366,9 @@ class _Pass:
     image_rows: torch.Tensor | None = None
     h: torch.Tensor | None = None  # bf16 [rows, hc, D] streams
     pre: torch.Tensor | None = None  # fp32 [rows, hc]
+    next_ids: torch.Tensor | None = None  # the next chunk's token ids (Tokens.next_ids)
     hashes: torch.Tensor | None = None  # Engram table rows (the first range)
+    lookups: dict[int, Lookup] | None = None  # per Engram layer: its rows' lookup, requested at the embedding
     taps: list[torch.Tensor] = field(default_factory=list)  # DSpark taps so far
     handoff: tuple[torch.Tensor, torch.Tensor] | None = None
     mask: torch.Tensor | None = None
