@@ -135,16 +135,18 @@ def test_bench_tiers_writes_a_checkpoint_and_compares_the_tiers(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     assert main(["bench", "--threads", "1", "tiers", "--preset", "tiny-a", "--layers", "2", "--dir", str(ckpt),
                  "--lengths", "64", "--context", "64", "--rows", "1", "--reps", "1", "--device", "cpu",
-                 "--out", str(out)]) == 0
+                 "--tiers", "gpu,host,disk,engram-disk", "--out", str(out)]) == 0
     assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["bench-0.safetensors", "bench-1.safetensors",
                                                                   "bench-rest.safetensors"]
     (result,) = out.glob("tiers-tiny-a-e4-l2-*.json")
     r = json.loads(result.read_text())
-    assert list(r["tiers"]) == ["gpu", "host", "disk"] and r["commit"] and r["machine"]
+    assert list(r["tiers"]) == ["gpu", "host", "disk", "engram-disk"] and r["commit"] and r["machine"]
     streams = {t["prefill"]["64"]["streams"] for t in r["tiers"].values()}
     assert len(streams) == 1
     disk = r["tiers"]["disk"]
     assert disk["prefill"]["64"]["bytes_per_token"] > 0 and disk["steps"]["1"]["ms"] > 0
+    # the Engram rows went through the disk tier's row cache (read in the warm-up, hits since)
+    assert r["tiers"]["engram-disk"]["prefill"]["64"]["hit_rate"] == 1.0
     assert "| disk |" in result.with_suffix(".md").read_text()
 
 

@@ -1,5 +1,6 @@
 """`dsflash bench tiers`: routed experts resident ("gpu") vs in pinned host memory ("host") vs read from the
-checkpoint's files ("disk"), through the device expert cache (model/expert_cache.py).
+checkpoint's files ("disk"), through the device expert cache (model/expert_cache.py); and the Engram tables
+in pinned host memory ("engram-host") or read from the files ("engram-disk"), experts resident.
 
 The checkpoint is written to disk first (real safetensors files, one per layer, so the disk tier reads a
 real file): the tensors of an encoder slice of the first `--layers` layers of the preset (with all
@@ -89,15 +90,32 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
+ENGRAM_PREFIX = "engram-"
+
+
+def tiers_of(label: str, cache: int | None, engram_cache: int | None) -> Tiers:
+    """A --tiers entry: an expert tier (gpu, host, disk), or engram-host / engram-disk (experts resident)."""
+    if label.startswith(ENGRAM_PREFIX):
+        extra = {} if engram_cache is None else {"engram_cache": engram_cache}
+        return Tiers(engram=label[len(ENGRAM_PREFIX):], **extra)
+    return Tiers(experts=label, expert_cache=cache)
+
+
 class _Counters:
-    """The expert cache's counters between two moments (none for resident experts)."""
+    """The off-device tier's counters between two moments (none for resident weights): the expert cache's, or
+    the Engram tables' (their row cache's hits, rows and bytes read, read seconds as the stall)."""
 
     def __init__(self, model: Transformer):
         self.model = model
         self.start = self._now()
 
     def _now(self) -> dict:
-        return self.model.tier_stats().get("experts", {})
+        stats = self.model.tier_stats()
+        if "engram" in stats:
+            e = stats["engram"]
+            return {"hits": e["cache_hits"], "misses": e["rows_read"], "evictions": 0, "bytes_read": e["bytes_read"],
+                    "stall_s": e["read_s"]}
+        return stats.get("experts", {})
 
     def delta(self, tokens: int) -> dict:
         now = self._now()
@@ -130,7 +148,8 @@ def _steps(runner: Runner, state: SequenceState, ids: torch.Tensor, context: int
         saved(res)
 
 
-def bench_tier(args: ModelArgs, ckpt_dir: Path, layers: int, tier: str, cache: int | None, device: str,
+def bench_tier(args: ModelArgs, ckpt_dir: Path, layers: int, tier: str, cache: int | None,
+               engram_cache: int | None, device: str,
                lengths: list[int], context: int, rows: list[int], reps: int, eager: bool, warmup: int,
                saved: Callable[[dict], None]) -> dict:
     """One tier's load, prefills and steps (see the module docstring), after an untimed prefill of `warmup`
@@ -139,7 +158,7 @@ def bench_tier(args: ModelArgs, ckpt_dir: Path, layers: int, tier: str, cache: i
     token_map = [i % args.engram_compressed_vocab_size for i in range(args.vocab_size)]
     t0 = time.perf_counter()
     model = Transformer(args, Checkpoint(ckpt_dir, args), token_map, range(0, layers), device=device,
-                        tiers=Tiers(experts=tier, expert_cache=cache))
+                        tiers=tiers_of(tier, cache, engram_cache))
     runner = Runner(model, cuda_graphs=not eager)
     sync(dev)
     res: dict = {"load_s": time.perf_counter() - t0, "prefill": {}, "steps": {}}
@@ -196,10 +215,12 @@ def run(ns: argparse.Namespace) -> int:
     if not 0 < ns.layers <= args.first_decoder_layer:
         raise SystemExit(f"dsflash bench tiers: --layers {ns.layers}: expected 1..{args.first_decoder_layer} "
                          "(an encoder slice)")
-    bad = [t for t in ns.tiers if t not in TIERS]
+    known = [*TIERS, *(ENGRAM_PREFIX + t for t in TIERS[1:])]
+    bad = [t for t in ns.tiers if t not in known]
     if bad:
-        raise SystemExit(f"dsflash bench tiers: --tiers {','.join(bad)}: expected some of {','.join(TIERS)}")
+        raise SystemExit(f"dsflash bench tiers: --tiers {','.join(bad)}: expected some of {','.join(known)}")
     cache = None if ns.expert_cache_gib is None else int(ns.expert_cache_gib * 2**30)
+    engram_cache = None if ns.engram_cache_gib is None else int(ns.engram_cache_gib * 2**30)
     t0 = time.perf_counter()
     expert_bytes = write_checkpoint(args, ns.layers, Path(ns.dir), ns.device)
     r = {"date": time.strftime("%Y-%m-%d"), "machine": machine(ns.device), "commit": commit(),
@@ -219,8 +240,8 @@ def run(ns: argparse.Namespace) -> int:
         # the first tier's warm-up is a whole chunk: it compiles the kernels of every prefill shape class for
         # the process; the later tiers' a short one, for the cache's own shapes
         warmup = min(ns.lengths[0], CHUNK if i == 0 else WARMUP_TOKENS)
-        saved(bench_tier(args, Path(ns.dir), ns.layers, tier, cache, ns.device, ns.lengths, ns.context, ns.rows,
-                         ns.reps, ns.eager, warmup, saved))
+        saved(bench_tier(args, Path(ns.dir), ns.layers, tier, cache, engram_cache, ns.device, ns.lengths, ns.context,
+                         ns.rows, ns.reps, ns.eager, warmup, saved))
         print(f"{tier}: {json.dumps(r['tiers'][tier])}", flush=True)
         gc.collect()  # the tier's model and its memory gone before the next one loads
         if ns.device.startswith("cuda"):
@@ -240,9 +261,12 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", type=int, default=384, help="routed experts per layer of the bench preset")
     p.add_argument("--layers", type=int, default=2, help="the encoder slice [0, N) written and run")
     p.add_argument("--dir", default="/tmp/dsflash-bench-tiers", help="where the checkpoint is written (kept)")
-    p.add_argument("--tiers", type=lambda s: s.split(","), default=list(TIERS))
+    p.add_argument("--tiers", type=lambda s: s.split(","), default=list(TIERS),
+                   help="expert tiers (gpu, host, disk) and Engram tiers (engram-host, engram-disk)")
     p.add_argument("--expert-cache-gib", type=float, default=None,
                    help="device expert cache in GiB (default: one layer's bank)")
+    p.add_argument("--engram-cache-gib", type=float, default=None,
+                   help="the Engram disk tier's hot-row RAM cache in GiB (default: model/tiers.py's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--lengths", type=ints, default=[8192, 32768], help="prefill lengths")
     p.add_argument("--context", type=int, default=8192, help="steps follow a prefill of this many tokens")
