@@ -134,3 +134,15 @@ def interleaved_steps(model, device: str) -> torch.Tensor:
         step = model.forward(state, prompt[state.pos:state.pos + n])
         out.append(torch.cat([step.logits, step.streams.flatten(1).float()], 1))
     return torch.cat(out)
+
+
+def wait_until_serving(proc) -> None:
+    """Read a `dsflash box` process's merged output until its "serving" line (the memory plan comes first);
+    fail with everything it printed when it exits instead."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "serving" in line:
+            return
+    proc.kill()
+    pytest.fail("box did not start: " + "".join(seen))

@@ -141,7 +141,6 @@ class Unit:
 @dataclass
 class Plan:
     request: Request
-    args: ModelArgs
     engram: str
     experts: str
     gpus: list[Device]
@@ -227,6 +226,9 @@ class Plan:
         if any(g.layers for g in self.gpus):
             lines.append(f"{'layers':<18}" + "".join(
                 f"{f'{d.layers[0]}-{d.layers[-1]}' if d.layers else '-':>{width}}" for d in cols))
+        if r.backend == "cpu":
+            lines.append("(weights at their stored bytes: the CPU reference still widens FP8/FP4 to fp32 at load, "
+                         "issue 17 item 2)")
         problem = self.problem()
         lines.append("fits" if problem is None else f"does not fit: {problem}")
         return "\n".join(lines)
@@ -386,30 +388,29 @@ def _place(args: ModelArgs, sizes: dict[str, int], req: Request, engram: str, ex
     caps = (req.host_memory,) if cpu else req.gpu_memory
     gpus = [Device("cpu" if cpu else f"GPU {i}", c) for i, c in enumerate(caps)]
     cache = 0 if experts == "gpu" else (req.expert_cache or _bank(args, sizes))
-    plan = Plan(req, args, engram, experts, gpus, host, disk)
+    plan = Plan(req, engram, experts, gpus, host, disk)
+
+    def overhead(units: list[Unit]) -> dict[str, int]:
+        """What a device holding `units` needs besides them: the workspace, and the expert cache for its
+        MoE layers when their experts live elsewhere."""
+        layers = [u.layer for u in units if u.layer is not None]
+        workspace = (CPU_WORKSPACE if cpu else GPU_WORKSPACE) + index_scratch(args, layers, req.context, req.backend)
+        return {"workspace": workspace, "cache": cache if layers else 0}
+
     queue = list(units)
     for g in gpus:
         taken: list[Unit] = []
         while queue:
             nxt = taken + [queue[0]]
-            layers = [u.layer for u in nxt if u.layer is not None]
-            fixed = (CPU_WORKSPACE if cpu else GPU_WORKSPACE) + index_scratch(args, layers, req.context, req.backend)
-            if layers and cache:
-                fixed += cache
-            if taken and sum(u.size for u in nxt) + fixed > g.capacity:
+            if taken and sum(u.size for u in nxt) + sum(overhead(nxt).values()) > g.capacity:
                 break
             taken.append(queue.pop(0))
-        if not taken:
-            continue
-        layers = [u.layer for u in taken if u.layer is not None]
         for u in taken:
             for part, n in u.parts.items():
                 g.add(part, n)
-        g.layers = layers
-        g.add("workspace", (CPU_WORKSPACE if cpu else GPU_WORKSPACE) + index_scratch(args, layers, req.context,
-                                                                                      req.backend))
-        if layers and cache:
-            g.add("cache", cache)
+        for part, n in (overhead(taken) if taken else {}).items():
+            g.add(part, n)
+        g.layers = [u.layer for u in taken if u.layer is not None]
     for u in queue:
         for part, n in u.parts.items():
             plan.spill.add(part, n)
