@@ -146,3 +146,11 @@ def wait_until_serving(proc) -> None:
             return
     proc.kill()
     pytest.fail("box did not start: " + "".join(seen))
+
+
+def after_plan(stderr: str) -> str:
+    """What a command wrote to stderr after its memory plan (engine/placement.py prints the plan first; a plan
+    that fits ends in a line "fits")."""
+    plan, sep, rest = stderr.partition("\nfits\n")
+    assert sep and ": plan: half " in plan, stderr
+    return rest

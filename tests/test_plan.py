@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dsflash.checkpoint import reader
 from dsflash.checkpoint.expect import expected_tensors
@@ -218,3 +219,11 @@ def test_cuda_defaults_offload_what_does_not_fit():
     assert (roomy.experts, roomy.fits) == ("host", True)  # the back's experts alone exceed one H200
     tight = plan(V41, Request(half="all", gpu_memory=(140 * GiB,), host_memory=64 * GiB))
     assert (tight.engram, tight.experts, tight.fits) == ("disk", "disk", True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures a CUDA device's free memory")
+def test_cuda_default_is_the_free_device_memory(capsys):
+    free = torch.cuda.mem_get_info(0)[0]
+    assert main(["plan", "--preset", "tiny-a", "--device", "cuda", "--host-memory", "8GiB", "--json"]) == 0
+    placed = json.loads(capsys.readouterr().out)
+    assert abs(placed["gpus"][0]["capacity"] - free) < 256 << 20  # what the device had free (less what torch took)

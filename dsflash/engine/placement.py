@@ -55,15 +55,15 @@ def host_available() -> int:
     raise PlacementError(f"cannot read MemAvailable from {MEMINFO}: give --host-memory")
 
 
-def gpu_free(n: int) -> tuple[int, ...]:
-    """Free bytes of CUDA devices 0..n-1 (torch.cuda.mem_get_info)."""
+def gpu_free(n: int, first: int = 0) -> tuple[int, ...]:
+    """Free bytes of CUDA devices first .. first+n-1 (torch.cuda.mem_get_info)."""
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < first + n:
         raise PlacementError(f"--gpus {n}: this machine has {have} CUDA device(s) to measure; give --gpu-memory "
                              "to plan for others")
-    return tuple(torch.cuda.mem_get_info(i)[0] for i in range(n))
+    return tuple(torch.cuda.mem_get_info(i)[0] for i in range(first, first + n))
 
 
 def request_from(args: argparse.Namespace, model: ModelArgs, half: str, backend: str) -> Request:
@@ -74,8 +74,11 @@ def request_from(args: argparse.Namespace, model: ModelArgs, half: str, backend:
         raise PlacementError(f"--gpus {args.gpus}: the CPU backend has one device (host memory)")
     host = args.host_memory if args.host_memory is not None else host_available()
     gpus = ()
-    if backend == "cuda":
-        gpus = (args.gpu_memory,) * args.gpus if args.gpu_memory is not None else gpu_free(args.gpus)
+    if backend == "cuda" and args.gpu_memory is not None:
+        gpus = (args.gpu_memory,) * args.gpus
+    elif backend == "cuda":  # the device the command runs on ("cuda:1": from device 1 on)
+        device = str(getattr(args, "device", None) or "cuda")
+        gpus = gpu_free(args.gpus, int(device.partition(":")[2] or 0))
     context = getattr(args, "context", None) or getattr(args, "max_context", None) or model.max_seq_len
     return Request(half=half, backend=backend, gpu_memory=gpus, host_memory=host, engram=args.engram,
                    experts=args.experts, expert_cache=args.expert_cache, context=context, sessions=args.sessions)
