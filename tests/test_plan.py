@@ -227,3 +227,10 @@ def test_cuda_default_is_the_free_device_memory(capsys):
     assert main(["plan", "--preset", "tiny-a", "--device", "cuda", "--host-memory", "8GiB", "--json"]) == 0
     placed = json.loads(capsys.readouterr().out)
     assert abs(placed["gpus"][0]["capacity"] - free) < 256 << 20  # what the device had free (less what torch took)
+
+
+@pytest.mark.parametrize("host,fix", [(384, "(--experts disk would fix it)"), (256, "(--experts disk --engram disk "
+                                      "would fix it)"), (16, "(--host-memory would fix it)")])
+def test_cpu_refusal_names_the_fewest_flags(host, fix):
+    placed = plan(V41, Request(half="all", backend="cpu", host_memory=host * GiB, context=65536))
+    assert not placed.fits and placed.problem().endswith(fix)

@@ -178,10 +178,17 @@ class Plan:
                 where = f"on {len(self.gpus)} GPU(s) of {human(max(r.gpu_memory))}"
                 room = r.host_memory - self.host.used
                 offload = "host" if room >= held.get("experts", 0) else "disk"
-            if self.experts == "gpu" and held.get("experts", 0) >= short:
-                fix = f"--experts {offload}"
-            elif self.engram == "gpu" and held.get("engram", 0) >= short:
-                fix = "--engram disk" if cpu else "--engram host"
+            # the fewest flags that move enough off the device: one of them (the experts first), else both
+            moves = []
+            if self.experts == "gpu":
+                moves.append((f"--experts {offload}", held.get("experts", 0)))
+            if self.engram == "gpu":
+                moves.append(("--engram disk" if cpu else "--engram host", held.get("engram", 0)))
+            one = [flag for flag, n in moves if n >= short]
+            if one:
+                fix = one[0]
+            elif moves and sum(n for _, n in moves) >= short:
+                fix = " ".join(flag for flag, _ in moves)
             else:
                 fix = "--host-memory" if cpu else "--gpu-memory or --gpus"
             return f"{gib(short)} GiB of the plan does not fit {where} ({fix} would fix it)"
