@@ -234,3 +234,15 @@ def test_cuda_default_is_the_free_device_memory(capsys):
 def test_cpu_refusal_names_the_fewest_flags(host, fix):
     placed = plan(V41, Request(half="all", backend="cpu", host_memory=host * GiB, context=65536))
     assert not placed.fits and placed.problem().endswith(fix)
+
+
+def test_generate_context_is_the_planned_and_the_engine_limit(tmp_path, capsys):
+    ckpt = make_checkpoint(TINY_A, 0, tmp_path)
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text("[0, 5, 6]")
+    assert main(["generate", "--model", str(ckpt), "--prompt-tokens", str(prompt), "--device", "cpu", "-n", "4",
+                 "--context", "5", "--json"]) == 1
+    err = capsys.readouterr().err
+    assert "plan: half all, cpu, context 5 x 1 session(s)" in err
+    assert err.strip().splitlines()[-1] == "dsflash generate: this request needs 6 tokens of context, the model's " \
+        "limit is 5"

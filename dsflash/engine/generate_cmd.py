@@ -16,7 +16,7 @@ from dsflash.engine.placement import add_placement_options, checked_plan, tiers_
 from dsflash.engine.plan import PlacementError
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import SamplingParams
-from dsflash.engine.session import DEFAULT_CHUNK, Engine, default_device
+from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine, default_device
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.vision import preprocess_image
 from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
@@ -43,7 +43,7 @@ class Progress:
 def run(args: argparse.Namespace) -> int:
     try:
         return _generate(args)
-    except (BoxUnavailable, BoxRefused, CheckpointError, PlacementError) as e:
+    except (BoxUnavailable, BoxRefused, CheckpointError, PlacementError, ContextLengthError) as e:
         # the reason, in one line rather than a traceback
         print(f"dsflash generate: {e}", file=sys.stderr)
         return 1
