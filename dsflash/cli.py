@@ -16,6 +16,7 @@ COMMANDS = [
     "dsflash.checkpoint.make",  # make-checkpoint
     "dsflash.golden.logits_cmd",  # logits
     "dsflash.engine.generate_cmd",  # generate
+    "dsflash.engine.plan_cmd",  # plan
     "dsflash.server.serve_cmd",  # serve
     "dsflash.server.chat_cmd",  # chat
     "dsflash.split.box",  # box

@@ -134,3 +134,23 @@ def interleaved_steps(model, device: str) -> torch.Tensor:
         step = model.forward(state, prompt[state.pos:state.pos + n])
         out.append(torch.cat([step.logits, step.streams.flatten(1).float()], 1))
     return torch.cat(out)
+
+
+def wait_until_serving(proc) -> None:
+    """Read a `dsflash box` process's merged output until its "serving" line (the memory plan comes first);
+    fail with everything it printed when it exits instead."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "serving" in line:
+            return
+    proc.kill()
+    pytest.fail("box did not start: " + "".join(seen))
+
+
+def after_plan(stderr: str) -> str:
+    """What a command wrote to stderr after its memory plan (engine/placement.py prints the plan first; a plan
+    that fits ends in a line "fits")."""
+    plan, sep, rest = stderr.partition("\nfits\n")
+    assert sep and ": plan: half " in plan, stderr
+    return rest

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port, start_server
+from tests.conftest import free_port, start_server, wait_until_serving
 
 openai = pytest.importorskip("openai")
 
@@ -27,10 +27,7 @@ def start_box(ckpt: Path, port: int, health_port: int) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-m", "dsflash.cli", "box", "--model", str(ckpt), "--listen",
                           f"127.0.0.1:{port}", "--health-port", str(health_port)], env=ENV, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
-    line = p.stdout.readline()
-    if "serving" not in line:
-        p.kill()
-        pytest.fail(f"box did not start: {line}{p.stdout.read()}")
+    wait_until_serving(p)
     return p
 
 

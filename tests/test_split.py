@@ -21,7 +21,7 @@ from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
 from dsflash.split.protocol import VERSION, Frame, FrameType, read_frame
-from tests.conftest import TEXT_CASE, free_port, partly_right_drafter
+from tests.conftest import TEXT_CASE, free_port, partly_right_drafter, wait_until_serving
 
 CASE = TEXT_CASE
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,10 +46,7 @@ class BoxProcess:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      preexec_fn=self.preexec_fn)
-        line = self.proc.stdout.readline()
-        if "serving" not in line:
-            self.proc.kill()
-            pytest.fail(f"box did not start: {line}{self.proc.stdout.read()}")
+        wait_until_serving(self.proc)
         return self
 
     def kill(self) -> None:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from dsflash.checkpoint.expect import BF16, E8M0, F8, I8, expected_tensors
+from dsflash.checkpoint.expect import BF16, E8M0, F8, I8, Expected, expected_tensors
 from dsflash.checkpoint.manifest import write_manifest
-from dsflash.checkpoint.reader import DTYPE_SIZES
+from dsflash.checkpoint.reader import DTYPE_SIZES, INDEX
 from dsflash.config import PRESETS, ConfigError, ModelArgs, preset, validate
 from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import E2M1_VALUES, E8M0_BIAS, quantize_fp8_blocks, quantize_fp8_rows
@@ -140,7 +140,7 @@ def _pieces(name: str, dtype: str, shape: tuple[int, ...], seed: int) -> Iterato
     return _plain(name, dtype, shape, gen)
 
 
-def _header(expected: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[bytes, dict[str, int]]:
+def _header(expected: Expected) -> tuple[bytes, dict[str, int]]:
     """The safetensors header (tensors laid out in `expected` order) and each tensor's data offset."""
     entries: dict = {"__metadata__": {"format": "pt"}}
     offsets, position = {}, 0
@@ -154,16 +154,37 @@ def _header(expected: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[bytes, di
     return len(raw).to_bytes(8, "little") + raw, offsets
 
 
-def make_checkpoint(args: ModelArgs, seed: int, out_dir: str | Path) -> Path:
-    """Write `out_dir/config.json` (official spelling) and `out_dir/model.safetensors` with weights drawn
-    from `seed`; the same arguments always give the same bytes. Returns `out_dir`."""
-    validate(args)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    expected = expected_tensors(args)
+def shard_names(n: int) -> list[str]:
+    """The file names of an n-shard checkpoint, as Hugging Face names them (one shard: model.safetensors)."""
+    return ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def _split(expected: Expected, n: int) -> list[Expected]:
+    """`expected` cut into n runs of consecutive tensors of about equal bytes; a scale stays in its weight's
+    shard (the two are drawn together). Raises ConfigError when there are fewer tensors than shards."""
+    units: list[Expected] = []  # a tensor, with the scale right after it when it has one
+    for name, info in expected.items():
+        if info[0] == E8M0 and units and name[: -len("scale")] + "weight" in units[-1]:
+            units[-1][name] = info
+        else:
+            units.append({name: info})
+    if not 1 <= n <= len(units):
+        raise ConfigError(f"--shards: expected 1 to {len(units)} (the checkpoint's tensors), got {n}")
+    sizes = [sum(math.prod(shape) * DTYPE_SIZES[dtype] for dtype, shape in u.values()) for u in units]
+    total, done, shards = sum(sizes), 0, [{}]
+    for i, (unit, size) in enumerate(zip(units, sizes, strict=True)):
+        # the next shard starts once this one holds its share, or when each unit left must start one
+        full = done >= total * len(shards) / n or len(units) - i == n - len(shards)
+        if shards[-1] and len(shards) < n and full:
+            shards.append({})
+        shards[-1].update(unit)
+        done += size
+    return shards
+
+
+def _write_shard(path: Path, expected: Expected, seed: int) -> None:
     header, offsets = _header(expected)
-    path = out / "model.safetensors"
-    partial = out / "model.safetensors.partial"  # renamed when complete: no half-written checkpoint
+    partial = path.with_name(path.name + ".partial")  # renamed when complete: no half-written checkpoint
     with open(partial, "wb") as f:
         f.write(header)
         for name, (dtype, shape) in expected.items():
@@ -173,6 +194,28 @@ def make_checkpoint(args: ModelArgs, seed: int, out_dir: str | Path) -> Path:
                 f.seek(len(header) + offsets[target] + offset)
                 f.write(data)
     os.replace(partial, path)
+
+
+def make_checkpoint(args: ModelArgs, seed: int, out_dir: str | Path, shards: int = 1) -> Path:
+    """Write `out_dir/config.json` (official spelling) and the weights drawn from `seed`: one
+    `model.safetensors`, or with shards > 1 the files `model-0000i-of-0000N.safetensors` and the index
+    `model.safetensors.index.json` that the released checkpoint ships. A tensor's bytes depend only on
+    (seed, name), so every shard count gives the same tensors. Returns `out_dir`."""
+    validate(args)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = _split(expected_tensors(args), shards)
+    names = shard_names(shards)
+    # an earlier checkpoint's files in `out` would otherwise be read as shards of this one
+    for old in [out / INDEX, out / "model.safetensors", *out.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
+    for name, part in zip(names, parts, strict=True):
+        _write_shard(out / name, part, seed)
+    if shards > 1:
+        total = sum(math.prod(shape) * DTYPE_SIZES[dtype] for part in parts for dtype, shape in part.values())
+        weight_map = {t: name for name, part in zip(names, parts, strict=True) for t in part}
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                            indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
     write_manifest(out)  # for `--verify-weights`
     return out
@@ -181,12 +224,13 @@ def make_checkpoint(args: ModelArgs, seed: int, out_dir: str | Path) -> Path:
 def _command(ns: argparse.Namespace) -> int:
     try:
         args = preset(ns.preset, ns.experts)
+        out = make_checkpoint(args, ns.seed, ns.out, ns.shards)
     except ConfigError as e:
         print(f"dsflash make-checkpoint: {e}", file=sys.stderr)
         return 2
-    out = make_checkpoint(args, ns.seed, ns.out)
-    size = (out / "model.safetensors").stat().st_size
-    print(f"wrote {out}: preset {ns.preset}, seed {ns.seed}, {len(expected_tensors(args))} tensors, {size:,} bytes")
+    size = sum((out / name).stat().st_size for name in shard_names(ns.shards))
+    print(f"wrote {out}: preset {ns.preset}, seed {ns.seed}, {len(expected_tensors(args))} tensors in "
+          f"{ns.shards} file(s), {size:,} bytes")
     return 0
 
 
@@ -196,5 +240,7 @@ def register(subparsers) -> None:
     parser.add_argument("--preset", required=True, choices=[*PRESETS, "bench"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, type=Path, help="directory for config.json and model.safetensors")
+    parser.add_argument("--shards", type=int, default=1, metavar="N",
+                        help="write N shard files and model.safetensors.index.json, as the released checkpoint ships")
     parser.add_argument("--experts", type=int, help="routed experts per layer of the bench preset (default 48)")
     parser.set_defaults(func=_command)

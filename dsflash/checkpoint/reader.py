@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import struct
+import threading
 from dataclasses import fields
 from pathlib import Path
 
@@ -115,34 +116,101 @@ def has_nan(t: torch.Tensor) -> bool:
     return False
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    """The index's `weight_map` (tensor name -> shard file name), checked for shape: a damaged index is
+    refused naming the field, not trusted to point anywhere."""
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable index ({e})") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{path}: no \"weight_map\" object naming each tensor's shard")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or "/" in file or file in ("", ".", ".."):
+            raise CheckpointError(f"{path}: weight_map[{name!r}] = {file!r}: expected a shard file name")
+    return weight_map
+
+
 class Checkpoint:
-    """All `*.safetensors` files of a directory, indexed by tensor name. Tensors are returned in their
-    stored dtype (FP8 E4M3, E8M0, I8 = packed FP4, BF16, F32)."""
+    """A checkpoint directory's tensors by name, returned in their stored dtype (FP8 E4M3, E8M0, I8 =
+    packed FP4, BF16, F32).
+
+    With `model.safetensors.index.json` (as the released checkpoint ships) its `weight_map` says which
+    shard holds each tensor, and every shard's header must list exactly the tensors the index gives it;
+    without one, every `*.safetensors` file of the directory is a shard. Headers are read and checked at
+    open; a shard is mmapped only at the first `get` of one of its tensors, so a host can open a
+    checkpoint whose files together exceed its address space or its memory (a 94 GiB Engram shard)."""
 
     def __init__(self, path: str | Path, args: ModelArgs | None = None):
         self.path = Path(path)
         self.args = args or load_config(self.path)
-        self._files = {}
+        self._files: dict[str, object] = {}  # shard file name -> safe_open handle, opened on first use
+        self._lock = threading.Lock()
         self._where: dict[str, str] = {}
         self._info: dict[str, TensorInfo] = {}
         self._range: dict[str, tuple[int, int]] = {}
+        index = self.path / INDEX
+        if index.exists():
+            self._open_indexed(index)
+            return
         files = sorted(self.path.glob("*.safetensors"))
         files = [f for f in files if f.name != "golden.safetensors"]
         if not files:
             raise CheckpointError(f"{self.path}: no *.safetensors weight files")
         for f in files:
             tensors, ranges = read_layout(f)
-            try:
-                h = safe_open(str(f), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for what read_header let through
-                raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
-            self._files[f.name] = h
-            for k, info in tensors.items():
+            for k in tensors:
                 if k in self._where:
                     raise CheckpointError(f"tensor {k!r} appears in both {self._where[k]} and {f.name}")
-                self._where[k] = f.name
-                self._info[k] = info
-                self._range[k] = ranges[k]
+            self._add(f.name, tensors, ranges)
+
+    def _open_indexed(self, index: Path) -> None:
+        weight_map = _read_index(index)
+        shards: dict[str, set[str]] = {}
+        for name, file in weight_map.items():
+            shards.setdefault(file, set()).add(name)
+        for file, listed in sorted(shards.items()):
+            f = self.path / file
+            if not f.is_file():
+                raise CheckpointError(f"{f}: missing shard (the index {INDEX} puts tensor {min(listed)!r} "
+                                      f"and {len(listed) - 1} others in it)")
+            tensors, ranges = read_layout(f)
+            absent = sorted(listed - tensors.keys())
+            if absent:
+                raise CheckpointError(f"{f}: tensor {absent[0]!r} is not in this shard's header, but {INDEX} "
+                                      f"puts it there ({len(absent)} such tensors)")
+            unlisted = sorted(tensors.keys() - listed)
+            if unlisted:
+                elsewhere = weight_map.get(unlisted[0])
+                why = f"it names {elsewhere} for it" if elsewhere else "it does not list it"
+                raise CheckpointError(f"{f}: tensor {unlisted[0]!r} is in this shard, but {INDEX} {why} "
+                                      f"({len(unlisted)} such tensors)")
+            self._add(file, tensors, ranges)
+
+    def _add(self, file: str, tensors: dict[str, TensorInfo], ranges: dict[str, tuple[int, int]]) -> None:
+        for k, info in tensors.items():
+            self._where[k] = file
+            self._info[k] = info
+            self._range[k] = ranges[k]
+
+    def _shard(self, file: str):
+        """The shard's safe_open handle, mmapping it on first use."""
+        with self._lock:
+            h = self._files.get(file)
+            if h is None:
+                try:
+                    h = self._files[file] = safe_open(str(self.path / file), framework="pt")
+                except Exception as e:  # safetensors raises its own error types for what read_header let through
+                    raise CheckpointError(f"{self.path / file}: unreadable safetensors file ({e})") from e
+            return h
+
+    def opened(self) -> list[str]:
+        """The shards mmapped so far (by file name)."""
+        return sorted(self._files)
 
     def names(self) -> list[str]:
         return sorted(self._where)
@@ -155,8 +223,9 @@ class Checkpoint:
             fname = self._where[name]
         except KeyError as e:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}") from e
+        shard = self._shard(fname)
         try:
-            t = self._files[fname].get_tensor(name)
+            t = shard.get_tensor(name)
         except Exception as e:
             raise CheckpointError(f"{self.path / fname}: tensor {name!r} unreadable ({e})") from e
         if has_nan(t):  # damage that would load, then poison every request

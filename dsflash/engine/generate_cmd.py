@@ -12,9 +12,11 @@ from dsflash.checkpoint.builtin import builtin_checkpoint
 from dsflash.checkpoint.manifest import verify_weights
 from dsflash.checkpoint.reader import CheckpointError
 from dsflash.engine.images import ImageSpan
+from dsflash.engine.placement import add_placement_options, checked_plan, tiers_from
+from dsflash.engine.plan import PlacementError
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import SamplingParams
-from dsflash.engine.session import DEFAULT_CHUNK, Engine, default_device
+from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine, default_device
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.vision import preprocess_image
 from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
@@ -41,7 +43,8 @@ class Progress:
 def run(args: argparse.Namespace) -> int:
     try:
         return _generate(args)
-    except (BoxUnavailable, BoxRefused, CheckpointError) as e:  # the reason, in one line rather than a traceback
+    except (BoxUnavailable, BoxRefused, CheckpointError, PlacementError, ContextLengthError) as e:
+        # the reason, in one line rather than a traceback
         print(f"dsflash generate: {e}", file=sys.stderr)
         return 1
 
@@ -51,10 +54,12 @@ def _generate(args: argparse.Namespace) -> int:
         args.model = builtin_checkpoint()
         print(f"dsflash generate: no --model given, using the built-in tiny checkpoint at {args.model}",
               file=sys.stderr)
+    placed = checked_plan("generate", args, args.model, "back" if args.box else "all")
     if args.verify_weights:
         verify_weights(args.model)
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
-    engine = Engine.load(args.model, encoder=encoder, device=args.device, cuda_graphs=not args.eager)
+    engine = Engine.load(args.model, max_context=args.context, encoder=encoder, device=args.device,
+                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed))
     tokenizer, images = None, []
     if args.image and args.prompt is None:
         raise SystemExit("dsflash generate: --image goes with --prompt")
@@ -139,4 +144,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--verify-weights", action="store_true",
                    help="check every tensor against the checkpoint's model.manifest.json before loading")
+    add_placement_options(p)
     p.set_defaults(func=run)

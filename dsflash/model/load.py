@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsflash.checkpoint.reader import open_checkpoint
+from dsflash.checkpoint.reader import CheckpointError, open_checkpoint
+from dsflash.config import ModelArgs
 from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.model.transformer import Transformer
 
@@ -27,11 +28,24 @@ class StubVocabulary:
         return self.decode([i])
 
 
-def engram_token_map(path: Path, vocab_size: int) -> tuple[list[int], int]:
+def engram_token_map(path: Path, args: ModelArgs) -> list[int]:
+    """The compressed token id of every token id (spec §8), from the checkpoint's tokenizer.json (or, when
+    it ships none, the stand-in vocabulary); refused unless it gives the config's class count, since the
+    Engram tables are indexed by those classes."""
     from dsflash.tokenizer import compressed_token_map, load_tokenizer
 
-    source = load_tokenizer(path) if (path / "tokenizer.json").exists() else StubVocabulary(vocab_size)
-    return compressed_token_map(source)
+    file = path / "tokenizer.json"
+    if file.exists():
+        token_map, classes = compressed_token_map(load_tokenizer(path))
+        source = f"the tokenizer {file}"
+    else:
+        token_map, classes = compressed_token_map(StubVocabulary(args.vocab_size))
+        source = f"no tokenizer.json in {path}: the stand-in vocabulary of {args.vocab_size} tokens"
+    if classes != args.engram_compressed_vocab_size:
+        raise CheckpointError(f"{source} gives {classes} Engram token classes, but config.json "
+                              f"engram_compressed_vocab_size is {args.engram_compressed_vocab_size}: the "
+                              "tokenizer and the weights are of different models")
+    return token_map
 
 
 def load_model(path: str | Path, half: str | None = None, device: str = "cpu", reference: bool = False,
@@ -45,8 +59,5 @@ def load_model(path: str | Path, half: str | None = None, device: str = "cpu", r
     layers = {None: range(args.n_layers), "encoder": range(0, d), "decoder": range(d, args.n_layers)}[half]
     token_map = None
     if args.engram_layer_ids and layers.start == 0:
-        token_map, classes = engram_token_map(path, args.vocab_size)
-        if classes != args.engram_compressed_vocab_size:
-            raise ValueError(f"{path}: the tokenizer gives {classes} Engram token classes, config "
-                             f"engram_compressed_vocab_size is {args.engram_compressed_vocab_size}")
+        token_map = engram_token_map(path, args)
     return Transformer(args, ckpt, token_map, layers=layers, device=device, reference=reference, tiers=tiers)

@@ -6,10 +6,15 @@ import argparse
 import os
 import sys
 
+from dsflash.engine.placement import add_placement_options
+
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from dsflash.checkpoint.reader import CheckpointError
+    from dsflash.engine.placement import checked_plan, tiers_from
+    from dsflash.engine.plan import PlacementError
     from dsflash.engine.prefix_cache import PrefixCache
     from dsflash.engine.session import Engine, default_device
     from dsflash.server.app import create_app
@@ -22,9 +27,15 @@ def run(args: argparse.Namespace) -> int:
 
         model = builtin_checkpoint()
         print(f"dsflash serve: no --model given, using the built-in tiny checkpoint at {model}", file=sys.stderr)
+    args.device = args.device or default_device()
+    try:
+        placed = checked_plan("serve", args, model, "back" if args.box else "all")
+    except (CheckpointError, PlacementError) as e:  # before any tensor is read: the reason, in one line
+        print(f"dsflash serve: {e}", file=sys.stderr)
+        return 1
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
-    engine = Engine.load(model, max_context=args.max_context, encoder=encoder, device=args.device or default_device(),
-                         cuda_graphs=not args.eager)
+    engine = Engine.load(model, max_context=args.max_context, encoder=encoder, device=args.device,
+                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed))
     tokenizer = load_tokenizer(model)
     cache = PrefixCache(engine.identity, disk_dir=args.cache_dir) if args.cache_dir else None
     name = args.served_model_name or "deepseek-v4.1-flash"
@@ -54,4 +65,5 @@ def register(subparsers) -> None:
     p.add_argument("--box-token", help="the box's shared secret")
     p.add_argument("--box-deadline", type=float, default=60.0,
                    help="seconds to wait for a box that went away before answering 503")
+    add_placement_options(p, context=False)
     p.set_defaults(func=run)

@@ -35,11 +35,14 @@ from dsflash.checkpoint.reader import CheckpointError
 from dsflash.engine import snapshot
 from dsflash.engine.halves import LocalEncoder
 from dsflash.engine.images import SpanKey, cache_key, span_keys
+from dsflash.engine.placement import add_placement_options, checked_plan, tiers_from
+from dsflash.engine.plan import PlacementError
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.runner import Runner
 from dsflash.engine.session import MAX_STEP_ROWS, default_device, engine_identity
 from dsflash.model.load import load_model
 from dsflash.model.state import ROLLBACK_ROWS
+from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.numerics import NUMERICS_VERSION
 from dsflash.split.protocol import (
     MAX_FRAME,
@@ -130,8 +133,8 @@ class Connection:
 class Box:
     def __init__(self, model_path: str | Path, token: str | None = None, cache_dir: str | None = None,
                  max_frame: int = MAX_FRAME, device: str = "cpu", cuda_graphs: bool = True,
-                 limits: Limits = Limits()):
-        self.model = Runner(load_model(model_path, half="encoder", device=device), cuda_graphs)
+                 limits: Limits = Limits(), tiers: Tiers = RESIDENT):
+        self.model = Runner(load_model(model_path, half="encoder", device=device, tiers=tiers), cuda_graphs)
         self.args = self.model.args
         self.identity = engine_identity(self.model.model)
         self.token = token
@@ -467,11 +470,12 @@ def run(args: argparse.Namespace) -> int:
     limits = Limits(args.max_connections, args.handshake_timeout, args.idle_timeout, args.read_timeout,
                     args.max_sessions, args.max_pending, args.max_context)
     try:
+        placed = checked_plan("box", args, args.model, "box")
         if args.verify_weights:
             verify_weights(args.model)
         box = Box(args.model, token=args.token, cache_dir=args.cache_dir, device=args.device,
-                  cuda_graphs=not args.eager, limits=limits)
-    except CheckpointError as e:  # damaged or mismatched weights: say which tensor, serve nothing
+                  cuda_graphs=not args.eager, limits=limits, tiers=tiers_from(args, placed))
+    except (CheckpointError, PlacementError) as e:  # damaged weights or no room: say which, serve nothing
         print(f"dsflash box: {e}", file=sys.stderr)
         return 2
     serve_health(box, host, args.health_port if args.health_port is not None else port + 1)
@@ -504,4 +508,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-context", type=int, help="tokens per session (default: the model's max_seq_len)")
     p.add_argument("--verify-weights", action="store_true",
                    help="check every tensor against the checkpoint's model.manifest.json before loading")
+    add_placement_options(p, context=False)
     p.set_defaults(func=run)

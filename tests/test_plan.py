@@ -1,0 +1,248 @@
+"""The memory plan: its totals are the checkpoint's stored bytes, its state is the model's state layout, the
+released layouts fit, sizes parse, and a command whose plan does not fit stops before reading a tensor."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsflash.checkpoint import reader
+from dsflash.checkpoint.expect import expected_tensors
+from dsflash.checkpoint.make import make_checkpoint
+from dsflash.checkpoint.reader import Checkpoint, read_layout
+from dsflash.cli import main
+from dsflash.config import TINY_A, preset
+from dsflash.engine.plan import WEIGHT_PARTS, GiB, PlacementError, Request, parse_size, plan, state_bytes
+from dsflash.engine.session import Engine
+
+ROOT = Path(__file__).resolve().parents[1]
+# bytes per element, written out here rather than taken from dsflash
+ELEMENT = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
+V41 = preset("v41-flash")
+TIB = 1 << 40
+
+
+def _stored(args) -> dict[str, int]:
+    return {name: math.prod(shape) * ELEMENT[dtype] for name, (dtype, shape) in expected_tensors(args).items()}
+
+
+@pytest.mark.parametrize("engram,experts", [("gpu", "gpu"), ("host", "host"), ("disk", "disk"), ("host", "disk")])
+def test_v41_totals_are_the_stored_bytes(engram, experts):
+    stored = _stored(V41)
+    placed = plan(V41, Request(half="all", gpu_memory=(TIB,), host_memory=TIB, engram=engram, experts=experts))
+    totals = placed.totals()
+    assert sum(totals[p] for p in WEIGHT_PARTS) == sum(stored.values())
+    # each part on its tier, nothing counted twice
+    experts_bytes = sum(n for name, n in stored.items() if name.startswith("layers.") and ".ffn.experts." in name)
+    engram_bytes = sum(n for name, n in stored.items() if ".engram.embed." in name)
+    assert totals["experts"] == experts_bytes and totals["engram"] == engram_bytes
+    where = {"gpu": placed.gpus[0], "host": placed.host, "disk": placed.disk}
+    assert where[experts].parts["experts"] == experts_bytes and where[engram].parts["engram"] == engram_bytes
+    # one process holding both halves loads the embedding (and layer 20's attention norm) twice
+    d = V41.first_decoder_layer
+    assert totals["copies"] == stored["embed.weight"] + stored[f"layers.{d}.attn_norm.weight"]
+
+
+def test_halves_split_the_weights():
+    stored = _stored(V41)
+    halves = {h: plan(V41, Request(half=h, gpu_memory=(TIB,), host_memory=TIB, engram="gpu", experts="gpu")).totals()
+              for h in ("box", "back")}
+    weights = {h: sum(t.get(p, 0) for p in WEIGHT_PARTS) for h, t in halves.items()}
+    d = V41.first_decoder_layer
+    assert weights["box"] + weights["back"] == sum(stored.values()) + stored["embed.weight"] + \
+        stored[f"layers.{d}.attn_norm.weight"]
+    assert "engram" in halves["box"] and "engram" not in halves["back"]
+    assert "dspark" in halves["back"] and "vision" in halves["box"]
+    # the issue's measurements of the released layout (GiB, one decimal)
+    assert round(halves["box"]["engram"] / GiB, 1) == 188.8 and round(halves["box"]["experts"] / GiB, 1) == 134.5
+
+
+def test_state_is_the_model_state_layout(tmp_path):
+    """The plan's per-session state (growing buffers at their rows) equals what a prefill of that many tokens
+    leaves in the encoder's and the decoder's SequenceState, ring by ring."""
+    ckpt = make_checkpoint(TINY_A, 3, tmp_path)
+    context = 100
+    session = Engine.load(ckpt).session()
+    session.sync(list(range(1, context + 1)), chunk=32)
+    states = [session.encoder.state, session.state]
+    actual = sum(r.data.nbytes for s in states for table in (s.window, s.raw) for r in table.values())
+    actual += sum(r.rows.nbytes for s in states for table in (s.compressed, s.index_keys) for r in table.values())
+    actual += session.encoder.state.engram_ids.rows.nbytes
+    planned = state_bytes(TINY_A, "all", context, growth=1)
+    head = planned.pop("head")  # the DSpark rings: made by the first draft; the session's input ring: now
+    assert sum(planned.values()) == actual
+    dspark = TINY_A.n_mtp_layers * (TINY_A.window_size + 64) * TINY_A.head_dim * 2
+    assert head == dspark + session._main_hidden.data.nbytes
+    split = state_bytes(TINY_A, "box", context, growth=1), state_bytes(TINY_A, "back", context, growth=1)
+    assert sum(split[0].values()) == sum(r.data.nbytes for t in (states[0].window, states[0].raw) for r in t.values()) \
+        + sum(r.rows.nbytes for t in (states[0].compressed, states[0].index_keys) for r in t.values()) \
+        + states[0].engram_ids.rows.nbytes
+
+
+@pytest.mark.parametrize("text,n", [("140GiB", 140 * GiB), ("512GiB", 512 * GiB), ("256KiB", 256 << 10),
+                                    ("1.5TiB", 3 << 39), ("4096", 4096), ("8 mib", 8 << 20), ("12B", 12)])
+def test_sizes_parse(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "140GB", "1.5", "-3GiB", "12x", "1e3", "3 GiB extra"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(PlacementError, match="expected a byte count or a number with KiB, MiB, GiB or TiB"):
+        parse_size(text)
+
+
+def test_bad_size_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--preset", "v41-flash", "--gpu-memory", "140GB"])
+    assert "--gpu-memory: size '140GB'" in capsys.readouterr().err
+
+
+LAYOUTS = {
+    "a-host": "--half all --gpus 1 --gpu-memory 140GiB --host-memory 512GiB --experts host",
+    "a-disk": "--half all --gpus 1 --gpu-memory 140GiB --host-memory 512GiB --experts disk",
+    "b-box": "--half box --gpus 2 --gpu-memory 140GiB --host-memory 512GiB --engram host",
+    "b-back": "--half back --gpus 1 --gpu-memory 140GiB --host-memory 512GiB",
+    "c": "--half all --gpus 8 --gpu-memory 140GiB --host-memory 64GiB",
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_released_layouts_fit_and_print(name, capsys):
+    argv = ["plan", "--preset", "v41-flash", *LAYOUTS[name].split()]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert table.rstrip().endswith("fits") and "routed experts" in table and "KV/state" in table
+    assert main([*argv, "--json"]) == 0
+    placed = json.loads(capsys.readouterr().out)
+    assert placed["fits"] and placed["problem"] is None
+    for g in placed["gpus"]:
+        assert g["used"] <= g["capacity"] == 140 * GiB
+    assert placed["host"]["used"] <= placed["host"]["capacity"]
+    covered = [i for g in placed["gpus"] if "layers" in g for i in range(g["layers"][0], g["layers"][1] + 1)]
+    d = V41.first_decoder_layer
+    want = {"box": range(0, d), "back": range(d, V41.n_layers), "all": range(V41.n_layers)}[placed["half"]]
+    assert covered == list(want)  # each layer on one GPU, in order
+
+
+def test_eight_gpus_spread_the_layers(capsys):
+    assert main(["plan", "--preset", "v41-flash", *LAYOUTS["c"].split(), "--json"]) == 0
+    placed = json.loads(capsys.readouterr().out)
+    assert placed["experts"] == "gpu" and sum("layers" in g for g in placed["gpus"]) >= 3
+
+
+def test_layout_that_does_not_fit_names_the_fix(capsys):
+    argv = ["plan", "--preset", "v41-flash", "--gpus", "1", "--gpu-memory", "140GiB", "--host-memory", "512GiB"]
+    assert main([*argv, "--experts", "gpu"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("does not fit: ") and " GiB of the plan does not fit on 1 GPU(s)" in last
+    assert "--experts host would fix it" in last
+    assert main([*argv, "--experts", "host", "--engram", "host", "--host-memory", "300GiB"]) == 1
+    assert "--experts disk would fix it" in capsys.readouterr().out
+
+
+def test_plan_of_a_checkpoint_reads_headers_only(tmp_path, monkeypatch, capsys):
+    ckpt = make_checkpoint(TINY_A, 0, tmp_path, shards=2)
+    monkeypatch.setattr(reader, "safe_open", _forbidden)
+    assert main(["plan", "--model", str(ckpt), "--device", "cpu", "--host-memory", "8GiB", "--json"]) == 0
+    placed = json.loads(capsys.readouterr().out)
+    stored = sum(e - b for f in ckpt.glob("*.safetensors") for b, e in read_layout(f)[1].values())
+    assert sum(placed["totals"].get(p, 0) for p in WEIGHT_PARTS) == stored
+
+
+def _forbidden(*_, **__):
+    raise AssertionError("a tensor was read")
+
+
+def test_refused_before_any_tensor_is_read(tmp_path, monkeypatch, capsys):
+    ckpt = make_checkpoint(TINY_A, 0, tmp_path)
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text("[0, 5, 6, 7]")
+    reads = []
+    monkeypatch.setattr(Checkpoint, "get", lambda self, name: reads.append(name))
+    monkeypatch.setattr(reader, "safe_open", _forbidden)
+    assert main(["generate", "--model", str(ckpt), "--prompt-tokens", str(prompt), "--device", "cpu",
+                 "--host-memory", "512MiB"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert reads == []
+    assert err[-1].startswith("dsflash generate: ") and " GiB of the plan does not fit in host memory" in err[-1]
+    assert "--host-memory would fix it" in err[-1]
+    assert any(line.startswith("dsflash generate: plan: half all, cpu") for line in err)  # the plan, printed first
+    assert main(["box", "--model", str(ckpt), "--device", "cpu", "--host-memory", "1MiB"]) == 2
+    assert "does not fit in host memory" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert main(["serve", "--model", str(ckpt), "--device", "cpu", "--host-memory", "1MiB"]) == 1
+    assert "does not fit in host memory" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert reads == []
+
+
+def test_refused_in_a_subprocess_on_garbage_weights(tmp_path):
+    """Valid headers over a data region of 0xFF bytes (NaN in every FP8 tensor): a run that reads any
+    tensor fails on the NaN; the refused one never gets there."""
+    ckpt = make_checkpoint(TINY_A, 0, tmp_path)
+    path = ckpt / "model.safetensors"
+    data_start = min(b for b, _ in read_layout(path)[1].values())
+    with open(path, "r+b") as f:
+        f.seek(data_start)
+        f.write(b"\xff" * (path.stat().st_size - data_start))
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text("[0, 5, 6, 7]")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "dsflash.cli", "generate", "--model", str(ckpt), "--prompt-tokens", str(prompt),
+            "--device", "cpu", "-n", "1"]
+    refused = subprocess.run([*base, "--host-memory", "512MiB"], capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr and "NaN" not in refused.stderr
+    assert "does not fit in host memory" in refused.stderr.strip().splitlines()[-1]
+    loaded = subprocess.run([*base, "--host-memory", "64GiB"], capture_output=True, text=True, env=env, timeout=120)
+    assert loaded.returncode == 1 and "holds NaN" in loaded.stderr  # the garbage is found once a tensor is read
+
+
+def test_multi_gpu_run_is_refused_with_the_plan_pointer(tmp_path, capsys):
+    ckpt = make_checkpoint(TINY_A, 0, tmp_path)
+    assert main(["box", "--model", str(ckpt), "--device", "cpu", "--gpus", "2"]) == 2
+    assert "`dsflash plan --gpus 2`" in capsys.readouterr().err
+
+
+def test_cpu_backend_defaults_to_resident_tiers():
+    placed = plan(TINY_A, Request(half="all", backend="cpu", host_memory=64 * GiB))
+    assert (placed.engram, placed.experts) == ("gpu", "gpu") and placed.fits
+    assert placed.gpus[0].name == "cpu" and "experts" in placed.gpus[0].parts
+
+
+def test_cuda_defaults_offload_what_does_not_fit():
+    roomy = plan(V41, Request(half="back", gpu_memory=(140 * GiB,), host_memory=512 * GiB))
+    assert (roomy.experts, roomy.fits) == ("host", True)  # the back's experts alone exceed one H200
+    tight = plan(V41, Request(half="all", gpu_memory=(140 * GiB,), host_memory=64 * GiB))
+    assert (tight.engram, tight.experts, tight.fits) == ("disk", "disk", True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures a CUDA device's free memory")
+def test_cuda_default_is_the_free_device_memory(capsys):
+    free = torch.cuda.mem_get_info(0)[0]
+    assert main(["plan", "--preset", "tiny-a", "--device", "cuda", "--host-memory", "8GiB", "--json"]) == 0
+    placed = json.loads(capsys.readouterr().out)
+    assert abs(placed["gpus"][0]["capacity"] - free) < 256 << 20  # what the device had free (less what torch took)
+
+
+@pytest.mark.parametrize("host,fix", [(384, "(--experts disk would fix it)"), (256, "(--experts disk --engram disk "
+                                      "would fix it)"), (16, "(--host-memory would fix it)")])
+def test_cpu_refusal_names_the_fewest_flags(host, fix):
+    placed = plan(V41, Request(half="all", backend="cpu", host_memory=host * GiB, context=65536))
+    assert not placed.fits and placed.problem().endswith(fix)
+
+
+def test_generate_context_is_the_planned_and_the_engine_limit(tmp_path, capsys):
+    ckpt = make_checkpoint(TINY_A, 0, tmp_path)
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text("[0, 5, 6]")
+    assert main(["generate", "--model", str(ckpt), "--prompt-tokens", str(prompt), "--device", "cpu", "-n", "4",
+                 "--context", "5", "--json"]) == 1
+    err = capsys.readouterr().err
+    assert "plan: half all, cpu, context 5 x 1 session(s)" in err
+    assert err.strip().splitlines()[-1] == "dsflash generate: this request needs 6 tokens of context, the model's " \
+        "limit is 5"
