@@ -234,8 +234,8 @@ class Plan:
             lines.append(f"{'layers':<18}" + "".join(
                 f"{f'{d.layers[0]}-{d.layers[-1]}' if d.layers else '-':>{width}}" for d in cols))
         if r.backend == "cpu":
-            lines.append("(weights at their stored bytes: the CPU reference still widens FP8/FP4 to fp32 at load, "
-                         "issue 17 item 2)")
+            lines.append("(weights at their stored bytes, as the CPU reference keeps FP8/FP4; the bf16 tensors it "
+                         "holds in fp32 -- head, routers, ratio-2 compressors -- take twice theirs)")
         problem = self.problem()
         lines.append("fits" if problem is None else f"does not fit: {problem}")
         return "\n".join(lines)
