@@ -120,3 +120,22 @@ def test_threads_default_to_the_cores_this_process_may_use():
         assert r.returncode != 0 and "Traceback" not in r.stderr and "--threads must be at least 1" in r.stderr
     finally:
         torch.set_num_threads(before)
+
+
+def test_generate_with_engram_and_experts_on_disk_gives_the_resident_tokens(tmp_path):
+    """The placement flags end to end: `--engram disk --experts disk` with caches smaller than what the prompt
+    touches (rows and experts read, experts evicted) give the resident run's tokens, and `--json` reports the
+    tiers' counters; a cache that holds no expert is one line, not a traceback."""
+    case = str(CASE.parent / "tinyA-w128_s1_T200")
+    prompt = tmp_path / "p.json"
+    prompt.write_text(json.dumps([int(t) for t in np.random.default_rng(4).integers(3, 511, 40)]))
+    common = ("generate", "--model", case, "--prompt-tokens", str(prompt), "-n", "8", "--json")
+    plain = dsflash(*common)
+    tiered = dsflash(*common, "--engram", "disk", "--engram-cache", "0", "--experts", "disk", "--expert-cache",
+                     "120000")
+    assert plain.returncode == 0 and tiered.returncode == 0, plain.stderr + tiered.stderr
+    a, b = json.loads(plain.stdout), json.loads(tiered.stdout)
+    assert a["tokens"] == b["tokens"] and "tiers" not in a
+    assert b["tiers"]["experts"]["evictions"] > 0 and b["tiers"]["engram"]["rows_read"] > 0
+    tiny = dsflash(*common, "--experts", "disk", "--expert-cache", "1000")
+    assert tiny.returncode != 0 and "Traceback" not in tiny.stderr and "--expert-cache" in tiny.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ModelArgs
 from dsflash.engine.plan import PlacementError, Plan, Request, parse_size, plan
-from dsflash.model.tiers import TIERS, Tiers
+from dsflash.model.tiers import ENGRAM_CACHE, TIERS, Tiers
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -39,6 +39,8 @@ def add_placement_options(parser: argparse.ArgumentParser, context: bool = True)
                         "resident on the CPU backend)")
     g.add_argument("--expert-cache", type=_size, metavar="SIZE",
                    help="GPU expert cache per GPU for host/disk experts (default: one layer's bank)")
+    g.add_argument("--engram-cache", type=_size, default=ENGRAM_CACHE, metavar="SIZE",
+                   help="host RAM for the hot rows of disk-tier Engram tables (0: none)")
     if context:
         g.add_argument("--context", type=int, metavar="N", help="tokens per session to hold (default: the model's)")
     g.add_argument("--sessions", type=int, default=1, metavar="N", help="sessions held at once (default 1)")
@@ -81,7 +83,8 @@ def request_from(args: argparse.Namespace, model: ModelArgs, half: str, backend:
         gpus = gpu_free(args.gpus, int(device.partition(":")[2] or 0))
     context = getattr(args, "context", None) or getattr(args, "max_context", None) or model.max_seq_len
     return Request(half=half, backend=backend, gpu_memory=gpus, host_memory=host, engram=args.engram,
-                   experts=args.experts, expert_cache=args.expert_cache, context=context, sessions=args.sessions)
+                   experts=args.experts, expert_cache=args.expert_cache, engram_cache=args.engram_cache,
+                   context=context, sessions=args.sessions)
 
 
 def plan_from(args: argparse.Namespace, source: Checkpoint | ModelArgs, half: str = "all",
@@ -97,8 +100,8 @@ def plan_from(args: argparse.Namespace, source: Checkpoint | ModelArgs, half: st
 def tiers_from(args: argparse.Namespace, placed: Plan | None = None) -> Tiers:
     """The tiers to load with: the plan's resolved ones, or without a plan the flags (default resident)."""
     if placed is not None:
-        return Tiers(placed.engram, placed.experts, placed.request.expert_cache)
-    return Tiers(args.engram or "gpu", args.experts or "gpu", args.expert_cache)
+        return Tiers(placed.engram, placed.experts, placed.request.expert_cache, placed.request.engram_cache)
+    return Tiers(args.engram or "gpu", args.experts or "gpu", args.expert_cache, args.engram_cache)
 
 
 def checked_plan(command: str, args: argparse.Namespace, model_dir: str | Path, half: str) -> Plan:

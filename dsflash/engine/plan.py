@@ -25,7 +25,7 @@ from dsflash.checkpoint.reader import DTYPE_SIZES, Checkpoint
 from dsflash.config import ModelArgs
 from dsflash.model.attention import INDEXER_ROWS
 from dsflash.model.state import ROLLBACK_ROWS
-from dsflash.model.tiers import TIERS
+from dsflash.model.tiers import ENGRAM_CACHE, TIERS
 from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
 
 GiB = 1 << 30
@@ -42,7 +42,6 @@ WEIGHT_PARTS = ("dense", "experts", "engram", "vision", "dspark")
 GPU_WORKSPACE = 4 * GiB
 CPU_WORKSPACE = 1 * GiB  # the same for the CPU backend (no graphs)
 HOST_RESERVE = 2 * GiB  # the process itself: torch, the tokenizer, Python, pinned staging
-ENGRAM_ROW_CACHE = 1 * GiB  # host RAM for the disk tier's hot Engram rows
 # GrowingRows doubles its capacity: the compressed entries, index keys and Engram ids hold up to 2x their rows
 GROWTH = 2
 
@@ -87,6 +86,7 @@ class Request:
     engram: str | None = None
     experts: str | None = None
     expert_cache: int | None = None  # bytes per GPU holding MoE layers; None: the largest layer's bank
+    engram_cache: int = ENGRAM_CACHE  # host RAM for the disk tier's hot Engram rows
     context: int = 1 << 20
     sessions: int = 1
 
@@ -147,6 +147,7 @@ class Plan:
     host: Device
     disk: Device
     spill: Device = field(default_factory=lambda: Device("unplaced", 0))  # GPU parts no GPU could take
+    expert_bytes: int = 0  # the largest routed expert's stored bytes (the expert cache's slot)
 
     @property
     def unplaced(self) -> int:
@@ -170,6 +171,9 @@ class Plan:
     def problem(self) -> str | None:
         """Why it does not fit, with the shortfall in GiB and the flag that would fix it (None: it fits)."""
         r, cpu, held = self.request, self.request.backend == "cpu", self.totals()
+        if self.experts != "gpu" and r.expert_cache is not None and r.expert_cache < self.expert_bytes:
+            return (f"an expert cache of {human(r.expert_cache)} holds no expert ({human(self.expert_bytes)} "
+                    "each): give --expert-cache at least one expert's size")
         short = self.unplaced + sum(g.short for g in self.gpus)
         if short:
             if cpu:
@@ -375,8 +379,18 @@ def _units(args: ModelArgs, sizes: dict[str, int], req: Request, engram: str, ex
     order = sorted(units.values(), key=lambda u: (u.key != "embed", u.key == "head", u.layer or 0))
     host.add("reserve", HOST_RESERVE)
     if "engram" in disk.parts:
-        host.add("rows", ENGRAM_ROW_CACHE)
+        host.add("rows", req.engram_cache)
     return order, host, disk
+
+
+def _largest_expert(sizes: dict[str, int]) -> int:
+    """The largest routed expert's bytes (its three projections, weights and scales)."""
+    per: dict[str, int] = {}
+    for name, n in sizes.items():
+        if ".experts." in name:
+            key = name.rsplit(".", 2)[0]  # layers.L.ffn.experts.E
+            per[key] = per.get(key, 0) + n
+    return max(per.values(), default=0)
 
 
 def _bank(args: ModelArgs, sizes: dict[str, int]) -> int:
@@ -395,7 +409,7 @@ def _place(args: ModelArgs, sizes: dict[str, int], req: Request, engram: str, ex
     caps = (req.host_memory,) if cpu else req.gpu_memory
     gpus = [Device("cpu" if cpu else f"GPU {i}", c) for i, c in enumerate(caps)]
     cache = 0 if experts == "gpu" else (req.expert_cache or _bank(args, sizes))
-    plan = Plan(req, engram, experts, gpus, host, disk)
+    plan = Plan(req, engram, experts, gpus, host, disk, expert_bytes=_largest_expert(sizes))
 
     def overhead(units: list[Unit]) -> dict[str, int]:
         """What a device holding `units` needs besides them: the workspace, and the expert cache for its

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TIERS = ("gpu", "host", "disk")
+ENGRAM_CACHE = 1 << 30  # bytes of hot Engram rows the disk tier keeps in RAM, by default
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class Tiers:
     expert_cache: int | None = None  # bytes of device expert slots for host/disk experts (None: one layer's bank)
     # bytes of hot Engram rows the disk tier keeps in RAM, shared evenly by the model's Engram tables (0: none).
     # 1 GiB holds ~4M of the released model's 264-byte rows (~87K tokens' worth at 48 rows a token)
-    engram_cache: int = 1 << 30
+    engram_cache: int = ENGRAM_CACHE
 
     def __post_init__(self) -> None:
         for name in ("engram", "experts"):
