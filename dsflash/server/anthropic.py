@@ -12,7 +12,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from dsflash.server.dsml import ContentDelta, DsmlParser, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
+from dsflash.server.dsml import (
+    ContentDelta,
+    DsmlParser,
+    ReasoningDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from dsflash.server.errors import ApiError
 from dsflash.server.images import ImageError, Images
 from dsflash.server.params import MessagesRequest, offered_tools
@@ -30,7 +37,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         m.inc(m.requests, "messages")
         images = Images()
         msgs, tools = _anthropic_to_openai(req, images)
-        tools, forced = offered_tools(tools, req.tool_choice)
+        tools, forced = offered_tools(tools, req.tool_choice, "input_schema")
         thinking = req.thinking is not None and req.thinking.type != "disabled"
         job = srv.chat_job(req, msgs, tools, forced, thinking, images, arrived, max_tokens=req.max_tokens,
                            stop=req.stop_sequences)
@@ -40,6 +47,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         parser = DsmlParser(thinking)
         blocks: list[dict] = []
         args: dict[int, list[str]] = {}
+        closed: set[int] = set()
         done = None
 
         def block(kind: str) -> dict:
@@ -66,6 +74,10 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                     b["_index"] = e.index
                 elif isinstance(e, ToolCallArgumentsDelta):
                     args[e.index].append(e.text)
+                elif isinstance(e, ToolCallEnd):
+                    closed.add(e.index)
+        # a call still open at the end (cut by max_tokens) has no whole input: it is left out
+        blocks = [b for b in blocks if b["type"] != "tool_use" or b["_index"] in closed]
         has_calls = False
         for b in blocks:
             if b["type"] == "tool_use":

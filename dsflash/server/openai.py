@@ -77,8 +77,10 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         results = await asyncio.gather(*(srv.collect(j, request, thinking) for j in jobs))
 
         def choice(index: int, got: Collected, lps: list[dict], done: Done) -> dict:
+            # a call still open at the end (cut by max_tokens) has no whole arguments: it is left out
             calls = {i: {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                         "function": {"name": c.name, "arguments": c.arguments}} for i, c in got.calls.items()}
+                         "function": {"name": c.name, "arguments": c.arguments}} for i, c in got.calls.items()
+                     if i in got.closed}
             message: dict[str, Any] = {"role": "assistant",
                                        "content": "".join(got.content) if got.content or not calls else None}
             if thinking:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsflash.engine.json_mode import Node, SchemaError, compile_schema, schema_start
 from dsflash.engine.sampling import SamplingParams
+from dsflash.engine.tool_call import parameter_names
 from dsflash.server.errors import ApiError
 from dsflash.tokenizer import EOS_ID
 
@@ -171,26 +172,42 @@ def reasoning_effort(value: str | int | None) -> tuple[bool | None, int | None]:
     return (False, None) if effort is None else (None, effort)
 
 
-def offered_tools(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict] | None, tuple[str, ...]]:
+def offered_tools(tools: list[dict] | None, tool_choice: Any, schema_field: str = "function.parameters"
+                  ) -> tuple[list[dict] | None, tuple[tuple[str, Node], ...]]:
     """The tools put in the prompt under `tool_choice` (OpenAI, Responses or Anthropic spelling, tools in
-    OpenAI's form) and the names of those of which one must be called: auto → all tools, nothing forced;
-    none → no tools; required / any → all, one of them forced; a named tool → all, that one forced."""
+    OpenAI's form) and those of which one must be called, with their parameters' schemas: auto → all
+    tools, nothing forced; none → no tools; required / any → all, one of them forced; a named tool → all,
+    that one forced. A forced tool's schema outside json_mode's subset is refused, named as the request's
+    `tools[i].<schema_field>`."""
     kind = tool_choice.get("type") if isinstance(tool_choice, dict) else tool_choice
     if kind in (None, "auto"):
         return tools, ()
     if kind == "none":
         return None, ()
     # (malformed tools are refused by encode_messages, which renders them next)
-    names = tuple(t["function"].get("name") for t in tools or () if isinstance(t, dict)
-                  and isinstance(t.get("function"), dict))
+    named = [(i, t["function"]) for i, t in enumerate(tools or ()) if isinstance(t, dict)
+             and isinstance(t.get("function"), dict)]
+    names = tuple(f.get("name") for _, f in named)
     if kind in ("required", "any"):
         if not names:
             raise ApiError(400, f"tool_choice: {kind!r} needs at least one tool", "tool_choice")
-        return tools, names
-    if kind in ("function", "tool") and isinstance(tool_choice, dict):
+        chosen = named
+    elif kind in ("function", "tool") and isinstance(tool_choice, dict):
         name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
         if name not in names:
             raise ApiError(400, f"tool_choice: no tool named {name!r} among the tools", "tool_choice")
-        return tools, (name,)
-    raise ApiError(400, f"tool_choice: {tool_choice!r} is not auto, none, required/any or a named tool",
-                   "tool_choice")
+        chosen = [(i, f) for i, f in named if f.get("name") == name][:1]
+    else:
+        raise ApiError(400, f"tool_choice: {tool_choice!r} is not auto, none, required/any or a named tool",
+                       "tool_choice")
+    forced = []
+    for i, f in chosen:
+        where = f"tools[{i}].{schema_field}"
+        try:
+            node = compile_schema(f.get("parameters", {"type": "object"}), where)
+            parameter_names(f.get("name"), node)
+        except SchemaError as e:
+            msg = str(e) if str(e).startswith(where) else f"{where}: {str(e).removeprefix('schema: ')}"
+            raise ApiError(400, f"{msg} (a forced call's arguments follow its schema)", where) from e
+        forced.append((f["name"], node))
+    return tools, tuple(forced)

@@ -105,10 +105,10 @@ def output_items(got: Collected, msg_id: str, call_ids: dict[int, tuple[str, str
     if got.reasoning:
         out.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}",
                     "summary": [{"type": "summary_text", "text": "".join(got.reasoning)}]})
-    if got.content or not got.calls:
+    if got.content or not got.closed:
         out.append({"type": "message", "id": msg_id, "status": "completed", "role": "assistant",
                     "content": [{"type": "output_text", "text": "".join(got.content), "annotations": []}]})
-    for i in sorted(got.calls):
+    for i in sorted(got.closed):  # a call cut by max_output_tokens has no whole arguments: left out
         item_id, call_id = call_ids.get(i) or (f"fc_{uuid.uuid4().hex[:24]}", f"call_{uuid.uuid4().hex[:24]}")
         out.append({"type": "function_call", "id": item_id, "call_id": call_id, "name": got.calls[i].name,
                     "arguments": got.calls[i].arguments, "status": "completed"})
@@ -136,7 +136,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         thinking = bool(req.reasoning) if thinking is None else thinking
         images = Images()
         messages, tools = to_messages(req, images)
-        tools, forced = offered_tools(tools, req.tool_choice)
+        tools, forced = offered_tools(tools, req.tool_choice, "parameters")
         job = srv.chat_job(req, messages, tools, forced, thinking, images, arrived, effort=effort,
                            max_tokens=req.max_output_tokens or req.max_tokens, stop=req.stop,
                            fmt=(req.text or {}).get("format"), fmt_field="text.format")
@@ -194,6 +194,8 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                                     part=part)
                         yield event("response.output_item.done", output_index=i, item=by_id[msg_id])
                     for k, (item_id, _) in call_ids.items():
+                        if k not in got.closed:  # cut by max_output_tokens: the item stays incomplete
+                            continue
                         yield event("response.function_call_arguments.done", item_id=item_id, output_index=order[k],
                                     arguments=got.calls[k].arguments)
                         yield event("response.output_item.done", output_index=order[k], item=by_id[item_id])

@@ -12,20 +12,32 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dsflash.engine.json_mode import JsonObject, Node
+from dsflash.engine.json_mode import JsonObject, Node, Vocab
 from dsflash.engine.prefix_cache import PrefixCache
-from dsflash.engine.sampling import Constraint, Forcing, SamplingParams, logprobs
+from dsflash.engine.sampling import AfterReasoning, Constraint, SamplingParams, logprobs
 from dsflash.engine.session import DEFAULT_CHUNK, Engine
 from dsflash.engine.spec import DecodeStats, decode
+from dsflash.engine.tool_call import Syntax, ToolCall
 from dsflash.server.encoding import (
     DSML_ATTRIBUTES_END,
+    DSML_CALLS_CLOSE,
     DSML_CALLS_OPEN,
+    DSML_INVOKE_CLOSE,
     DSML_INVOKE_OPEN,
+    DSML_PARAMETER_CLOSE,
+    DSML_PARAMETER_OPEN,
     THINK_END,
     TOOL_CALLS_SEPARATOR,
 )
 from dsflash.server.metrics import Metrics
 from dsflash.tokenizer import EOS_ID, token_bytes
+from dsflash.tokens import DSML
+
+# one call as `render_tool_calls` writes it: what a forced call's grammar follows
+DSML_SYNTAX = Syntax(head=TOOL_CALLS_SEPARATOR + DSML_CALLS_OPEN + "\n" + DSML_INVOKE_OPEN,
+                     name_end=DSML_ATTRIBUTES_END + "\n", param_open=DSML_PARAMETER_OPEN, flag='" string="',
+                     attr_end=DSML_ATTRIBUTES_END, param_close=DSML_PARAMETER_CLOSE, between="\n",
+                     invoke_end="\n" + DSML_INVOKE_CLOSE + "\n" + DSML_CALLS_CLOSE)
 
 
 @dataclass
@@ -41,10 +53,12 @@ class Job:
     # prefill progress as llama.cpp reports it: total, cache, processed, time_ms (set by the worker thread)
     progress: dict | None = None
     images: list = field(default_factory=list)  # ImageSpan of the prompt's images
-    forced_tools: tuple[str, ...] = ()  # one of these tools must be called (tool_choice required / named)
+    # one of these tools (name, parameters schema) must be called (tool_choice required / named)
+    forced_tools: tuple[tuple[str, Node], ...] = ()
     json_mode: bool = False  # the answer is a JSON object (response_format json_object / json_schema)
     json_schema: Node | None = None  # ... following this schema
     thinking: bool = False  # with either: the constraint starts at the reasoning's end
+    reasoning_budget: int | None = None  # thinking: `</think>` is forced after this many reasoning tokens
 
     def choices(self, n: int) -> list[Job]:
         """This job and its n - 1 siblings (seed + i; greedy ones give the same text, as in vLLM)."""
@@ -66,6 +80,8 @@ class Done:
     cached_tokens: int
     completion_tokens: int
     stats: dict
+    tokens: list[int] = field(default_factory=list)  # the generated ids, the end token included
+    reasoning_tokens: int = 0  # of completion_tokens, those before the reasoning's end
 
 
 @dataclass
@@ -120,7 +136,7 @@ class Worker:
                  chunk: int = DEFAULT_CHUNK, concurrency: int = 2):
         self.engine, self.tokenizer, self.cache, self.dspark = engine, tokenizer, cache, dspark
         self.metrics, self.chunk = metrics, chunk
-        self._token_bytes: list[bytes | None] | None = None
+        self._vocabs: dict[str, Vocab] = {}  # token bytes for JSON mode ("json") and forced calls ("dsml")
         self._json_masks: dict = {}
         self._json_lock = threading.Lock()
         # two generations in flight: with a box, each machine works on one while the other finishes the next
@@ -181,6 +197,7 @@ class Worker:
         out: list[int] = []
         emitted = 0  # tokens yielded, EOS included
         finish, stop_string = "length", None
+        ended: list[int] = []  # the end token, when one ended the generation
         pending_lp: list[dict] = []
         last = None
         t_dec = time.perf_counter()
@@ -203,6 +220,7 @@ class Worker:
                 pending_lp.append(self._lp_entry(tok, lp, best))
             if tok in end:
                 finish = "stop"
+                ended = [tok]
                 break
             out.append(tok)
             piece, stop_string = stops.feed(self.tokenizer.decode(out, skip_special_tokens=False))
@@ -226,27 +244,39 @@ class Worker:
                 self.cache.put(session.cache_key(), session.snapshot())
             except Exception:
                 pass
-        emit(Done(finish, stop_string, stats.prompt_tokens, stats.cached_tokens, emitted, stats.as_dict()))
+        emit(Done(finish, stop_string, stats.prompt_tokens, stats.cached_tokens, emitted, stats.as_dict(), out + ended,
+                  self._reasoning_tokens(job, out)))
+
+    def _reasoning_tokens(self, job: Job, out: list[int]) -> int:
+        """How many of the generated tokens are reasoning: those before `</think>` (thinking mode)."""
+        if not job.thinking:
+            return 0
+        end = self.tokenizer.token_to_id(THINK_END)
+        return out.index(end) if end in out else len(out)
 
     def _constraint(self, job: Job) -> Constraint | None:
-        """What the answer must be (after the reasoning, when thinking): a forced tool call opens the DSML
-        block with an invoke of one of the forced tools (the arguments are the model's own); JSON mode
-        makes it a JSON object, following the request's schema when it has one."""
-        if not job.forced_tools and not job.json_mode:
-            return None
-        trigger = None
-        if job.thinking:
-            trigger = self.tokenizer.token_to_id(THINK_END)
-            if trigger is None:
-                raise ValueError(f"the tokenizer has no single {THINK_END} token to start the answer's constraint")
+        """What the answer must be (after the reasoning, when thinking): a forced tool call is one DSML invoke
+        of a forced tool with arguments of its schema; JSON mode makes it a JSON object, following the
+        request's schema when it has one. Thinking with a reasoning budget forces the reasoning's end."""
+        inner: Constraint | None = None
         if job.forced_tools:
-            heads = [TOOL_CALLS_SEPARATOR + DSML_CALLS_OPEN + "\n" + DSML_INVOKE_OPEN + name + DSML_ATTRIBUTES_END
-                     + "\n" for name in job.forced_tools]
-            return Forcing([self.tokenizer.encode(h, add_special_tokens=False).ids for h in heads], trigger)
-        with self._json_lock:  # the token bytes and the masks by grammar state are made once per server
-            if self._token_bytes is None:
-                self._token_bytes = token_bytes(self.tokenizer)
-        return JsonObject(self._token_bytes, EOS_ID, trigger, self._json_masks, job.json_schema)
+            inner = ToolCall(self._vocab("dsml"), EOS_ID, DSML_SYNTAX, list(job.forced_tools),
+                             lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids)
+        elif job.json_mode:
+            inner = JsonObject(self._vocab("json"), EOS_ID, self._json_masks, job.json_schema)
+        if not job.thinking or (inner is None and job.reasoning_budget is None):
+            return inner
+        trigger = self.tokenizer.token_to_id(THINK_END)
+        if trigger is None:
+            raise ValueError(f"the tokenizer has no single {THINK_END} token to end the reasoning")
+        return AfterReasoning(trigger, inner, job.reasoning_budget)
+
+    def _vocab(self, kind: str) -> Vocab:
+        """The token bytes and their tables, made once per server: DSML's marker has bytes for forced calls."""
+        with self._json_lock:
+            if kind not in self._vocabs:
+                self._vocabs[kind] = Vocab(token_bytes(self.tokenizer, (DSML,) if kind == "dsml" else ()))
+            return self._vocabs[kind]
 
     def _lp_entry(self, tok: int, lp: float, best: list[tuple[int, float]]) -> dict:
         def one(t: int, v: float) -> dict:
