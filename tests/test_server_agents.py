@@ -1,0 +1,105 @@
+"""What agents lean on, through a real server process and the `openai` / `anthropic` clients: forced tool
+calls held to the tool's schema, the exact replay of sampled tool calls (prefix-cache hits turn after turn),
+Responses' `previous_response_id` and reasoning items, thinking defaults and budgets, usage details, model
+names, token counts and prefill progress."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import serve_app
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+
+NO_THINK = {"chat_template_kwargs": {"thinking": False}}
+# a forced call of this tool ends within a few dozen tokens even from random weights: an enum and a boolean
+SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "hourly": {"type": "boolean"}},
+          "required": ["unit", "hourly"]}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from dsflash.checkpoint.builtin import builtin_checkpoint
+
+    tmp = tmp_path_factory.mktemp("agents")
+    proc, base = serve_app(builtin_checkpoint(tmp), tmp, 4096, "tiny", 16)
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server, api_key="x", max_retries=0)
+
+
+def _args_ok(args: dict) -> bool:
+    return args.get("unit") in ("C", "F") and isinstance(args.get("hourly"), bool) and set(args) == {"unit", "hourly"}
+
+
+def test_forced_calls_follow_the_schema_and_round_trip(oai, claude):
+    """A forced call's arguments are JSON of the tool's schema on all three APIs, and the reply sent back
+    (with the tool's result) is accepted; a call cut by max_tokens is no call at all."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    ask = [{"role": "user", "content": "Weather?"}]
+    kw = dict(model="tiny", tools=tools, temperature=0.7, seed=1, extra_body=NO_THINK)
+    r = oai.chat.completions.create(messages=ask, tool_choice="required", max_tokens=100, **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and _args_ok(json.loads(call.function.arguments))
+    back = ask + [choice.message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    assert oai.chat.completions.create(messages=back, max_tokens=2, **kw).choices
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cut = oai.chat.completions.create(messages=ask, tool_choice=named, max_tokens=12, **kw).choices[0]
+    assert (cut.finish_reason, cut.message.tool_calls) == ("length", None)
+
+    a_tools = [{"name": "get_weather", "input_schema": SCHEMA}]
+    msg = claude.messages.create(model="tiny", max_tokens=100, messages=ask, tools=a_tools, tool_choice={"type": "any"},
+                                 extra_body={"temperature": 0.7})
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and len(uses) == 1 and _args_ok(uses[0].input), msg
+    again = claude.messages.create(model="tiny", max_tokens=2, tools=a_tools, messages=ask + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "sunny"}]}])
+    assert again.usage.output_tokens >= 1
+    cut = claude.messages.create(model="tiny", max_tokens=12, messages=ask, tools=a_tools,
+                                 tool_choice={"type": "tool", "name": "get_weather"})
+    assert cut.stop_reason == "max_tokens" and not [b for b in cut.content if b.type == "tool_use"]
+
+    r_tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
+    out = oai.responses.create(model="tiny", input="Weather?", tools=r_tools, tool_choice="required",
+                               max_output_tokens=100, temperature=0.7)
+    calls = [o for o in out.output if o.type == "function_call"]
+    assert out.status == "completed" and len(calls) == 1 and _args_ok(json.loads(calls[0].arguments)), out
+    follow = oai.responses.create(model="tiny", tools=r_tools, max_output_tokens=2, input=[
+        {"role": "user", "content": "Weather?"}, calls[0].model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    assert follow.usage.input_tokens > out.usage.input_tokens
+    cut = oai.responses.create(model="tiny", input="Weather?", tools=r_tools, tool_choice="required",
+                               max_output_tokens=12)
+    assert cut.status == "incomplete" and not [o for o in cut.output if o.type == "function_call"]
+
+
+def test_forced_call_with_a_schema_outside_the_subset_is_400(server):
+    import httpx
+
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}], "tool_choice": "required"}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters", r.text
+    assert "minimum not supported" in r.json()["error"]["message"]
