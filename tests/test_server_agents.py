@@ -49,6 +49,7 @@ def _args_ok(args: dict) -> bool:
     return args.get("unit") in ("C", "F") and isinstance(args.get("hourly"), bool) and set(args) == {"unit", "hourly"}
 
 
+@pytest.mark.slow
 def test_forced_calls_follow_the_schema_and_round_trip(oai, claude):
     """A forced call's arguments are JSON of the tool's schema on all three APIs, and the reply sent back
     (with the tool's result) is accepted; a call cut by max_tokens is no call at all."""
@@ -103,3 +104,58 @@ def test_forced_call_with_a_schema_outside_the_subset_is_400(server):
     r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters", r.text
     assert "minimum not supported" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_ten_tool_turns_hit_the_prefix_cache(oai):
+    """An agent loop of 10 turns (a call, its result, the next call): each turn's prompt extends the last
+    turn's tokens exactly (its sampled call is replayed, not re-rendered), so the prefix cache serves the
+    whole previous turn, the generated tokens included (all but the EOS, which no step ever ran)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    messages = [{"role": "user", "content": "Check the weather every hour."}]
+    last = None
+    for turn in range(10):
+        r = oai.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="required",
+                                        max_tokens=200, temperature=0.7, seed=turn, extra_body=NO_THINK)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", (turn, choice)
+        if last is not None:
+            assert r.usage.prompt_tokens_details.cached_tokens >= last.prompt_tokens, (turn, r.usage, last)
+            assert r.usage.prompt_tokens_details.cached_tokens >= last.prompt_tokens + last.completion_tokens - 1
+        last = r.usage
+        call = choice.message.tool_calls[0]
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": f"{20 + turn} C"}]
+    # the last call edited by the client is no replay (its canonical rendering is): the cache serves less
+    args = json.loads(call.function.arguments)
+    edited = json.dumps({**args, "hourly": not args["hourly"]})
+    messages[-2] = {**messages[-2], "tool_calls": [{**messages[-2]["tool_calls"][0],
+                                                     "function": {"name": "get_weather", "arguments": edited}}]}
+    r = oai.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=1, extra_body=NO_THINK)
+    assert r.usage.prompt_tokens_details.cached_tokens < last.prompt_tokens + last.completion_tokens - 1
+
+
+def test_previous_response_id_reasoning_items_and_retrieval(oai, server):
+    import httpx
+
+    first = oai.responses.create(model="tiny", input="Remember the word apple.", max_output_tokens=4, temperature=0,
+                                 reasoning={"effort": "low"})
+    assert [o.type for o in first.output][:1] == ["reasoning"]
+    assert first.usage.output_tokens_details.reasoning_tokens == first.usage.output_tokens  # cut inside the reasoning
+    got = oai.responses.retrieve(first.id)
+    assert got.id == first.id and got.output[0].type == "reasoning"
+    second = oai.responses.create(model="tiny", input="What was the word?", previous_response_id=first.id,
+                                  max_output_tokens=2, temperature=0, reasoning={"effort": "low"})
+    # the same conversation sent whole, the reasoning item included, is the same prompt
+    replayed = [o.model_dump(exclude_none=True) for o in first.output]
+    whole = oai.responses.create(model="tiny", max_output_tokens=2, temperature=0, reasoning={"effort": "low"}, input=[
+        {"role": "user", "content": "Remember the word apple."}, *replayed,
+        {"role": "user", "content": "What was the word?"}])
+    assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.previous_response_id == first.id and second.max_output_tokens == 2
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        oai.responses.create(model="tiny", input="Hi", previous_response_id="resp_nope", max_output_tokens=1)
+    unstored = oai.responses.create(model="tiny", input="Hi", max_output_tokens=1, store=False)
+    assert httpx.get(f"{server}/v1/responses/{unstored.id}").status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve("resp_nope")

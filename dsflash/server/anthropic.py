@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from dsflash.server.dsml import (
+    Collected,
     ContentDelta,
     DsmlParser,
     ReasoningDelta,
@@ -56,12 +57,14 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                                                 {"text": ""} if kind == "text" else {})})
             return blocks[-1]
 
+        got = Collected()
         async for ev in srv.events(job, request):
             if isinstance(ev, Done):
                 done = ev
                 evs = parser.finish()
             else:
                 evs = parser.feed(ev.text)
+            got.add(evs)
             for e in evs:
                 if isinstance(e, ContentDelta):
                     block("text")["text"] += e.text
@@ -79,6 +82,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         # a call still open at the end (cut by max_tokens) has no whole input: it is left out
         blocks = [b for b in blocks if b["type"] != "tool_use" or b["_index"] in closed]
         has_calls = False
+        srv.remember(done, thinking, got, [b["id"] for b in blocks if b["type"] == "tool_use"])
         for b in blocks:
             if b["type"] == "tool_use":
                 has_calls = True
@@ -114,7 +118,7 @@ async def _messages_stream(srv: Server, job: Job, request: Request, mid: str, th
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": len(job.prompt), "output_tokens": 0}}})
     yield event("ping", {})
-    parser = DsmlParser(thinking)
+    parser, got, call_ids = DsmlParser(thinking), Collected(), []
     index, open_kind, has_calls = -1, None, False
 
     def open_block(kind: str, start: dict) -> list[str]:
@@ -130,6 +134,7 @@ async def _messages_stream(srv: Server, job: Job, request: Request, mid: str, th
     try:
         async for ev in srv.events(job, request):
             evs = parser.finish() if isinstance(ev, Done) else parser.feed(ev.text)
+            got.add(evs)
             for e in evs:
                 if isinstance(e, ContentDelta):
                     if open_kind != "text":
@@ -145,13 +150,15 @@ async def _messages_stream(srv: Server, job: Job, request: Request, mid: str, th
                                                         "delta": {"type": "thinking_delta", "thinking": e.text}})
                 elif isinstance(e, ToolCallStart):
                     has_calls = True
-                    for s in open_block("tool_use", {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
-                                                     "name": e.name, "input": {}}):
+                    call_ids.append(f"toolu_{uuid.uuid4().hex[:24]}")
+                    for s in open_block("tool_use", {"type": "tool_use", "id": call_ids[-1], "name": e.name,
+                                                     "input": {}}):
                         yield s
                 elif isinstance(e, ToolCallArgumentsDelta):
                     yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
                                                                                   "partial_json": e.text}})
             if isinstance(ev, Done):
+                srv.remember(ev, thinking, got, [call_ids[i] for i in sorted(got.closed)])
                 if open_kind is not None:
                     yield event("content_block_stop", {"index": index})
                 u = _usage(ev)

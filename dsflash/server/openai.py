@@ -89,6 +89,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
             if calls:
                 message["tool_calls"] = [calls[i] for i in sorted(calls)]
                 finish = "tool_calls" if done.finish == "stop" else finish
+                srv.remember(done, thinking, got, [c["id"] for c in message["tool_calls"]])
             return {"index": index, "message": message, "logprobs": {"content": lps} if top is not None else None,
                     "finish_reason": finish}
 
@@ -190,22 +191,22 @@ async def _chat_choice(srv: Server, index: int, job: Job, request: Request, thin
         return {"index": index, "delta": delta, "logprobs": {"content": lps} if lps else None,
                 "finish_reason": finish}
 
-    parser = DsmlParser(thinking)
-    any_calls = False
+    parser, got, call_ids = DsmlParser(thinking), Collected(), {}
     yield chunk({"role": "assistant", "content": ""})
     async for ev in srv.events(job, request):
         if isinstance(ev, Done):
             evs, lps = parser.finish(), []
         else:
             evs, lps = parser.feed(ev.text), ev.logprobs
+        got.add(evs)
         for e in evs:
             if isinstance(e, ContentDelta):
                 yield chunk({"content": e.text}, lps=lps)
             elif isinstance(e, ReasoningDelta):
                 yield chunk({"reasoning_content": e.text}, lps=lps)
             elif isinstance(e, ToolCallStart):
-                any_calls = True
-                yield chunk({"tool_calls": [{"index": e.index, "id": f"call_{uuid.uuid4().hex[:24]}",
+                call_ids[e.index] = f"call_{uuid.uuid4().hex[:24]}"
+                yield chunk({"tool_calls": [{"index": e.index, "id": call_ids[e.index],
                                              "type": "function",
                                              "function": {"name": e.name, "arguments": ""}}]}, lps=lps)
             elif isinstance(e, ToolCallArgumentsDelta):
@@ -217,7 +218,8 @@ async def _chat_choice(srv: Server, index: int, job: Job, request: Request, thin
             yield chunk({}, lps=lps)
         if isinstance(ev, Done):
             finish = _finish(ev)
-            if any_calls and ev.finish == "stop":
+            if call_ids and ev.finish == "stop":
                 finish = "tool_calls"
+                srv.remember(ev, thinking, got, [call_ids[i] for i in sorted(got.closed)])
             yield chunk({}, finish)
             yield ev

@@ -5,8 +5,9 @@ client goes away."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -20,8 +21,10 @@ from dsflash.server.errors import ApiError
 from dsflash.server.images import ImageError, Images
 from dsflash.server.metrics import Metrics
 from dsflash.server.params import MessagesRequest, Sampling, json_mode, sampling_params, stop_list
+from dsflash.server.replay import Replays, Reply, tokenize_with
 from dsflash.server.worker import Done, Failed, Job, Worker
 from dsflash.split.link import BoxUnavailable
+from dsflash.tokenizer import EOS_ID
 
 
 class Server:
@@ -33,6 +36,21 @@ class Server:
             self.metrics.box_reconnects = lambda: engine.encoder.reconnects
         self.worker = Worker(engine, tokenizer, cache, dspark, self.metrics, chunk)
         self.created = int(time.time())
+        self.replays = Replays()
+
+    def remember(self, done: Done, thinking: bool, got: Collected, call_ids: Sequence[str]) -> None:
+        """Keep a reply that ended with EOS after whole tool calls (`call_ids`: the ids the client got for
+        them, in order) for the exact replay of its tokens when the client sends it back (replay.py)."""
+        closed = sorted(got.closed)
+        if done.finish != "stop" or done.stop_string is not None or not closed or done.tokens[-1:] != [EOS_ID]:
+            return
+        try:  # (an unforced call's arguments may be no JSON: such a reply is re-rendered, as the client sends it)
+            calls = tuple((cid, got.calls[i].name, json.loads(got.calls[i].arguments))
+                          for cid, i in zip(call_ids, closed, strict=True))
+        except json.JSONDecodeError:
+            return
+        self.replays.remember(Reply(tuple(done.tokens), thinking, "".join(got.content), "".join(got.reasoning),
+                                    calls))
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -44,12 +62,13 @@ class Server:
         """The job of a conversation (chat completions, Anthropic messages, Responses) in OpenAI's form with
         its images marked: the encoded prompt and its image spans, `req`'s sampling, the stop strings, the
         forced tools, and the answer's format `fmt` (read as `json_mode` does, named `fmt_field`)."""
+        verbatim, replayed = self.replays.marked(messages)  # tool-call turns sent back as sampled
         try:
-            text = encode_messages(messages, tools, thinking, effort)
+            text = encode_messages(messages, tools, thinking, effort, verbatim=verbatim)
         except EncodingError as e:
             raise ApiError(400, str(e), str(e).split(":")[0]) from e
         try:
-            prompt, spans = images.prompt(text, self.tokenize, self.engine)
+            prompt, spans = images.prompt(text, tokenize_with(self.tokenize, replayed), self.engine)
         except ImageError as e:
             raise ApiError(400, str(e), e.field) from e
         # the generation-prompt tail `<think>`/`</think>` differs from the next turn's text; snapshot before it
