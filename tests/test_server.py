@@ -492,7 +492,7 @@ def test_json_mode(oai, server):
             assert json.loads(text)["city"] in ("Paris", "Rome")
     # with thinking, the constraint waits for the reasoning's end (this random model rarely gets there): the
     # request runs through the triggered path without error
-    r = oai.chat.completions.create(**{**kw, "max_tokens": 8})
+    r = oai.chat.completions.create(**{**kw, "max_tokens": 8}, extra_body={"chat_template_kwargs": {"thinking": True}})
     assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 8)  # still in the reasoning
 
 

@@ -159,3 +159,59 @@ def test_previous_response_id_reasoning_items_and_retrieval(oai, server):
     assert httpx.get(f"{server}/v1/responses/{unstored.id}").status_code == 404
     with pytest.raises(openai.NotFoundError):
         oai.responses.retrieve("resp_nope")
+
+
+def test_thinking_default_and_each_apis_switch(oai, claude, server):
+    """The built-in checkpoint (seeded weights) does not reason unless asked, on every endpoint; each API's
+    own switch turns it on or off; Anthropic's budget_tokens is checked as Anthropic does."""
+    import httpx
+
+    ask = [{"role": "user", "content": "Hi"}]
+
+    def chat_reasons(**kw) -> bool:
+        r = oai.chat.completions.create(model="tiny", messages=ask, max_tokens=2, temperature=0, **kw)
+        return "reasoning_content" in (r.choices[0].message.model_extra or {})
+
+    assert not chat_reasons()
+    assert chat_reasons(reasoning_effort="low")
+    assert chat_reasons(extra_body={"chat_template_kwargs": {"thinking": True}})
+    assert not chat_reasons(reasoning_effort="none")
+    assert not [o for o in oai.responses.create(model="tiny", input="Hi", max_output_tokens=2).output
+                if o.type == "reasoning"]
+    out = oai.responses.create(model="tiny", input="Hi", max_output_tokens=2, reasoning={"effort": "high"})
+    assert out.output[0].type == "reasoning" and out.usage.output_tokens_details.reasoning_tokens == 2
+    assert [b.type for b in claude.messages.create(model="tiny", max_tokens=2, messages=ask).content] == ["text"]
+    m = claude.messages.create(model="tiny", max_tokens=1030, messages=ask, stop_sequences=["e"],
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    assert m.content[0].type == "thinking"
+    for thinking, max_tokens in (({"type": "enabled", "budget_tokens": 4}, 100),
+                                 ({"type": "enabled", "budget_tokens": 2000}, 1500), ({"type": "enabled"}, 2000)):
+        r = httpx.post(server + "/v1/messages", timeout=30, json={"model": "tiny", "max_tokens": max_tokens,
+                                                                   "messages": ask, "thinking": thinking})
+        assert r.status_code == 400 and "budget_tokens" in r.text and r.json()["type"] == "error", r.text
+    usage = oai.chat.completions.create(model="tiny", messages=ask, max_tokens=3, reasoning_effort="low").usage
+    assert usage.completion_tokens_details.reasoning_tokens == 3  # still reasoning after 3 tokens
+
+
+def test_a_reasoning_budget_forces_the_end_of_the_reasoning(tmp_path):
+    """The cap Anthropic's budget_tokens sets: after that many reasoning tokens `</think>` comes (in process,
+    a real engine: 1,024 tokens through a server would be slow on the tiny model)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from dsflash.engine.session import Engine
+    from dsflash.server.app import create_app
+    from dsflash.server.images import Images
+    from dsflash.server.params import Sampling
+    from dsflash.tokenizer import load_tokenizer
+
+    ckpt = builtin_checkpoint(tmp_path)
+    tok = load_tokenizer(ckpt)
+    srv = create_app(Engine.load(ckpt, max_context=1024), tok, model_name="tiny").state.server
+    job = srv.chat_job(Sampling(temperature=0), [{"role": "user", "content": "Hi"}], None, (), True, Images(), 0.0,
+                       max_tokens=12, stop=None, budget=5)
+    request = SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, False))
+    got, _, done = asyncio.run(srv.collect(job, request, True))
+    assert done.tokens[5] == tok.token_to_id("</think>") and done.reasoning_tokens == 5
+    assert len("".join(got.reasoning)) > 0 and done.completion_tokens == 12

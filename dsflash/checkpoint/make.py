@@ -174,7 +174,7 @@ def make_checkpoint(args: ModelArgs, seed: int, out_dir: str | Path) -> Path:
                 f.write(data)
     os.replace(partial, path)
     (out / "config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
-    write_manifest(out)  # for `--verify-weights`
+    write_manifest(out, seed)  # for `--verify-weights`, and saying the weights are random
     return out
 
 

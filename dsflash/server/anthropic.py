@@ -23,7 +23,7 @@ from dsflash.server.dsml import (
 )
 from dsflash.server.errors import ApiError
 from dsflash.server.images import ImageError, Images
-from dsflash.server.params import MessagesRequest, offered_tools
+from dsflash.server.params import MessagesRequest, anthropic_thinking, offered_tools
 from dsflash.server.server import Server
 from dsflash.server.sse import event_stream
 from dsflash.server.worker import Done, Job
@@ -39,9 +39,10 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         images = Images()
         msgs, tools = _anthropic_to_openai(req, images)
         tools, forced = offered_tools(tools, req.tool_choice, "input_schema")
-        thinking = req.thinking is not None and req.thinking.type != "disabled"
+        thinking, budget = anthropic_thinking(req)
         job = srv.chat_job(req, msgs, tools, forced, thinking, images, arrived, max_tokens=req.max_tokens,
-                           stop=req.stop_sequences)
+                           stop=req.stop_sequences, budget=budget)
+        thinking = job.thinking
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
             return event_stream(_messages_stream(srv, job, request, mid, thinking), job)

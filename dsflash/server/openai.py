@@ -55,7 +55,6 @@ def add_routes(app: FastAPI, srv: Server) -> None:
             if not isinstance(kwargs["thinking"], bool | None):
                 raise ApiError(400, "chat_template_kwargs.thinking: must be a bool", "chat_template_kwargs.thinking")
             thinking = kwargs["thinking"] if kwargs["thinking"] is not None else thinking
-        thinking = True if thinking is None else thinking
         images = Images()
         tools, forced = offered_tools(req.tools, req.tool_choice)
         try:
@@ -66,6 +65,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         job = srv.chat_job(req, messages, tools, forced, thinking, images, arrived, effort=effort, top_logprobs=top,
                            max_tokens=req.max_completion_tokens or req.max_tokens, stop=req.stop,
                            fmt=req.response_format)
+        thinking = job.thinking
         jobs = job.choices(req.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())

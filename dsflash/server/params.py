@@ -156,20 +156,41 @@ def sampling_params(req: Sampling | MessagesRequest) -> SamplingParams:
         raise ApiError(400, str(e), str(e).split(" ")[0]) from e
 
 
-def reasoning_effort(value: str | int | None) -> tuple[bool | None, int | None]:
-    """(thinking override, effort) from OpenAI's reasoning_effort (named level or int 1..100)."""
+def reasoning_effort(value: str | int | None, field: str = "reasoning_effort") -> tuple[bool | None, int | None]:
+    """(thinking, effort) from OpenAI's reasoning_effort (a named level or an int 1..100): "none" turns
+    thinking off, any other level on with that effort; None leaves both to the defaults."""
     if value is None:
         return None, None
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         if not 1 <= value <= 100:
-            raise ApiError(400, "reasoning_effort: must be an integer in [1, 100] or a level name",
-                           "reasoning_effort")
-        return None, value
+            raise ApiError(400, f"{field}: must be an integer in [1, 100] or a level name", field)
+        return True, value
     if value not in REASONING_LEVELS:
-        raise ApiError(400, f"reasoning_effort: unknown level {value!r}; one of {sorted(REASONING_LEVELS)}",
-                       "reasoning_effort")
+        raise ApiError(400, f"{field}: unknown level {value!r}; one of {sorted(REASONING_LEVELS)}", field)
     effort = REASONING_LEVELS[value]
-    return (False, None) if effort is None else (None, effort)
+    return (False, None) if effort is None else (True, effort)
+
+
+def anthropic_thinking(req: MessagesRequest) -> tuple[bool | None, int | None]:
+    """(thinking, reasoning budget) from Anthropic's `thinking`: enabled needs budget_tokens, at least 1,024
+    and below max_tokens (as Anthropic checks), which caps the reasoning; adaptive thinks uncapped; disabled
+    does not; absent leaves it to the default."""
+    t = req.thinking
+    if t is None:
+        return None, None
+    if t.type == "disabled":
+        return False, None
+    if t.type == "adaptive":
+        return True, None
+    if t.budget_tokens is None:
+        raise ApiError(400, "thinking.budget_tokens: Field required when thinking is enabled", "thinking.budget_tokens")
+    if t.budget_tokens < 1024:
+        raise ApiError(400, "thinking.budget_tokens: Input should be greater than or equal to 1024",
+                       "thinking.budget_tokens")
+    if req.max_tokens <= t.budget_tokens:
+        raise ApiError(400, f"max_tokens must be greater than thinking.budget_tokens ({req.max_tokens} <= "
+                            f"{t.budget_tokens})", "max_tokens")
+    return True, t.budget_tokens
 
 
 def offered_tools(tools: list[dict] | None, tool_choice: Any, schema_field: str = "function.parameters"

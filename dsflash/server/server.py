@@ -29,8 +29,9 @@ from dsflash.tokenizer import EOS_ID
 
 class Server:
     def __init__(self, engine: Engine, tokenizer, cache: PrefixCache | None, model_name: str, dspark: int,
-                 chunk: int = DEFAULT_CHUNK):
+                 chunk: int = DEFAULT_CHUNK, thinking: bool = True):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.thinking = thinking  # the default of every endpoint (app.create_app says which)
         self.metrics = Metrics()
         if engine.encoder.reconnects is not None:  # a box
             self.metrics.box_reconnects = lambda: engine.encoder.reconnects
@@ -56,12 +57,15 @@ class Server:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def chat_job(self, req: Sampling | MessagesRequest, messages: list[dict], tools: list[dict] | None,
-                 forced: tuple[str, ...], thinking: bool, images: Images, arrived: float, *,
+                 forced: tuple[tuple[str, Any], ...], thinking: bool | None, images: Images, arrived: float, *,
                  max_tokens: int | None, stop: str | list[str] | None, effort: int | None = None,
-                 top_logprobs: int | None = None, fmt: Any = None, fmt_field: str = "response_format") -> Job:
+                 top_logprobs: int | None = None, fmt: Any = None, fmt_field: str = "response_format",
+                 budget: int | None = None) -> Job:
         """The job of a conversation (chat completions, Anthropic messages, Responses) in OpenAI's form with
         its images marked: the encoded prompt and its image spans, `req`'s sampling, the stop strings, the
-        forced tools, and the answer's format `fmt` (read as `json_mode` does, named `fmt_field`)."""
+        forced tools, and the answer's format `fmt` (read as `json_mode` does, named `fmt_field`). `thinking`
+        None: the server's default; `budget`: the reasoning's cap in tokens."""
+        thinking = self.thinking if thinking is None else thinking
         verbatim, replayed = self.replays.marked(messages)  # tool-call turns sent back as sampled
         try:
             text = encode_messages(messages, tools, thinking, effort, verbatim=verbatim)
@@ -74,7 +78,7 @@ class Server:
         # the generation-prompt tail `<think>`/`</think>` differs from the next turn's text; snapshot before it
         job = self.job(prompt, max_tokens, sampling_params(req), stop_list(stop), top_logprobs, len(prompt) - 1,
                        arrived)
-        job.images, job.forced_tools, job.thinking = spans, forced, thinking
+        job.images, job.forced_tools, job.thinking, job.reasoning_budget = spans, forced, thinking, budget
         job.json_mode, job.json_schema = json_mode(fmt, fmt_field, forced)
         return job
 
