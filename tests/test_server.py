@@ -552,7 +552,8 @@ def test_api_key_through_dsflash_serve(tmp_path):
 
     port = free_port()
     proc = start_server(["-m", "dsflash.cli", "serve", "--model", str(builtin_checkpoint(tmp_path)), "--port",
-                         str(port), "--api-key", "k3y", "--log-level", "warning"], port)
+                         str(port), "--api-key", "k3y", "--log-level", "warning",
+                         "--served-model-name", "tiny"], port)
     base = f"http://127.0.0.1:{port}"
     try:
         ask = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)

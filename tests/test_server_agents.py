@@ -26,7 +26,7 @@ def server(tmp_path_factory):
     from dsflash.checkpoint.builtin import builtin_checkpoint
 
     tmp = tmp_path_factory.mktemp("agents")
-    proc, base = serve_app(builtin_checkpoint(tmp), tmp, 4096, "tiny", 16)
+    proc, base = serve_app(builtin_checkpoint(tmp), tmp, 4096, "tiny,tiny-alias", 16)
     yield base
     proc.terminate()
     try:
@@ -215,3 +215,62 @@ def test_a_reasoning_budget_forces_the_end_of_the_reasoning(tmp_path):
     got, _, done = asyncio.run(srv.collect(job, request, True))
     assert done.tokens[5] == tok.token_to_id("</think>") and done.reasoning_tokens == 5
     assert len("".join(got.reasoning)) > 0 and done.completion_tokens == 12
+
+
+def test_api_details(oai, claude, server):
+    """Model names and aliases with each API's 404, /v1/models/{id}, count_tokens, error params naming each
+    API's own field, the Responses object's echo, special tokens left out of text, text_offset."""
+    import httpx
+
+    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from dsflash.server.encoding import encode_messages
+    from dsflash.tokenizer import load_tokenizer
+
+    ask = [{"role": "user", "content": "Hi"}]
+    assert [x.id for x in oai.models.list().data] == ["tiny", "tiny-alias"]
+    assert oai.models.retrieve("tiny-alias").id == "tiny-alias"
+    assert oai.chat.completions.create(model="tiny-alias", messages=ask, max_tokens=1).model == "tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="gpt-4o", messages=ask, max_tokens=1)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    for call in (lambda: oai.completions.create(model="gpt-4o", prompt="Hi", max_tokens=1),
+                 lambda: oai.responses.create(model="gpt-4o", input="Hi", max_output_tokens=1),
+                 lambda: oai.models.retrieve("gpt-4o")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.messages.create(model="claude-x", max_tokens=1, messages=ask)
+    assert e.value.body["error"]["type"] == "not_found_error"
+
+    tools = [{"name": "get_weather", "description": "Weather", "input_schema": SCHEMA}]
+    counted = claude.messages.count_tokens(model="tiny", messages=ask, tools=tools, system="Be brief.").input_tokens
+    m = claude.messages.create(model="tiny", max_tokens=1, messages=ask, tools=tools, system="Be brief.")
+    assert counted == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    tok = load_tokenizer(builtin_checkpoint())  # the served one's (the same seed, the same bytes)
+    text = encode_messages([{"role": "system", "content": "Be brief."}, *ask], [{"type": "function", "function": {
+        "name": "get_weather", "parameters": SCHEMA, "description": "Weather"}}], thinking=False)
+    assert counted == len(tok.encode(text, add_special_tokens=False).ids)
+
+    long = "word " * 5000  # past the 4,096-token context
+    for path, body, field in (("/v1/responses", {"input": long}, "input"),
+                              ("/v1/completions", {"prompt": long}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages")):
+        r = httpx.post(server + path, json={"model": "tiny", **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, r.text)
+
+    out = oai.responses.create(model="tiny", input="Hi", instructions="Be brief.", max_output_tokens=2,
+                               temperature=0.5, tool_choice="none", metadata={"k": "v"},
+                               tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}])
+    assert (out.temperature, out.max_output_tokens, out.instructions, out.tool_choice) == (0.5, 2, "Be brief.", "none")
+    assert [t.name for t in out.tools] == ["f"] and out.metadata == {"k": "v"}
+
+    system = tok.token_to_id("<｜System｜>")
+    kw = dict(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=0)
+    hidden = oai.completions.create(**kw, logit_bias={str(system): 100})
+    assert hidden.choices[0].text == "" and hidden.choices[0].logprobs.tokens == ["<｜System｜>"] * 3
+    shown = oai.completions.create(**kw, logit_bias={str(system): 100}, extra_body={"skip_special_tokens": False})
+    assert shown.choices[0].text == "<｜System｜>" * 3
+    plain = oai.completions.create(**{**kw, "max_tokens": 6}).choices[0]
+    tokens, offsets = plain.logprobs.tokens, plain.logprobs.text_offset
+    shown = ["" if t in ("<think>", "</think>") else t for t in tokens]  # left out of a completion's text
+    assert "".join(shown) == plain.text and offsets == [sum(len(t) for t in shown[:i]) for i in range(len(tokens))]

@@ -23,7 +23,7 @@ from dsflash.server.dsml import (
 )
 from dsflash.server.errors import ApiError
 from dsflash.server.images import ImageError, Images
-from dsflash.server.params import MessagesRequest, anthropic_thinking, offered_tools
+from dsflash.server.params import CountTokensRequest, MessagesRequest, anthropic_thinking, offered_tools
 from dsflash.server.server import Server
 from dsflash.server.sse import event_stream
 from dsflash.server.worker import Done, Job
@@ -31,11 +31,13 @@ from dsflash.server.worker import Done, Job
 
 def add_routes(app: FastAPI, srv: Server) -> None:
     m = srv.metrics
+    add_count_tokens(app, srv)
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):
         arrived = time.perf_counter()
         m.inc(m.requests, "messages")
+        srv.check_model(req.model)
         images = Images()
         msgs, tools = _anthropic_to_openai(req, images)
         tools, forced = offered_tools(tools, req.tool_choice, "input_schema")
@@ -95,6 +97,20 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         return {"id": mid, "type": "message", "role": "assistant", "model": srv.model_name, "content": blocks,
                 "stop_reason": _stop_reason(done, has_calls), "stop_sequence": done.stop_string,
                 "usage": _usage(done)}
+
+
+def add_count_tokens(app: FastAPI, srv: Server) -> None:
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: CountTokensRequest):
+        """The prompt's token count of a messages request (the prompt `/v1/messages` would run)."""
+        srv.metrics.inc(srv.metrics.requests, "count_tokens")
+        srv.check_model(req.model)
+        images = Images()
+        msgs, tools = _anthropic_to_openai(req, images)
+        tools, _ = offered_tools(tools, req.tool_choice, "input_schema")
+        thinking = None if req.thinking is None else req.thinking.type != "disabled"
+        prompt, _ = srv.prompt(msgs, tools, srv.thinking if thinking is None else thinking, images)
+        return {"input_tokens": len(prompt)}
 
 
 def _stop_reason(done: Done, calls: bool) -> str:

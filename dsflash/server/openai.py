@@ -39,16 +39,26 @@ from dsflash.tokenizer import BOS_ID
 def add_routes(app: FastAPI, srv: Server) -> None:
     m = srv.metrics
 
+    def model(name: str) -> dict:
+        return {"id": name, "object": "model", "created": srv.created, "owned_by": "dsflash",
+                "max_model_len": srv.engine.max_context}
+
     @app.get("/v1/models")
     async def models():
         m.inc(m.requests, "models")
-        return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
-                                            "owned_by": "dsflash", "max_model_len": srv.engine.max_context}]}
+        return {"object": "list", "data": [model(name) for name in srv.model_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str):
+        m.inc(m.requests, "models")
+        srv.check_model(name)
+        return model(name)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         arrived = time.perf_counter()
         m.inc(m.requests, "chat_completions")
+        srv.check_model(req.model)
         thinking, effort = reasoning_effort(req.reasoning_effort)
         kwargs = req.chat_template_kwargs or {}
         if "thinking" in kwargs:
@@ -101,6 +111,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     async def completions(req: CompletionRequest, request: Request):
         arrived = time.perf_counter()
         m.inc(m.requests, "completions")
+        srv.check_model(req.model)
         if req.echo:
             raise ApiError(400, "echo: not supported", "echo")
         if isinstance(req.prompt, str):
@@ -113,16 +124,27 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                 raise ApiError(400, f"prompt: token ids must be a non-empty list in [0, {vocab})", "prompt")
             prompt = list(req.prompt)
         top = req.logprobs
-        job = srv.job(prompt, req.max_tokens or 16, sampling_params(req), stop_list(req.stop), top, 0, arrived)
+        hidden = srv.worker.hidden_texts(parsed=False) if req.skip_special_tokens else set()
+
+        def _shown(entry: dict) -> int:
+            return 0 if entry["token"] in hidden else len(entry["token"])
+        job = srv.job(prompt, req.max_tokens or 16, sampling_params(req), stop_list(req.stop), top, 0, arrived,
+                      "prompt")
+        job.skip_special, job.parsed = req.skip_special_tokens, False
         job.json_mode, job.json_schema = json_mode(getattr(req, "response_format", None), "response_format")
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
-        def lp_obj(lps: list[dict]) -> dict | None:
+        def lp_obj(lps: list[dict], offset: int = 0) -> dict | None:
             if top is None:
                 return None
+            offsets, at = [], offset
+            for x in lps:  # where each token's text starts in the choice's text (a left-out one adds nothing)
+                offsets.append(at)
+                at += _shown(x)
             return {"tokens": [x["token"] for x in lps], "token_logprobs": [x["logprob"] for x in lps],
-                    "top_logprobs": [{t["token"]: t["logprob"] for t in x["top_logprobs"]} for x in lps]}
+                    "top_logprobs": [{t["token"]: t["logprob"] for t in x["top_logprobs"]} for x in lps],
+                    "text_offset": offsets}
 
         jobs = job.choices(req.n)
         if req.stream:
@@ -133,8 +155,13 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                                  "model": srv.model_name, "choices": choices, **extra})
 
             async def choice(index: int, j: Job) -> AsyncIterator[Any]:
+                at = 0  # the choice's text so far, where the next chunk's text offsets start
+
                 def chunk(text: str, finish: str | None = None, lps=()) -> dict:
-                    return {"index": index, "text": text, "logprobs": lp_obj(list(lps)), "finish_reason": finish}
+                    nonlocal at
+                    obj = lp_obj(list(lps), at)
+                    at += sum(_shown(x) for x in lps)
+                    return {"index": index, "text": text, "logprobs": obj, "finish_reason": finish}
 
                 async for ev in srv.events(j, request):
                     if isinstance(ev, Done):

@@ -48,6 +48,7 @@ class Sampling(_Body):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)  # choice i samples with seed + i
     return_progress: bool = False  # llama.cpp's prompt_progress chunks while prefilling (streaming only)
+    skip_special_tokens: bool = True  # vLLM's: special tokens (BOS, the role markers) left out of the text
 
 
 class ChatRequest(Sampling):
@@ -86,6 +87,10 @@ class MessagesRequest(_Body):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     thinking: AnthropicThinking | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int | None = Field(None, ge=1)  # not part of a count
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -201,6 +201,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     async def responses(req: ResponsesRequest, request: Request):
         arrived = time.perf_counter()
         m.inc(m.requests, "responses")
+        srv.check_model(req.model)
         thinking, effort = reasoning_effort((req.reasoning or {}).get("effort"), "reasoning.effort")
         images = Images()
         items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else list(req.input)
@@ -215,7 +216,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         tools, forced = offered_tools(tools, req.tool_choice, "parameters")
         job = srv.chat_job(req, messages, tools, forced, thinking, images, arrived, effort=effort,
                            max_tokens=req.max_output_tokens or req.max_tokens, stop=req.stop,
-                           fmt=(req.text or {}).get("format"), fmt_field="text.format")
+                           fmt=(req.text or {}).get("format"), fmt_field="text.format", field="input")
         thinking = job.thinking
         rid, created, echo = f"resp_{uuid.uuid4().hex}", time.time(), _echo(req)
         if req.stream:

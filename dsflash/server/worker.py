@@ -31,7 +31,7 @@ from dsflash.server.encoding import (
 )
 from dsflash.server.metrics import Metrics
 from dsflash.tokenizer import EOS_ID, token_bytes
-from dsflash.tokens import DSML
+from dsflash.tokens import ASSISTANT, BOS, DSML, EOS, PAD, SYSTEM, THINK_START, USER
 
 # one call as `render_tool_calls` writes it: what a forced call's grammar follows
 DSML_SYNTAX = Syntax(head=TOOL_CALLS_SEPARATOR + DSML_CALLS_OPEN + "\n" + DSML_INVOKE_OPEN,
@@ -59,6 +59,11 @@ class Job:
     json_schema: Node | None = None  # ... following this schema
     thinking: bool = False  # with either: the constraint starts at the reasoning's end
     reasoning_budget: int | None = None  # thinking: `</think>` is forced after this many reasoning tokens
+    prompt_field: str = "messages"  # the request's field of the prompt, for errors about it
+    # the text leaves out the special tokens (BOS, EOS, PAD, the role markers, `<think>`; vLLM's default),
+    # and `</think>` too unless a parser reads the text (which needs it, and the DSML marker)
+    skip_special: bool = True
+    parsed: bool = True
 
     def choices(self, n: int) -> list[Job]:
         """This job and its n - 1 siblings (seed + i; greedy ones give the same text, as in vLLM)."""
@@ -136,6 +141,8 @@ class Worker:
                  chunk: int = DEFAULT_CHUNK, concurrency: int = 2):
         self.engine, self.tokenizer, self.cache, self.dspark = engine, tokenizer, cache, dspark
         self.metrics, self.chunk = metrics, chunk
+        hidden = {tokenizer.token_to_id(t) for t in (BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, THINK_START)} - {None}
+        self._hidden = {True: hidden, False: hidden | {tokenizer.token_to_id(THINK_END)}}  # by Job.parsed
         self._vocabs: dict[str, Vocab] = {}  # token bytes for JSON mode ("json") and forced calls ("dsml")
         self._json_masks: dict = {}
         self._json_lock = threading.Lock()
@@ -223,7 +230,8 @@ class Worker:
                 ended = [tok]
                 break
             out.append(tok)
-            piece, stop_string = stops.feed(self.tokenizer.decode(out, skip_special_tokens=False))
+            shown = [t for t in out if t not in self._hidden[job.parsed]] if job.skip_special else out
+            piece, stop_string = stops.feed(self.tokenizer.decode(shown, skip_special_tokens=False))
             if piece or pending_lp:
                 emit(Text(piece, pending_lp))
                 pending_lp = []
@@ -246,6 +254,10 @@ class Worker:
                 pass
         emit(Done(finish, stop_string, stats.prompt_tokens, stats.cached_tokens, emitted, stats.as_dict(), out + ended,
                   self._reasoning_tokens(job, out)))
+
+    def hidden_texts(self, parsed: bool) -> set[str]:
+        """The text of the tokens left out of a job's text (see Job.skip_special)."""
+        return {self.tokenizer.id_to_token(t) for t in self._hidden[parsed] if t is not None}
 
     def _reasoning_tokens(self, job: Job, out: list[int]) -> int:
         """How many of the generated tokens are reasoning: those before `</think>` (thinking mode)."""
