@@ -288,3 +288,15 @@ def test_random_step_and_rollback_sequences_on_tiny_b(tiny_b, data):
         if data.draw(st.booleans()) and s.pos < n:  # resume from a snapshot at this point
             s = type(s).restore(engine, s.snapshot())
     assert s.tokens == ids
+
+
+def test_prefill_passes_report_progress_and_keep_the_bits(engine):
+    """`sync(pass_rows=...)`: the encoder runs in smaller passes, each followed by progress; the logits and
+    the snapshot are the same bits as with passes of a whole chunk."""
+    ids = prompt(40, seed=7)
+    a = engine.session()
+    whole = a.sync(ids, chunk=32).logits
+    b, seen = engine.session(), []
+    passes = b.sync(ids, chunk=32, pass_rows=5, progress=lambda done, total: seen.append((done, total))).logits
+    assert torch.equal(whole, passes) and a.snapshot() == b.snapshot()
+    assert seen == [(d, 40) for d in (5, 10, 15, 20, 25, 30, 32, 37, 40)]

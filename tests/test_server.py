@@ -299,7 +299,8 @@ def test_tool_calls_formatting_in_process():
 
     engine = SimpleNamespace(max_context=4096, args=SimpleNamespace(vocab_size=512),
                              encoder=SimpleNamespace(reconnects=None))  # a local encoder half: no box
-    app = create_app(engine, build_tiny_tokenizer(512), prefix_cache=False, model_name="tiny")
+    app = create_app(engine, build_tiny_tokenizer(512), prefix_cache=False, model_name="tiny",
+                     thinking=False)  # the scripted replies hold no reasoning
     app.state.server.worker = ScriptedWorker()
     client = TestClient(app)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

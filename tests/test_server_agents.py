@@ -274,3 +274,51 @@ def test_api_details(oai, claude, server):
     tokens, offsets = plain.logprobs.tokens, plain.logprobs.text_offset
     shown = ["" if t in ("<think>", "</think>") else t for t in tokens]  # left out of a completion's text
     assert "".join(shown) == plain.text and offsets == [sum(len(t) for t in shown[:i]) for i in range(len(tokens))]
+
+
+def _progress(base: str, body: dict) -> list[dict]:
+    import httpx
+
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True, "return_progress": True},
+                      timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+
+
+def test_prefill_progress_is_monotone_with_llama_cpp_fields(server):
+    body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "a long story " * 40}],
+            **NO_THINK}
+    events = _progress(server, body)
+    assert len(events) >= 3 and all(set(e) == {"total", "cache", "processed", "time_ms"} for e in events)
+    pairs = list(zip(events, events[1:], strict=False))
+    assert all(a["time_ms"] <= b["time_ms"] and a["processed"] < b["processed"] for a, b in pairs)
+    assert events[-1]["processed"] == events[-1]["total"] and events[0]["cache"] == 0
+    longer = {**body, "messages": [{"role": "user", "content": "a long story " * 40 + "with an ending"}]}
+    again = _progress(server, longer)  # resumed from the cache up to a snapshot of the first prompt
+    assert again[-1]["cache"] > 16 and again[-1]["processed"] == again[-1]["total"] > events[-1]["total"]
+
+
+@pytest.mark.slow
+def test_serve_chunk_thinking_and_model_names(tmp_path):
+    """`dsflash serve --chunk 16 --thinking on --served-model-name a,b`: progress at least every 16 prefilled
+    tokens, thinking by default, both names served and the first reported."""
+    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from tests.conftest import free_port, start_server
+
+    port = free_port()
+    proc = start_server(["-m", "dsflash.cli", "serve", "--model", str(builtin_checkpoint(tmp_path)), "--port",
+                         str(port), "--chunk", "16", "--thinking", "on", "--served-model-name", "tiny,alias",
+                         "--log-level", "warning"], port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        assert [x.id for x in client.models.list().data] == ["tiny", "alias"]
+        r = client.chat.completions.create(model="alias", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert r.model == "tiny" and "reasoning_content" in r.choices[0].message.model_extra
+        events = _progress(base, {"model": "tiny", "max_tokens": 1, **NO_THINK,
+                                  "messages": [{"role": "user", "content": "a long story " * 30}]})
+        steps = [b["processed"] - a["processed"] for a, b in zip([{"processed": 0}] + events, events, strict=False)]
+        assert events[-1]["processed"] == events[-1]["total"] and max(steps) <= 16 * 2, steps  # (polled: may skip one)
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -40,6 +40,9 @@ DSML_SYNTAX = Syntax(head=TOOL_CALLS_SEPARATOR + DSML_CALLS_OPEN + "\n" + DSML_I
                      invoke_end="\n" + DSML_INVOKE_CLOSE + "\n" + DSML_CALLS_CLOSE)
 
 
+PROGRESS_S = 0.5  # prefill progress about this often
+
+
 @dataclass
 class Job:
     prompt: list[int]
@@ -141,6 +144,9 @@ class Worker:
                  chunk: int = DEFAULT_CHUNK, concurrency: int = 2):
         self.engine, self.tokenizer, self.cache, self.dspark = engine, tokenizer, cache, dspark
         self.metrics, self.chunk = metrics, chunk
+        # rows of a prefill's encoder passes, each followed by a progress event: about PROGRESS_S of work at the
+        # last prefill's speed (the bits do not depend on it)
+        self.pass_rows = max(16, chunk // 16)
         hidden = {tokenizer.token_to_id(t) for t in (BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, THINK_START)} - {None}
         self._hidden = {True: hidden, False: hidden | {tokenizer.token_to_id(THINK_END)}}  # by Job.parsed
         self._vocabs: dict[str, Vocab] = {}  # token bytes for JSON mode ("json") and forced calls ("dsml")
@@ -173,16 +179,21 @@ class Worker:
     def _prepare(self, job: Job, stats: DecodeStats):
         prompt, t0 = job.prompt, time.perf_counter()
 
-        def progress(done: int, total: int) -> None:
-            job.progress = {"total": len(prompt), "cache": stats.cached_tokens, "processed": stats.cached_tokens + done,
-                            "time_ms": round((time.perf_counter() - t0) * 1000, 1)}
+        def progress(done: int, total: int) -> None:  # a new dict each time: the stream sends each one once
+            cache = len(prompt) - total  # kept or resumed: not prefilled
+            job.progress = {"total": len(prompt), "cache": cache, "processed": cache + done,
+                            "time_ms": round((time.perf_counter() - t0) * 1000, 1)}  # one clock per job: monotone
 
         session = self.engine.session()
         # also snapshot at the split, so the next turn of the conversation (whose text differs from this
         # prompt's generation-prompt tail, e.g. `<think>` vs `</think>`) resumes from there
         synced = session.sync(prompt, images=job.images, cache=self.cache, chunk=self.chunk,
-                              snapshot_at=job.split if 0 < job.split < len(prompt) else None, progress=progress)
+                              snapshot_at=job.split if 0 < job.split < len(prompt) else None, progress=progress,
+                              pass_rows=self.pass_rows)
         stats.prompt_tokens, stats.cached_tokens, stats.prefill_s = len(prompt), synced.reused, synced.prefill_s
+        if synced.prefill_s > 0.05:
+            rate = (len(prompt) - synced.reused) / synced.prefill_s
+            self.pass_rows = int(min(max(16, rate * PROGRESS_S), self.chunk))
         return session, synced.logits
 
     def _generate(self, job: Job, emit: Callable[[Any], None]) -> None:
