@@ -322,3 +322,24 @@ def test_serve_chunk_thinking_and_model_names(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_reply_is_replayed_only_when_it_comes_back_unchanged():
+    from dsflash.server.replay import Replays, Reply, tokenize_with
+
+    store = Replays(limit=2)
+    store.remember(Reply((5, 6, 1), False, "Let me look.", "", (("call_a", "get", {"x": 1}),)))
+    sent = {"role": "assistant", "content": "Let me look.",
+            "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "get", "arguments": '{"x":1}'}}]}
+    assert store.match(sent) is not None  # the same JSON value, however it is spaced
+    fn = sent["tool_calls"][0]["function"]
+    for changed in ({**sent, "content": "Other."}, {**sent, "reasoning_content": "not what was sampled"},
+                    {**sent, "tool_calls": [{**sent["tool_calls"][0], "function": {**fn, "arguments": '{"x": 2}'}}]},
+                    {**sent, "tool_calls": [{**sent["tool_calls"][0], "id": "call_b"}]}, {**sent, "role": "user"}):
+        assert store.match(changed) is None, changed
+    verbatim, ids = store.marked([{"role": "user", "content": "Hi"}, sent])
+    assert list(verbatim) == [1] and ids == [(5, 6, 1)]
+    assert tokenize_with(lambda text: [len(text)], ids)("ab" + verbatim[1][1] + "cde") == [2, 5, 6, 1, 3]
+    for k in range(2):  # bounded: the oldest call ids go first
+        store.remember(Reply((k,), False, "", "", ((f"call_{k}", "get", {}),)))
+    assert store.match(sent) is None
