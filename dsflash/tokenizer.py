@@ -12,6 +12,7 @@ by SGLang and others): same `tokenizers.normalizers` pipeline, same keying and f
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Protocol
 
@@ -263,14 +264,17 @@ def _byte_level_alphabet() -> dict[str, int]:
     return chars
 
 
-def token_bytes(tokenizer) -> list[bytes | None]:
-    """Each token's bytes under a byte-level BPE tokenizer; None for added tokens (specials, markers)."""
+def token_bytes(tokenizer, markers: Collection[str] = ()) -> list[bytes | None]:
+    """Each token's bytes under a byte-level BPE tokenizer; None for added tokens (specials, markers) except
+    the `markers` named, whose bytes are their text's."""
     alphabet = _byte_level_alphabet()
-    added = set(tokenizer.get_added_tokens_decoder())
+    added = tokenizer.get_added_tokens_decoder()
     out: list[bytes | None] = []
     for i in range(tokenizer.get_vocab_size()):
         piece = tokenizer.id_to_token(i)
-        if piece is None or i in added:
+        if i in added and added[i].content in markers:
+            out.append(added[i].content.encode())
+        elif piece is None or i in added:
             out.append(None)
         elif all(c in alphabet for c in piece):
             out.append(bytes(alphabet[c] for c in piece))

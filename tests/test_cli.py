@@ -94,7 +94,7 @@ def test_generate_without_a_model_uses_the_built_in_checkpoint(tmp_path):
                         "--json"], env={**ENV, "DSFLASH_HOME": str(tmp_path)}, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "built-in tiny checkpoint" in r.stderr and (tmp_path / "builtin-tiny-a-s0-v2" / "tokenizer.json").is_file()
+    assert "built-in tiny checkpoint" in r.stderr and (tmp_path / "builtin-tiny-a-s0-v3" / "tokenizer.json").is_file()
     out = json.loads(r.stdout)
     assert out["generated"] == 4 and isinstance(out["text"], str)
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsflash.engine.sampling import Forcing, History, SamplingParams, sample
+from dsflash.engine.sampling import AfterReasoning, History, SamplingParams, sample
 from dsflash.engine.session import Engine
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
@@ -110,55 +110,31 @@ def test_accepted_drafts_give_plain_decoding(engine, params):
     assert stats.accepted > 0 and stats.accepted < stats.drafted
 
 
-def test_forcing_by_hand():
-    f = Forcing([[5, 6, 7], [5, 8]], trigger=2)
-    assert f.allowed() is None
-    f.advance(3)
-    assert f.allowed() is None
-    f.advance(2)  # the trigger: one of the sequences must follow
-    assert f.allowed() == [5]
-    f.advance(5)
-    assert sorted(f.allowed()) == [6, 8] and f.determined(5) == []
-    assert Forcing([[1, 2, 3, 4], [1, 2, 5]]).determined(5) == [1, 2]
-    f.advance(8)  # a sequence done: free again, also after another trigger
-    f.advance(2)
-    assert f.allowed() is None
-    with pytest.raises(ValueError):
-        Forcing([])
-
-
 @pytest.mark.parametrize("params", DECODING[:2], ids=["greedy", "seeded"])
-def test_forced_continuation_and_drafts(engine, params):
-    """A forced continuation (a tool call the request forces) follows its trigger token in the output, and
-    speculative decoding with partly right drafts gives exactly the same tokens."""
+def test_capped_reasoning_and_drafts(engine, params):
+    """A reasoning budget forces the reasoning's end token after that many tokens (a draft sure to verify),
+    and the tokens after it, one per step by hand or with partly right drafts, are the same."""
     ids = prompt(25, seed=4)
     s = engine.session()
     free = list(decode(s, s.prefill(ids), 12, params, stop=set()))
-    trigger, seqs = free[2], [[11, 12, 13, 14], [11, 15]]
+    trigger = next(t for t in range(3, 500) if t not in free[:3])
     s = engine.session()
-    forced = list(decode(s, s.prefill(ids), 20, params, stop=set(), constraint=Forcing(seqs, trigger)))
-    at = forced.index(trigger) + 1
-    assert forced[:at] == free[:at] and forced[at:at + 4] in (seqs[0], seqs[1] + forced[at + 2:at + 4])
-    # one token per step, by hand: the forced tokens (verified as drafts in one step by `decode`) and
-    # everything after them are the tokens plain decoding gives
-    s, by_hand, forcing = engine.session(), [], Forcing(seqs, trigger)
+    capped = list(decode(s, s.prefill(ids), 20, params, stop=set(), constraint=AfterReasoning(trigger, None, 3)))
+    assert capped[:3] == free[:3] and capped[3] == trigger
+    s, by_hand, cap = engine.session(), [], AfterReasoning(trigger, None, 3)
     logits = s.prefill(ids)
     for _ in range(20):
-        t = sample(logits, s.pos, params, None, forcing)
-        forcing.advance(t)
+        t = sample(logits, s.pos, params, None, cap)
+        cap.advance(t)
         by_hand.append(t)
         logits = s.step(s.pos, [t])[0]
-    assert forced == by_hand
+    assert capped == by_hand
     s = engine.session()
-    s.draft = partly_right_drafter(s, len(ids), forced)
+    s.draft = partly_right_drafter(s, len(ids), capped)
     stats = DecodeStats()
     again = list(decode(s, s.prefill(ids), 20, params, stop=set(), dspark=4, stats=stats,
-                        constraint=Forcing(seqs, trigger)))
-    assert again == forced and 0 < stats.accepted < stats.drafted
-    # a forced prefix with no choice left costs one step: 8 tokens in 8 - 1 - 3 steps
-    s, stats = engine.session(), DecodeStats()
-    out = list(decode(s, s.prefill(ids), 8, params, stop=set(), stats=stats, constraint=Forcing([seqs[0]])))
-    assert out[:4] == seqs[0] and stats.cycles == 4 and stats.drafted == 0
+                        constraint=AfterReasoning(trigger, None, 3)))
+    assert again == capped and 0 < stats.accepted < stats.drafted
 
 
 def test_penalties_and_biases_by_hand():
@@ -312,3 +288,15 @@ def test_random_step_and_rollback_sequences_on_tiny_b(tiny_b, data):
         if data.draw(st.booleans()) and s.pos < n:  # resume from a snapshot at this point
             s = type(s).restore(engine, s.snapshot())
     assert s.tokens == ids
+
+
+def test_prefill_passes_report_progress_and_keep_the_bits(engine):
+    """`sync(pass_rows=...)`: the encoder runs in smaller passes, each followed by progress; the logits and
+    the snapshot are the same bits as with passes of a whole chunk."""
+    ids = prompt(40, seed=7)
+    a = engine.session()
+    whole = a.sync(ids, chunk=32).logits
+    b, seen = engine.session(), []
+    passes = b.sync(ids, chunk=32, pass_rows=5, progress=lambda done, total: seen.append((done, total))).logits
+    assert torch.equal(whole, passes) and a.snapshot() == b.snapshot()
+    assert seen == [(d, 40) for d in (5, 10, 15, 20, 25, 30, 32, 37, 40)]

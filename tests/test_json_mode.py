@@ -11,8 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsflash.checkpoint.builtin import builtin_checkpoint
-from dsflash.engine.json_mode import START, JsonObject, SchemaError, compile_schema, feed, is_complete, schema_start
-from dsflash.engine.sampling import SamplingParams, sample
+from dsflash.engine.json_mode import (
+    START,
+    JsonObject,
+    SchemaError,
+    Vocab,
+    compile_schema,
+    feed,
+    is_complete,
+    schema_start,
+)
+from dsflash.engine.sampling import AfterReasoning, SamplingParams, sample
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.tokenizer import EOS_ID, load_tokenizer, token_bytes
 from tests.conftest import partly_right_drafter
@@ -82,7 +91,7 @@ def test_random_decoding_under_the_mask_stays_json(vocab):
     rng = random.Random(0)
     finished, cache = 0, {}
     for run in range(40):
-        c = JsonObject(tb, EOS_ID, cache=cache)
+        c = JsonObject(Vocab(tb), EOS_ID, cache=cache)
         out = b""
         for pos in range(60):
             t = sample(torch.randn(len(tb), generator=torch.Generator().manual_seed(rng.randrange(1 << 30))),
@@ -100,13 +109,21 @@ def test_random_decoding_under_the_mask_stays_json(vocab):
 def test_thinking_starts_the_mask_after_the_reasoning(vocab):
     tok, tb = vocab
     think_end = tok.token_to_id("</think>")
-    c = JsonObject(tb, EOS_ID, trigger=think_end)
+    c = AfterReasoning(think_end, JsonObject(Vocab(tb), EOS_ID))
     assert c.allowed() is None
     c.advance(tok.token_to_id("Hello") or 100)
     assert c.allowed() is None
     c.advance(think_end)
     mask = c.allowed()
     assert mask[tok.token_to_id("{")] and not mask[tok.token_to_id("}")] and not mask[EOS_ID]
+    # a reasoning budget: after 2 reasoning tokens the reasoning's end is the one token left (a sure draft)
+    capped = AfterReasoning(think_end, JsonObject(Vocab(tb), EOS_ID), budget=2)
+    capped.advance(100)
+    assert capped.allowed() is None and capped.determined(3) == []
+    capped.advance(101)
+    assert capped.allowed() == [think_end] and capped.determined(3) == [think_end]
+    capped.advance(think_end)
+    assert capped.allowed()[tok.token_to_id("{")] and capped.reasoning == 2
 
 
 def test_json_decoding_with_drafts_is_exact(vocab):
@@ -117,14 +134,14 @@ def test_json_decoding_with_drafts_is_exact(vocab):
     ids = tok.encode("Give me JSON:", add_special_tokens=False).ids
     params = SamplingParams(temperature=0.8, seed=5)
     s = engine.session()
-    plain = list(decode(s, s.prefill(ids), 30, params, {EOS_ID}, constraint=JsonObject(tb, EOS_ID)))
+    plain = list(decode(s, s.prefill(ids), 30, params, {EOS_ID}, constraint=JsonObject(Vocab(tb), EOS_ID)))
     text = b"".join(tb[t] for t in plain if t != EOS_ID)
     assert accepts_prefixes(text) and text.lstrip().startswith(b"{")
     s = engine.session()
     s.draft = partly_right_drafter(s, len(ids), plain)
     stats = DecodeStats()
     assert list(decode(s, s.prefill(ids), 30, params, {EOS_ID}, dspark=4, stats=stats,
-                       constraint=JsonObject(tb, EOS_ID))) == plain
+                       constraint=JsonObject(Vocab(tb), EOS_ID))) == plain
     assert stats.accepted > 0
 
 
@@ -210,7 +227,7 @@ def test_random_decoding_under_a_schema_conforms(vocab):
     rng, finished = random.Random(1), 0
     node = compile_schema(SCHEMA)
     for run in range(60):
-        c = JsonObject(tb, EOS_ID, schema=node)
+        c = JsonObject(Vocab(tb), EOS_ID, schema=node)
         out = b""
         for pos in range(120):
             logits = torch.randn(len(tb), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))

@@ -298,8 +298,10 @@ def test_tool_calls_formatting_in_process():
             emit(Done("stop", None, len(job.prompt), 0, 12, {}))
 
     engine = SimpleNamespace(max_context=4096, args=SimpleNamespace(vocab_size=512),
-                             encoder=SimpleNamespace(reconnects=None))  # a local encoder half: no box
-    app = create_app(engine, build_tiny_tokenizer(512), prefix_cache=False, model_name="tiny")
+                             encoder=SimpleNamespace(reconnects=None),  # a local encoder half: no box
+                             tier_stats=dict)  # every weight resident
+    app = create_app(engine, build_tiny_tokenizer(512), prefix_cache=False, model_name="tiny",
+                     thinking=False)  # the scripted replies hold no reasoning
     app.state.server.worker = ScriptedWorker()
     client = TestClient(app)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -492,7 +494,7 @@ def test_json_mode(oai, server):
             assert json.loads(text)["city"] in ("Paris", "Rome")
     # with thinking, the constraint waits for the reasoning's end (this random model rarely gets there): the
     # request runs through the triggered path without error
-    r = oai.chat.completions.create(**{**kw, "max_tokens": 8})
+    r = oai.chat.completions.create(**{**kw, "max_tokens": 8}, extra_body={"chat_template_kwargs": {"thinking": True}})
     assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 8)  # still in the reasoning
 
 
@@ -552,7 +554,8 @@ def test_api_key_through_dsflash_serve(tmp_path):
 
     port = free_port()
     proc = start_server(["-m", "dsflash.cli", "serve", "--model", str(builtin_checkpoint(tmp_path)), "--port",
-                         str(port), "--api-key", "k3y", "--log-level", "warning"], port)
+                         str(port), "--api-key", "k3y", "--log-level", "warning",
+                         "--served-model-name", "tiny"], port)
     base = f"http://127.0.0.1:{port}"
     try:
         ask = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)

@@ -40,7 +40,8 @@ def split_server(tmp_path_factory):
     health_port = free_port()
     box = start_box(ckpt, box_port, health_port)
     server = start_server(["-m", "dsflash.cli", "serve", "--model", str(ckpt), "--port", str(port), "--box",
-                           f"127.0.0.1:{box_port}", "--box-deadline", "2", "--log-level", "warning"], port)
+                           f"127.0.0.1:{box_port}", "--box-deadline", "2", "--log-level", "warning",
+                           "--served-model-name", "tiny"], port)
     base = f"http://127.0.0.1:{port}"
     state = {"box": box, "health_port": health_port}
     yield base, ckpt, box_port, state

@@ -17,7 +17,7 @@ BUILTIN_SEED = 0
 
 def builtin_checkpoint(root: str | Path | None = None) -> Path:
     root = Path(root or os.environ.get("DSFLASH_HOME", Path.home() / ".cache" / "dsflash"))
-    out = root / f"builtin-tiny-a-s{BUILTIN_SEED}-v2"
+    out = root / f"builtin-tiny-a-s{BUILTIN_SEED}-v3"  # v3: the manifest says "seeded"
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
     base = PRESETS["tiny-a"]

@@ -217,7 +217,7 @@ def make_checkpoint(args: ModelArgs, seed: int, out_dir: str | Path, shards: int
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                             indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
-    write_manifest(out)  # for `--verify-weights`
+    write_manifest(out, seed)  # for `--verify-weights`, and saying the weights are random
     return out
 
 

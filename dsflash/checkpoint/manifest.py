@@ -4,6 +4,9 @@ generate`), so a damaged byte is refused with its tensor's name instead of quiet
 
     {"format": 1, "algorithm": "sha256", "config.json": hex, "tensors": {name: {"file": ..., "sha256": hex}}}
 
+and, for a checkpoint `make-checkpoint` drew from a seed, `"seeded": seed`: random weights that never learnt
+anything (the server's thinking default is off for them, see `seeded`).
+
 Hashing reads every byte once (in threads: hashlib and file reads release the GIL); the always-on NaN
 scan of 8-bit floats at load (reader.nan_bytes) is what catches damage when no manifest is checked.
 """
@@ -32,15 +35,27 @@ def _config_digest(path: Path) -> str:
     return hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
 
 
-def write_manifest(path: str | Path) -> Path:
-    """Hash the checkpoint at `path` as it is now into `path/model.manifest.json`; returns its path."""
+def write_manifest(path: str | Path, seed: int | None = None) -> Path:
+    """Hash the checkpoint at `path` as it is now into `path/model.manifest.json` (with `seed`: its weights
+    were drawn from it); returns its path."""
     path = Path(path)
     ckpt = Checkpoint(path)
     tensors = {name: {"file": ckpt.file_of(name), "sha256": d} for name, d in _digests(ckpt).items()}
     out = path / MANIFEST
-    out.write_text(json.dumps({"format": FORMAT, "algorithm": "sha256", "config.json": _config_digest(path),
-                               "tensors": tensors}, indent=1) + "\n")
+    manifest = {"format": FORMAT, "algorithm": "sha256", "config.json": _config_digest(path), "tensors": tensors}
+    if seed is not None:
+        manifest["seeded"] = seed
+    out.write_text(json.dumps(manifest, indent=1) + "\n")
     return out
+
+
+def seeded(path: str | Path) -> bool:
+    """Whether the checkpoint at `path` holds seeded random weights (its manifest says so): a model that never
+    learnt to think, so the server does not make it reason unless asked."""
+    try:
+        return "seeded" in json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def verify_weights(path: str | Path) -> int:

@@ -7,7 +7,7 @@ the allowed tokens of each position for the sampler. A token is allowed when all
 text a valid prefix; EOS only once the object is closed; other special tokens never. Masks are cached by
 automaton state, so a state's vocabulary scan is paid once per server, and tokens made only of plain
 string bytes are allowed inside strings without a scan. Its state follows emitted tokens only
-(`advance`), like `sampling.Forcing`, so speculative decoding stays exact.
+(`advance`), never drafts, so speculative decoding stays exact.
 
 With a schema (`compile_schema`, a subset: type, properties, required, additionalProperties, items, enum,
 const; anything else is refused, never ignored) the automaton's frames carry the schema: an object emits
@@ -18,7 +18,7 @@ their property's type, enum and const values are matched literally, integers hav
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -325,11 +325,11 @@ def _plain(data: bytes | None) -> bool:
     return all(c >= " " and c not in '"\\' for c in text)
 
 
-def feed(state: State | None, data: bytes) -> State | None:
+def feed(state: State | None, data: bytes, step_fn: Callable[[State, int], State | None] = step) -> State | None:
     for byte in data:
         if state is None:
             return None
-        state = step(state, byte)
+        state = step_fn(state, byte)
     return state
 
 
@@ -337,64 +337,79 @@ def is_complete(state: State | None) -> bool:
     return state is not None and state[0] == "done"
 
 
+def value_may_end(state: State) -> bool:
+    """Whether a top-level value is whole in `state` (a number ends only where the next byte cannot continue
+    it: a space after it shows whether it could end here)."""
+    after = step(state, ord(" "))
+    return after is not None and after[0] == "done"
+
+
+class Vocab:
+    """A vocabulary's token bytes (None: a token no grammar ever allows) and the tables the masks of byte
+    automata are built from: the tokens by first byte, and the plain-string tokens."""
+
+    def __init__(self, token_bytes: Sequence[bytes | None]):
+        self.tokens = token_bytes
+        self.has_bytes = torch.tensor([b is not None for b in token_bytes])
+        # tokens that leave a string's plain state as it was
+        self.plain = torch.tensor([_plain(b) for b in token_bytes])
+        self.by_first: dict[int, list[int]] = {}
+        for i, b in enumerate(token_bytes):
+            if b:
+                self.by_first.setdefault(b[0], []).append(i)
+        self._without: dict[int, torch.Tensor] = {}
+
+    def without(self, byte: int) -> torch.Tensor:
+        """The tokens with bytes none of which is `byte`."""
+        if byte not in self._without:
+            self._without[byte] = torch.tensor([b is not None and byte not in b for b in self.tokens])
+        return self._without[byte]
+
+    def mask(self, state: State, step_fn: Callable[[State, int], State | None],
+             keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The tokens whose bytes `step_fn` takes from `state`. `keep`: tokens known to be taken (they leave
+        the state as it was), so only the others are scanned; without it only the tokens whose first byte
+        is taken are."""
+        if keep is not None:
+            mask = keep.clone()
+            todo = (~mask).nonzero().flatten().tolist()
+        else:
+            mask = torch.zeros(len(self.tokens), dtype=torch.bool)
+            todo = [i for byte, ids in self.by_first.items() if step_fn(state, byte) is not None for i in ids]
+        for i in todo:
+            data = self.tokens[i]
+            if data:
+                mask[i] = feed(state, data, step_fn) is not None
+        return mask
+
+
 class JsonObject:
-    """Allowed tokens for JSON mode. `token_bytes[i]` is token i's bytes, None for special tokens; `eos`
-    ends the answer once the object is closed; with `trigger` (the end of the reasoning) the constraint
-    starts after that token; with `schema` the object follows it. Masks of schema-free states are cached
+    """Allowed tokens for JSON mode. `vocab`: the token bytes (None for special tokens); `eos` ends the answer
+    once the object is closed; with `schema` the object follows it. Masks of schema-free states are cached
     across requests (share one `cache`)."""
 
-    def __init__(self, token_bytes: Sequence[bytes | None], eos: int, trigger: int | None = None,
-                 cache: dict | None = None, schema: Node | None = None):
-        self.tokens = token_bytes
-        self.eos, self.trigger = eos, trigger
-        shared = cache if cache is not None else {}
-        if "plain" not in shared:  # tokens that leave a string's plain state as it was
-            shared["plain"] = torch.tensor([_plain(b) for b in token_bytes])
-            by_first: dict[int, list[int]] = {}
-            for i, b in enumerate(token_bytes):
-                if b:
-                    by_first.setdefault(b[0], []).append(i)
-            shared["by_first"] = by_first
-        self.plain, self.by_first = shared["plain"], shared["by_first"]
+    def __init__(self, vocab: Vocab, eos: int, cache: dict | None = None, schema: Node | None = None):
+        self.vocab, self.eos = vocab, eos
         # a schema's states are its own (nodes are per request): its masks live with this constraint
-        self.cache = shared if schema is None else {}
-        self.waiting = trigger is not None  # for the trigger: no constraint yet
+        self.cache = (cache if cache is not None else {}) if schema is None else {}
         self.state: State | None = START if schema is None else schema_start(schema)
 
     def determined(self, limit: int) -> list[int]:
         return []
 
-    def allowed(self) -> torch.Tensor | None:
-        """A bool mask over the vocabulary, or None before the trigger."""
-        if self.waiting:
-            return None
+    def allowed(self) -> torch.Tensor:
+        """A bool mask over the vocabulary."""
         if self.state is None:
             raise ValueError("a token outside the JSON grammar was emitted")
-        key = ("mask", self.state)
-        mask = self.cache.get(key)
+        mask = self.cache.get(self.state)
         if mask is None:
-            mask = self.cache[key] = self._mask(self.state)
-        return mask
-
-    def _mask(self, state: State) -> torch.Tensor:
-        mode = state[0]
-        in_string = isinstance(mode, str) and mode in ("str", "key")
-        if in_string:  # plain tokens keep the state; only the others need a scan
-            mask = self.plain.clone()
-            todo = (~mask).nonzero().flatten().tolist()
-        else:  # only tokens whose first byte the state takes
-            mask = torch.zeros(len(self.tokens), dtype=torch.bool)
-            todo = [i for byte, ids in self.by_first.items() if step(state, byte) is not None for i in ids]
-        for i in todo:
-            data = self.tokens[i]
-            if data:
-                mask[i] = feed(state, data) is not None
-        mask[self.eos] = is_complete(state)
+            mode = self.state[0]
+            in_string = isinstance(mode, str) and mode in ("str", "key")  # plain tokens keep the state
+            mask = self.vocab.mask(self.state, step, self.vocab.plain if in_string else None)
+            mask[self.eos] = is_complete(self.state)
+            self.cache[self.state] = mask
         return mask
 
     def advance(self, token: int) -> None:
-        if self.waiting:
-            self.waiting = token != self.trigger
-            return
-        data = self.tokens[token] if token != self.eos else b""
+        data = self.vocab.tokens[token] if token != self.eos else b""
         self.state = feed(self.state, data) if data is not None else None

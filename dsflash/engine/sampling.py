@@ -144,39 +144,37 @@ class Constraint(Protocol):
     def advance(self, token: int) -> None: ...
 
 
-class Forcing:
-    """Makes the output continue with one of several token sequences (a tool call the request forces),
-    from the start or once a `trigger` token has been produced (the end of the reasoning). Its state
-    follows the emitted tokens only (`advance`), so drafts and rollbacks do not disturb it."""
+class AfterReasoning:
+    """Thinking mode's answer constraint: the reasoning is free until its end (`trigger`, the `</think>`
+    token), which is forced once `budget` reasoning tokens were produced (None: no cap); after it, `inner`
+    restricts the answer (None: nothing does). Its state follows the emitted tokens only (`advance`)."""
 
-    def __init__(self, sequences: Iterable[Iterable[int]], trigger: int | None = None):
-        self.trie: dict = {}
-        for seq in sequences:
-            node = self.trie
-            for t in seq:
-                node = node.setdefault(int(t), {})
-        if not self.trie:
-            raise ValueError("nothing to force")
-        self.trigger = trigger
-        self.node: dict | None = self.trie if trigger is None else None
+    def __init__(self, trigger: int, inner: Constraint | None = None, budget: int | None = None):
+        self.trigger, self.inner, self.budget = trigger, inner, budget
+        self.reasoning = 0  # reasoning tokens so far
+        self.waiting = True
+
+    def _capped(self) -> bool:
+        return self.budget is not None and self.reasoning >= self.budget
+
+    def allowed(self) -> list[int] | torch.Tensor | None:
+        if self.waiting:
+            return [self.trigger] if self._capped() else None
+        return self.inner.allowed() if self.inner is not None else None
 
     def determined(self, limit: int) -> list[int]:
-        """The next tokens that are forced with no choice left, at most `limit` (drafts sure to verify)."""
-        out, node = [], self.node
-        while node and len(node) == 1 and len(out) < limit:
-            ((token, node),) = node.items()
-            out.append(token)
-        return out
-
-    def allowed(self) -> list[int] | None:
-        """The tokens allowed next, or None when any token is (before the trigger, after a sequence)."""
-        return list(self.node) if self.node else None
+        if self.waiting:
+            return [self.trigger] if self._capped() and limit else []
+        return self.inner.determined(limit) if self.inner is not None else []
 
     def advance(self, token: int) -> None:
-        if self.node:  # inside a sequence; a finished one (a leaf) leaves the output free
-            self.node = self.node.get(token) or None
-        elif self.trigger is not None and token == self.trigger:
-            self.node, self.trigger = self.trie, None
+        if not self.waiting:
+            if self.inner is not None:
+                self.inner.advance(token)
+        elif token == self.trigger:
+            self.waiting = False
+        else:
+            self.reasoning += 1
 
 
 def sample(logits: torch.Tensor, position: int, p: SamplingParams, history: History | None = None,

@@ -219,13 +219,14 @@ class Session:
 
     def sync(self, prompt: list[int], *, images: Sequence[ImageSpan] = (), cache: PrefixCache | None = None,
              chunk: int = DEFAULT_CHUNK, snapshot_at: int | None = None,
-             progress: Callable[[int, int], None] | None = None) -> Synced:
+             progress: Callable[[int, int], None] | None = None, pass_rows: int | None = None) -> Synced:
         """Make the session hold `prompt` (ds4's sync): keep the longest prefix of it the session holds (rolled
         back when that is within reach), or resume the prefix cache's longest entry when that is longer, then
         prefill the rest in pieces on the `chunk` grid. With a cache, a snapshot is stored at each grid point,
         at `snapshot_at` (where a chat prompt's generation tail starts: the next turn, whose text differs
         there, resumes from it) and at the end. `images`: the prompt's image spans (absolute positions); a
-        piece never cuts one. `progress(done, total)` after each piece counts the tokens to prefill."""
+        piece never cuts one. `progress(done, total)` counts the tokens to prefill, after each encoder pass of
+        `pass_rows` (default `chunk`: smaller passes report more often, the same bits)."""
         if not prompt:
             raise ValueError("a prompt needs at least one token")
         images = sorted(images, key=lambda s: s.start)
@@ -252,9 +253,11 @@ class Session:
                 if s.start < end < s.start + s.length:
                     end = s.start + s.length
             piece = [s for s in images if self.pos <= s.start < end]
-            logits = self.prefill(prompt[self.pos:end], chunk=chunk, images=piece)
+            report = None
             if progress:
-                progress(self.pos - reused, len(prompt) - reused)
+                def report(done: int, _: int, before: int = self.pos - reused) -> None:
+                    progress(before + done, len(prompt) - reused)
+            logits = self.prefill(prompt[self.pos:end], chunk=pass_rows or chunk, progress=report, images=piece)
             if cache is not None and (self.pos % chunk == 0 or self.pos in (snapshot_at, len(prompt))):
                 cache.put(self.cache_key(), self.snapshot())
         return Synced(logits, reused, time.perf_counter() - t0)

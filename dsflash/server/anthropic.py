@@ -12,10 +12,18 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from dsflash.server.dsml import ContentDelta, DsmlParser, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
+from dsflash.server.dsml import (
+    Collected,
+    ContentDelta,
+    DsmlParser,
+    ReasoningDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from dsflash.server.errors import ApiError
 from dsflash.server.images import ImageError, Images
-from dsflash.server.params import MessagesRequest, offered_tools
+from dsflash.server.params import CountTokensRequest, MessagesRequest, anthropic_thinking, offered_tools
 from dsflash.server.server import Server
 from dsflash.server.sse import event_stream
 from dsflash.server.worker import Done, Job
@@ -23,23 +31,27 @@ from dsflash.server.worker import Done, Job
 
 def add_routes(app: FastAPI, srv: Server) -> None:
     m = srv.metrics
+    add_count_tokens(app, srv)
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):
         arrived = time.perf_counter()
         m.inc(m.requests, "messages")
+        srv.check_model(req.model)
         images = Images()
         msgs, tools = _anthropic_to_openai(req, images)
-        tools, forced = offered_tools(tools, req.tool_choice)
-        thinking = req.thinking is not None and req.thinking.type != "disabled"
+        tools, forced = offered_tools(tools, req.tool_choice, "input_schema")
+        thinking, budget = anthropic_thinking(req)
         job = srv.chat_job(req, msgs, tools, forced, thinking, images, arrived, max_tokens=req.max_tokens,
-                           stop=req.stop_sequences)
+                           stop=req.stop_sequences, budget=budget)
+        thinking = job.thinking
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
             return event_stream(_messages_stream(srv, job, request, mid, thinking), job)
         parser = DsmlParser(thinking)
         blocks: list[dict] = []
         args: dict[int, list[str]] = {}
+        closed: set[int] = set()
         done = None
 
         def block(kind: str) -> dict:
@@ -48,12 +60,14 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                                                 {"text": ""} if kind == "text" else {})})
             return blocks[-1]
 
+        got = Collected()
         async for ev in srv.events(job, request):
             if isinstance(ev, Done):
                 done = ev
                 evs = parser.finish()
             else:
                 evs = parser.feed(ev.text)
+            got.add(evs)
             for e in evs:
                 if isinstance(e, ContentDelta):
                     block("text")["text"] += e.text
@@ -66,7 +80,12 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                     b["_index"] = e.index
                 elif isinstance(e, ToolCallArgumentsDelta):
                     args[e.index].append(e.text)
+                elif isinstance(e, ToolCallEnd):
+                    closed.add(e.index)
+        # a call still open at the end (cut by max_tokens) has no whole input: it is left out
+        blocks = [b for b in blocks if b["type"] != "tool_use" or b["_index"] in closed]
         has_calls = False
+        srv.remember(done, thinking, got, [b["id"] for b in blocks if b["type"] == "tool_use"])
         for b in blocks:
             if b["type"] == "tool_use":
                 has_calls = True
@@ -78,6 +97,20 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         return {"id": mid, "type": "message", "role": "assistant", "model": srv.model_name, "content": blocks,
                 "stop_reason": _stop_reason(done, has_calls), "stop_sequence": done.stop_string,
                 "usage": _usage(done)}
+
+
+def add_count_tokens(app: FastAPI, srv: Server) -> None:
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: CountTokensRequest):
+        """The prompt's token count of a messages request (the prompt `/v1/messages` would run)."""
+        srv.metrics.inc(srv.metrics.requests, "count_tokens")
+        srv.check_model(req.model)
+        images = Images()
+        msgs, tools = _anthropic_to_openai(req, images)
+        tools, _ = offered_tools(tools, req.tool_choice, "input_schema")
+        thinking = None if req.thinking is None else req.thinking.type != "disabled"
+        prompt, _ = srv.prompt(msgs, tools, srv.thinking if thinking is None else thinking, images)
+        return {"input_tokens": len(prompt)}
 
 
 def _stop_reason(done: Done, calls: bool) -> str:
@@ -102,7 +135,7 @@ async def _messages_stream(srv: Server, job: Job, request: Request, mid: str, th
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": len(job.prompt), "output_tokens": 0}}})
     yield event("ping", {})
-    parser = DsmlParser(thinking)
+    parser, got, call_ids = DsmlParser(thinking), Collected(), []
     index, open_kind, has_calls = -1, None, False
 
     def open_block(kind: str, start: dict) -> list[str]:
@@ -118,6 +151,7 @@ async def _messages_stream(srv: Server, job: Job, request: Request, mid: str, th
     try:
         async for ev in srv.events(job, request):
             evs = parser.finish() if isinstance(ev, Done) else parser.feed(ev.text)
+            got.add(evs)
             for e in evs:
                 if isinstance(e, ContentDelta):
                     if open_kind != "text":
@@ -133,13 +167,15 @@ async def _messages_stream(srv: Server, job: Job, request: Request, mid: str, th
                                                         "delta": {"type": "thinking_delta", "thinking": e.text}})
                 elif isinstance(e, ToolCallStart):
                     has_calls = True
-                    for s in open_block("tool_use", {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
-                                                     "name": e.name, "input": {}}):
+                    call_ids.append(f"toolu_{uuid.uuid4().hex[:24]}")
+                    for s in open_block("tool_use", {"type": "tool_use", "id": call_ids[-1], "name": e.name,
+                                                     "input": {}}):
                         yield s
                 elif isinstance(e, ToolCallArgumentsDelta):
                     yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
                                                                                   "partial_json": e.text}})
             if isinstance(ev, Done):
+                srv.remember(ev, thinking, got, [call_ids[i] for i in sorted(got.closed)])
                 if open_kind is not None:
                     yield event("content_block_stop", {"index": index})
                 u = _usage(ev)

@@ -46,14 +46,16 @@ class ApiKeyGuard:
 
 def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, model_name: str = "deepseek-v4.1-flash",
                dspark: int = 0, prefix_cache: bool = True, chunk: int = DEFAULT_CHUNK,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, thinking: bool = True) -> FastAPI:
     """The HTTP app. Without `cache`, a RAM-only prefix cache is made (unless `prefix_cache` is False).
     `chunk`: prefill chunk size (the prefix-cache snapshot grid and the progress granularity).
     `api_key`: when set, every /v1 request needs it as `Authorization: Bearer KEY` (OpenAI clients) or
-    `x-api-key: KEY` (Anthropic clients); /health and /metrics stay open for probes."""
+    `x-api-key: KEY` (Anthropic clients); /health and /metrics stay open for probes. `thinking`: whether a
+    request that does not say reasons (every endpoint alike; `dsflash serve` takes it from the checkpoint:
+    off for seeded weights, see checkpoint.manifest.seeded)."""
     if cache is None and prefix_cache:
         cache = PrefixCache(engine.identity)
-    srv = Server(engine, tokenizer, cache, model_name, dspark, chunk)
+    srv = Server(engine, tokenizer, cache, model_name, dspark, chunk, thinking)
     app = FastAPI(title="dsflash", version="0.1")
     app.state.server = srv
     m = srv.metrics

@@ -13,7 +13,7 @@ DIM, RESET = "\033[2m", "\033[0m"
 def stream_reply(url: str, messages: list[dict], args: argparse.Namespace, out) -> str:
     import httpx
 
-    body = {"model": "dsflash", "messages": messages, "stream": True, "max_tokens": args.max_tokens,
+    body = {"messages": messages, "stream": True, "max_tokens": args.max_tokens,
             "temperature": args.temperature, "chat_template_kwargs": {"thinking": args.think}}
     reply = []
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as r:

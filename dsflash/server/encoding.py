@@ -120,6 +120,9 @@ class _AssistantTurn:
     reasoning: str
     tool_calls: list[ToolCall]
     call_order: dict[str, int]  # tool_call_id -> position in tool_calls, for ordering the results
+    # (thinking, text): the turn's completion as sampled, written in place of its rendering when the turn's
+    # header is the one it was sampled after (`<think>` when thinking, else `</think>`)
+    verbatim: tuple[bool, str] | None = None
 
 
 _Turn = _SystemTurn | _UserTurn | _AssistantTurn
@@ -226,7 +229,7 @@ def _assistant_tool_calls(value: Any, field: str) -> tuple[list[ToolCall], dict[
     return calls, order
 
 
-def _turns(messages: Any) -> list[_Turn]:
+def _turns(messages: Any, verbatim: Mapping[int, tuple[bool, str]]) -> list[_Turn]:
     """Validate messages and merge each run of user/tool messages into one user turn."""
     if not isinstance(messages, list) or not messages:
         raise EncodingError("messages: must be a non-empty list")
@@ -246,7 +249,7 @@ def _turns(messages: Any) -> list[_Turn]:
             if reasoning is not None and not isinstance(reasoning, str):
                 raise EncodingError(f"{where}.reasoning_content: must be a string or null")
             calls, order = _assistant_tool_calls(message.get("tool_calls"), f"{where}.tool_calls")
-            turns.append(_AssistantTurn(content, reasoning or "", calls, order))
+            turns.append(_AssistantTurn(content, reasoning or "", calls, order, verbatim.get(i)))
         else:
             if role == "tool":
                 call_id = message.get("tool_call_id")
@@ -277,13 +280,16 @@ def encode_messages(
     thinking: bool | None = None,
     reasoning_effort: int | None = None,
     add_generation_prompt: bool = True,
+    verbatim: Mapping[int, tuple[bool, str]] | None = None,
 ) -> str:
     """Render an OpenAI-style chat request as DeepSeek-V4.1 prompt text, starting with BOS.
 
     `thinking` None means thinking on. In thinking mode without tools, assistant turns before the last user
     (or mid-conversation system) turn lose their reasoning; with tools every turn keeps it. The generation
     prompt `<｜Assistant｜>` + `<think>` (thinking) or `</think>` (not thinking) follows a final non-assistant
-    turn when `add_generation_prompt` is set.
+    turn when `add_generation_prompt` is set. `verbatim`: by message index, assistant turns' completions as
+    they were sampled (thinking, text with EOS), written instead of their rendering where their header is
+    the same, so the prompt extends the tokens of the turn that sampled them.
     """
     thinking = True if thinking is None else thinking
     if not isinstance(thinking, bool):
@@ -292,7 +298,7 @@ def encode_messages(
     if type(effort) is not int or not 1 <= effort <= 100:
         raise EncodingError(f"reasoning_effort: must be an integer in [1, 100], got {reasoning_effort!r}")
     schemas = _tool_schemas(tools) if tools else ""
-    turns = _turns(messages)
+    turns = _turns(messages, verbatim or {})
 
     # A system turn after the first position opens a new user-like turn, as a user message does.
     last_user = max(
@@ -324,7 +330,10 @@ def encode_messages(
                 call_order = turn.call_order
             keep_reasoning = thinking and (not drop_old_reasoning or i > last_user)
             reasoning = turn.reasoning if keep_reasoning else None
-            completion = render_assistant_completion(turn.content, turn.tool_calls, reasoning)
+            if turn.verbatim is not None and turn.verbatim[0] == keep_reasoning:
+                completion = turn.verbatim[1]
+            else:
+                completion = render_assistant_completion(turn.content, turn.tool_calls, reasoning)
             out.append(ASSISTANT + (THINK_START if keep_reasoning else THINK_END) + completion)
     if add_generation_prompt and not isinstance(turns[-1], _AssistantTurn):
         out.append(ASSISTANT + (THINK_START if thinking else THINK_END))

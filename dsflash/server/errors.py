@@ -34,7 +34,8 @@ def _openai_error(e: ApiError) -> JSONResponse:
 
 
 def _anthropic_error(e: ApiError) -> JSONResponse:
-    kind = ("authentication_error" if e.status == 401 else "invalid_request_error" if e.status < 500
+    kind = ("authentication_error" if e.status == 401 else "not_found_error" if e.status == 404
+            else "invalid_request_error" if e.status < 500
             else "overloaded_error" if e.status == 503 else "api_error")
     return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, status_code=e.status,
                         headers=e.headers)

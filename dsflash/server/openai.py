@@ -39,23 +39,32 @@ from dsflash.tokenizer import BOS_ID
 def add_routes(app: FastAPI, srv: Server) -> None:
     m = srv.metrics
 
+    def model(name: str) -> dict:
+        return {"id": name, "object": "model", "created": srv.created, "owned_by": "dsflash",
+                "max_model_len": srv.engine.max_context}
+
     @app.get("/v1/models")
     async def models():
         m.inc(m.requests, "models")
-        return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
-                                            "owned_by": "dsflash", "max_model_len": srv.engine.max_context}]}
+        return {"object": "list", "data": [model(name) for name in srv.model_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str):
+        m.inc(m.requests, "models")
+        srv.check_model(name)
+        return model(name)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         arrived = time.perf_counter()
         m.inc(m.requests, "chat_completions")
+        srv.check_model(req.model)
         thinking, effort = reasoning_effort(req.reasoning_effort)
         kwargs = req.chat_template_kwargs or {}
         if "thinking" in kwargs:
             if not isinstance(kwargs["thinking"], bool | None):
                 raise ApiError(400, "chat_template_kwargs.thinking: must be a bool", "chat_template_kwargs.thinking")
             thinking = kwargs["thinking"] if kwargs["thinking"] is not None else thinking
-        thinking = True if thinking is None else thinking
         images = Images()
         tools, forced = offered_tools(req.tools, req.tool_choice)
         try:
@@ -66,6 +75,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         job = srv.chat_job(req, messages, tools, forced, thinking, images, arrived, effort=effort, top_logprobs=top,
                            max_tokens=req.max_completion_tokens or req.max_tokens, stop=req.stop,
                            fmt=req.response_format)
+        thinking = job.thinking
         jobs = job.choices(req.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -77,8 +87,10 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         results = await asyncio.gather(*(srv.collect(j, request, thinking) for j in jobs))
 
         def choice(index: int, got: Collected, lps: list[dict], done: Done) -> dict:
+            # a call still open at the end (cut by max_tokens) has no whole arguments: it is left out
             calls = {i: {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                         "function": {"name": c.name, "arguments": c.arguments}} for i, c in got.calls.items()}
+                         "function": {"name": c.name, "arguments": c.arguments}} for i, c in got.calls.items()
+                     if i in got.closed}
             message: dict[str, Any] = {"role": "assistant",
                                        "content": "".join(got.content) if got.content or not calls else None}
             if thinking:
@@ -87,6 +99,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
             if calls:
                 message["tool_calls"] = [calls[i] for i in sorted(calls)]
                 finish = "tool_calls" if done.finish == "stop" else finish
+                srv.remember(done, thinking, got, [c["id"] for c in message["tool_calls"]])
             return {"index": index, "message": message, "logprobs": {"content": lps} if top is not None else None,
                     "finish_reason": finish}
 
@@ -98,6 +111,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     async def completions(req: CompletionRequest, request: Request):
         arrived = time.perf_counter()
         m.inc(m.requests, "completions")
+        srv.check_model(req.model)
         if req.echo:
             raise ApiError(400, "echo: not supported", "echo")
         if isinstance(req.prompt, str):
@@ -110,16 +124,27 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                 raise ApiError(400, f"prompt: token ids must be a non-empty list in [0, {vocab})", "prompt")
             prompt = list(req.prompt)
         top = req.logprobs
-        job = srv.job(prompt, req.max_tokens or 16, sampling_params(req), stop_list(req.stop), top, 0, arrived)
+        hidden = srv.worker.hidden_texts(parsed=False) if req.skip_special_tokens else set()
+
+        def _shown(entry: dict) -> int:
+            return 0 if entry["token"] in hidden else len(entry["token"])
+        job = srv.job(prompt, req.max_tokens or 16, sampling_params(req), stop_list(req.stop), top, 0, arrived,
+                      "prompt")
+        job.skip_special, job.parsed = req.skip_special_tokens, False
         job.json_mode, job.json_schema = json_mode(getattr(req, "response_format", None), "response_format")
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
-        def lp_obj(lps: list[dict]) -> dict | None:
+        def lp_obj(lps: list[dict], offset: int = 0) -> dict | None:
             if top is None:
                 return None
+            offsets, at = [], offset
+            for x in lps:  # where each token's text starts in the choice's text (a left-out one adds nothing)
+                offsets.append(at)
+                at += _shown(x)
             return {"tokens": [x["token"] for x in lps], "token_logprobs": [x["logprob"] for x in lps],
-                    "top_logprobs": [{t["token"]: t["logprob"] for t in x["top_logprobs"]} for x in lps]}
+                    "top_logprobs": [{t["token"]: t["logprob"] for t in x["top_logprobs"]} for x in lps],
+                    "text_offset": offsets}
 
         jobs = job.choices(req.n)
         if req.stream:
@@ -130,8 +155,13 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                                  "model": srv.model_name, "choices": choices, **extra})
 
             async def choice(index: int, j: Job) -> AsyncIterator[Any]:
+                at = 0  # the choice's text so far, where the next chunk's text offsets start
+
                 def chunk(text: str, finish: str | None = None, lps=()) -> dict:
-                    return {"index": index, "text": text, "logprobs": lp_obj(list(lps)), "finish_reason": finish}
+                    nonlocal at
+                    obj = lp_obj(list(lps), at)
+                    at += sum(_shown(x) for x in lps)
+                    return {"index": index, "text": text, "logprobs": obj, "finish_reason": finish}
 
                 async for ev in srv.events(j, request):
                     if isinstance(ev, Done):
@@ -188,22 +218,22 @@ async def _chat_choice(srv: Server, index: int, job: Job, request: Request, thin
         return {"index": index, "delta": delta, "logprobs": {"content": lps} if lps else None,
                 "finish_reason": finish}
 
-    parser = DsmlParser(thinking)
-    any_calls = False
+    parser, got, call_ids = DsmlParser(thinking), Collected(), {}
     yield chunk({"role": "assistant", "content": ""})
     async for ev in srv.events(job, request):
         if isinstance(ev, Done):
             evs, lps = parser.finish(), []
         else:
             evs, lps = parser.feed(ev.text), ev.logprobs
+        got.add(evs)
         for e in evs:
             if isinstance(e, ContentDelta):
                 yield chunk({"content": e.text}, lps=lps)
             elif isinstance(e, ReasoningDelta):
                 yield chunk({"reasoning_content": e.text}, lps=lps)
             elif isinstance(e, ToolCallStart):
-                any_calls = True
-                yield chunk({"tool_calls": [{"index": e.index, "id": f"call_{uuid.uuid4().hex[:24]}",
+                call_ids[e.index] = f"call_{uuid.uuid4().hex[:24]}"
+                yield chunk({"tool_calls": [{"index": e.index, "id": call_ids[e.index],
                                              "type": "function",
                                              "function": {"name": e.name, "arguments": ""}}]}, lps=lps)
             elif isinstance(e, ToolCallArgumentsDelta):
@@ -215,7 +245,8 @@ async def _chat_choice(srv: Server, index: int, job: Job, request: Request, thin
             yield chunk({}, lps=lps)
         if isinstance(ev, Done):
             finish = _finish(ev)
-            if any_calls and ev.finish == "stop":
+            if call_ids and ev.finish == "stop":
                 finish = "tool_calls"
+                srv.remember(ev, thinking, got, [call_ids[i] for i in sorted(got.closed)])
             yield chunk({}, finish)
             yield ev

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsflash.engine.json_mode import Node, SchemaError, compile_schema, schema_start
 from dsflash.engine.sampling import SamplingParams
+from dsflash.engine.tool_call import parameter_names
 from dsflash.server.errors import ApiError
 from dsflash.tokenizer import EOS_ID
 
@@ -47,6 +48,7 @@ class Sampling(_Body):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)  # choice i samples with seed + i
     return_progress: bool = False  # llama.cpp's prompt_progress chunks while prefilling (streaming only)
+    skip_special_tokens: bool = True  # vLLM's: special tokens (BOS, the role markers) left out of the text
 
 
 class ChatRequest(Sampling):
@@ -85,6 +87,10 @@ class MessagesRequest(_Body):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     thinking: AnthropicThinking | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int | None = Field(None, ge=1)  # not part of a count
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -155,42 +161,79 @@ def sampling_params(req: Sampling | MessagesRequest) -> SamplingParams:
         raise ApiError(400, str(e), str(e).split(" ")[0]) from e
 
 
-def reasoning_effort(value: str | int | None) -> tuple[bool | None, int | None]:
-    """(thinking override, effort) from OpenAI's reasoning_effort (named level or int 1..100)."""
+def reasoning_effort(value: str | int | None, field: str = "reasoning_effort") -> tuple[bool | None, int | None]:
+    """(thinking, effort) from OpenAI's reasoning_effort (a named level or an int 1..100): "none" turns
+    thinking off, any other level on with that effort; None leaves both to the defaults."""
     if value is None:
         return None, None
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         if not 1 <= value <= 100:
-            raise ApiError(400, "reasoning_effort: must be an integer in [1, 100] or a level name",
-                           "reasoning_effort")
-        return None, value
+            raise ApiError(400, f"{field}: must be an integer in [1, 100] or a level name", field)
+        return True, value
     if value not in REASONING_LEVELS:
-        raise ApiError(400, f"reasoning_effort: unknown level {value!r}; one of {sorted(REASONING_LEVELS)}",
-                       "reasoning_effort")
+        raise ApiError(400, f"{field}: unknown level {value!r}; one of {sorted(REASONING_LEVELS)}", field)
     effort = REASONING_LEVELS[value]
-    return (False, None) if effort is None else (None, effort)
+    return (False, None) if effort is None else (True, effort)
 
 
-def offered_tools(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict] | None, tuple[str, ...]]:
+def anthropic_thinking(req: MessagesRequest) -> tuple[bool | None, int | None]:
+    """(thinking, reasoning budget) from Anthropic's `thinking`: enabled needs budget_tokens, at least 1,024
+    and below max_tokens (as Anthropic checks), which caps the reasoning; adaptive thinks uncapped; disabled
+    does not; absent leaves it to the default."""
+    t = req.thinking
+    if t is None:
+        return None, None
+    if t.type == "disabled":
+        return False, None
+    if t.type == "adaptive":
+        return True, None
+    if t.budget_tokens is None:
+        raise ApiError(400, "thinking.budget_tokens: Field required when thinking is enabled", "thinking.budget_tokens")
+    if t.budget_tokens < 1024:
+        raise ApiError(400, "thinking.budget_tokens: Input should be greater than or equal to 1024",
+                       "thinking.budget_tokens")
+    if req.max_tokens <= t.budget_tokens:
+        raise ApiError(400, f"max_tokens must be greater than thinking.budget_tokens ({req.max_tokens} <= "
+                            f"{t.budget_tokens})", "max_tokens")
+    return True, t.budget_tokens
+
+
+def offered_tools(tools: list[dict] | None, tool_choice: Any, schema_field: str = "function.parameters"
+                  ) -> tuple[list[dict] | None, tuple[tuple[str, Node], ...]]:
     """The tools put in the prompt under `tool_choice` (OpenAI, Responses or Anthropic spelling, tools in
-    OpenAI's form) and the names of those of which one must be called: auto → all tools, nothing forced;
-    none → no tools; required / any → all, one of them forced; a named tool → all, that one forced."""
+    OpenAI's form) and those of which one must be called, with their parameters' schemas: auto → all
+    tools, nothing forced; none → no tools; required / any → all, one of them forced; a named tool → all,
+    that one forced. A forced tool's schema outside json_mode's subset is refused, named as the request's
+    `tools[i].<schema_field>`."""
     kind = tool_choice.get("type") if isinstance(tool_choice, dict) else tool_choice
     if kind in (None, "auto"):
         return tools, ()
     if kind == "none":
         return None, ()
     # (malformed tools are refused by encode_messages, which renders them next)
-    names = tuple(t["function"].get("name") for t in tools or () if isinstance(t, dict)
-                  and isinstance(t.get("function"), dict))
+    named = [(i, t["function"]) for i, t in enumerate(tools or ()) if isinstance(t, dict)
+             and isinstance(t.get("function"), dict)]
+    names = tuple(f.get("name") for _, f in named)
     if kind in ("required", "any"):
         if not names:
             raise ApiError(400, f"tool_choice: {kind!r} needs at least one tool", "tool_choice")
-        return tools, names
-    if kind in ("function", "tool") and isinstance(tool_choice, dict):
+        chosen = named
+    elif kind in ("function", "tool") and isinstance(tool_choice, dict):
         name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
         if name not in names:
             raise ApiError(400, f"tool_choice: no tool named {name!r} among the tools", "tool_choice")
-        return tools, (name,)
-    raise ApiError(400, f"tool_choice: {tool_choice!r} is not auto, none, required/any or a named tool",
-                   "tool_choice")
+        chosen = [(i, f) for i, f in named if f.get("name") == name][:1]
+    else:
+        raise ApiError(400, f"tool_choice: {tool_choice!r} is not auto, none, required/any or a named tool",
+                       "tool_choice")
+    forced = []
+    for i, f in chosen:
+        where = f"tools[{i}].{schema_field}"
+        try:
+            node = compile_schema(f.get("parameters", {"type": "object"}), where)
+            parameter_names(f.get("name"), node)
+        except SchemaError as e:
+            msg = str(e) if str(e).startswith(where) else f"{where}: {str(e).removeprefix('schema: ')}"
+            raise ApiError(400, f"{msg} (a forced call's arguments follow its schema)", where) from e
+        forced.append((f["name"], node))
+    return tools, tuple(forced)

@@ -5,6 +5,11 @@ become a chat conversation for the V4.1 encoding; the generated text is parsed i
 (reasoning, message, function_call). Streaming sends the Responses event sequence: response.created,
 output_item.added, content_part.added, output_text.delta ..., function_call_arguments.delta ...,
 the .done events, response.completed.
+
+Responses are kept in memory (the last `STORED` unless `store: false`) for `previous_response_id`, whose
+input and output then come before the new input, and for `GET /v1/responses/{id}`; an id not kept is a
+400 (`previous_response_not_found`), never a silently shorter conversation. The server's own `reasoning`
+output items are accepted as input: their text is the next assistant turn's reasoning.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,6 +41,13 @@ class ResponsesRequest(Sampling):
     tool_choice: Any = None
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None  # text.format: text or json_object
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+
+STORED = 256  # responses kept for previous_response_id and retrieval
 
 
 def _text_of(content: Any, where: str, images: Images) -> str:
@@ -57,10 +70,29 @@ def _text_of(content: Any, where: str, images: Images) -> str:
     raise ApiError(400, f"{where}: expected a string or a list of text parts", where)
 
 
-def to_messages(req: ResponsesRequest, images: Images) -> tuple[list[dict], list[dict] | None]:
-    """Responses input + instructions + tools -> chat messages and chat-style tools."""
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its content's reasoning_text parts, else its summary's parts."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text", ""), str)
+                                              for p in parts):
+        raise ApiError(400, f"{where}.summary: expected a list of text parts", f"{where}.summary")
+    return "\n\n".join(p.get("text", "") for p in parts)
+
+
+def to_messages(req: ResponsesRequest, items: list[dict], images: Images) -> tuple[list[dict], list[dict] | None]:
+    """Responses input items (after those of the previous response) + instructions + tools -> chat messages
+    and chat-style tools. A reasoning item gives the next assistant turn its reasoning; the function calls
+    after an assistant message are that turn's calls."""
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    reasoning: str | None = None
+
+    def assistant(content: str | None) -> dict:
+        nonlocal reasoning
+        messages.append({"role": "assistant", "content": content})
+        if reasoning is not None:
+            messages[-1]["reasoning_content"], reasoning = reasoning, None
+        return messages[-1]
+
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
@@ -68,14 +100,19 @@ def to_messages(req: ResponsesRequest, images: Images) -> tuple[list[dict], list
             if role not in ("user", "assistant", "system"):
                 raise ApiError(400, f"input[{i}].role: expected user, assistant, system or developer",
                                f"input[{i}].role")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}].content", images)})
+            text = _text_of(item.get("content"), f"input[{i}].content", images)
+            if role == "assistant":
+                assistant(text)
+            else:
+                messages.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item, f"input[{i}]")
         elif kind == "function_call":
             call = {"id": item.get("call_id") or item.get("id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-                messages[-1]["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            turn = messages[-1] if messages and messages[-1]["role"] == "assistant" and reasoning is None \
+                else assistant(None)
+            turn.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
@@ -95,7 +132,8 @@ def to_messages(req: ResponsesRequest, images: Images) -> tuple[list[dict], list
 
 def _usage(done: Done) -> dict:
     return {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": done.cached_tokens},
-            "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": done.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": done.reasoning_tokens},
             "total_tokens": done.prompt_tokens + done.completion_tokens}
 
 
@@ -103,50 +141,93 @@ def output_items(got: Collected, msg_id: str, call_ids: dict[int, tuple[str, str
     """Responses output items of a parsed reply: reasoning, the message, the function calls."""
     out = []
     if got.reasoning:
+        text = "".join(got.reasoning)
         out.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}",
-                    "summary": [{"type": "summary_text", "text": "".join(got.reasoning)}]})
-    if got.content or not got.calls:
+                    "summary": [{"type": "summary_text", "text": text}],
+                    "content": [{"type": "reasoning_text", "text": text}]})
+    if got.content or not got.closed:
         out.append({"type": "message", "id": msg_id, "status": "completed", "role": "assistant",
                     "content": [{"type": "output_text", "text": "".join(got.content), "annotations": []}]})
-    for i in sorted(got.calls):
+    for i in sorted(got.closed):  # a call cut by max_output_tokens has no whole arguments: left out
         item_id, call_id = call_ids.get(i) or (f"fc_{uuid.uuid4().hex[:24]}", f"call_{uuid.uuid4().hex[:24]}")
         out.append({"type": "function_call", "id": item_id, "call_id": call_id, "name": got.calls[i].name,
                     "arguments": got.calls[i].arguments, "status": "completed"})
     return out
 
 
+def _echo(req: ResponsesRequest) -> dict:
+    """The request's parameters as the Responses object repeats them (OpenAI's defaults where not sent)."""
+    return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens or req.max_tokens,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p, "tools": req.tools or [],
+            "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls,
+            "reasoning": req.reasoning or {"effort": None, "summary": None},
+            "text": req.text or {"format": {"type": "text"}}, "previous_response_id": req.previous_response_id,
+            "store": req.store, "metadata": req.metadata or {}, "truncation": "disabled"}
+
+
 def add_routes(app: FastAPI, srv: Server) -> None:
     m = srv.metrics
+    stored: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()  # id -> (input items, response)
 
-    def response_object(rid: str, created: float, status: str, output: list, done: Done | None) -> dict:
+    def response_object(rid: str, created: float, status: str, output: list, done: Done | None, echo: dict) -> dict:
         obj = {"id": rid, "object": "response", "created_at": created, "status": status, "model": srv.model_name,
-               "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-               "incomplete_details": None, "error": None}
+               "output": output, "incomplete_details": None, "error": None, **echo}
         if done is not None:
             obj["usage"] = _usage(done)
             if done.finish == "length":
                 obj["status"], obj["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
         return obj
 
+    def finished(req: ResponsesRequest, items: list[dict], obj: dict, done: Done, thinking: bool,
+                 got: Collected) -> dict:
+        """Keep a finished response (for previous_response_id and retrieval) and its calls (for replay)."""
+        srv.remember(done, thinking, got, [o["call_id"] for o in obj["output"] if o["type"] == "function_call"])
+        if req.store:
+            stored[obj["id"]] = (items, obj)
+            while len(stored) > STORED:
+                stored.popitem(last=False)
+        return obj
+
+    @app.get("/v1/responses/{rid}")
+    async def retrieve(rid: str):
+        m.inc(m.requests, "responses_retrieve")
+        if rid not in stored:
+            raise ApiError(404, f"No response with id '{rid}' is stored here (the server keeps the last {STORED} "
+                                "in memory)", "response_id", "not_found")
+        return stored[rid][1]
+
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request):
         arrived = time.perf_counter()
         m.inc(m.requests, "responses")
-        thinking, effort = reasoning_effort((req.reasoning or {}).get("effort"))
-        thinking = bool(req.reasoning) if thinking is None else thinking
+        srv.check_model(req.model)
+        thinking, effort = reasoning_effort((req.reasoning or {}).get("effort"), "reasoning.effort")
         images = Images()
-        messages, tools = to_messages(req, images)
-        tools, forced = offered_tools(tools, req.tool_choice)
+        items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else list(req.input)
+        if req.previous_response_id is not None:
+            if req.previous_response_id not in stored:
+                raise ApiError(400, f"previous_response_id: no response '{req.previous_response_id}' is stored here "
+                                    f"(the server keeps the last {STORED} in memory, and none sent with store: false)",
+                               "previous_response_id", "previous_response_not_found")
+            before, prev = stored[req.previous_response_id]
+            items = before + prev["output"] + items
+        messages, tools = to_messages(req, items, images)
+        tools, forced = offered_tools(tools, req.tool_choice, "parameters")
         job = srv.chat_job(req, messages, tools, forced, thinking, images, arrived, effort=effort,
                            max_tokens=req.max_output_tokens or req.max_tokens, stop=req.stop,
-                           fmt=(req.text or {}).get("format"), fmt_field="text.format")
-        rid, created = f"resp_{uuid.uuid4().hex}", time.time()
+                           fmt=(req.text or {}).get("format"), fmt_field="text.format", field="input")
+        thinking = job.thinking
+        rid, created, echo = f"resp_{uuid.uuid4().hex}", time.time(), _echo(req)
         if req.stream:
-            return event_stream(stream(job, request, rid, created, thinking), job)
+            return event_stream(stream(job, request, rid, created, thinking, req, items, echo), job)
         got, _, done = await srv.collect(job, request, thinking)
-        return response_object(rid, created, "completed", output_items(got, f"msg_{uuid.uuid4().hex[:24]}", {}), done)
+        obj = response_object(rid, created, "completed", output_items(got, f"msg_{uuid.uuid4().hex[:24]}", {}), done,
+                              echo)
+        return finished(req, items, obj, done, thinking, got)
 
-    async def stream(job: Job, request: Request, rid: str, created: float, thinking: bool) -> AsyncIterator[str]:
+    async def stream(job: Job, request: Request, rid: str, created: float, thinking: bool, req: ResponsesRequest,
+                     items: list[dict], echo: dict) -> AsyncIterator[str]:
         seq = 0
 
         def event(kind: str, **data) -> str:
@@ -156,7 +237,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
 
         got, parser = Collected(), DsmlParser(thinking)
         msg_id, call_ids, order = f"msg_{uuid.uuid4().hex[:24]}", {}, {}  # order: output index by item
-        yield event("response.created", response=response_object(rid, created, "in_progress", [], None))
+        yield event("response.created", response=response_object(rid, created, "in_progress", [], None, echo))
         try:
             async for ev in srv.events(job, request):
                 evs = parser.finish() if isinstance(ev, Done) else parser.feed(ev.text)
@@ -183,8 +264,8 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                         yield event("response.function_call_arguments.delta", item_id=call_ids[e.index][0],
                                     output_index=order[e.index], delta=e.text)
                 if isinstance(ev, Done):
-                    items = output_items(got, msg_id, call_ids)
-                    by_id = {item["id"]: item for item in items}
+                    out = output_items(got, msg_id, call_ids)
+                    by_id = {item["id"]: item for item in out}
                     if "msg" in order:
                         i, text = order["msg"], "".join(got.content)
                         part = {"type": "output_text", "text": text, "annotations": []}
@@ -194,10 +275,14 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                                     part=part)
                         yield event("response.output_item.done", output_index=i, item=by_id[msg_id])
                     for k, (item_id, _) in call_ids.items():
+                        if k not in got.closed:  # cut by max_output_tokens: the item stays incomplete
+                            continue
                         yield event("response.function_call_arguments.done", item_id=item_id, output_index=order[k],
                                     arguments=got.calls[k].arguments)
                         yield event("response.output_item.done", output_index=order[k], item=by_id[item_id])
-                    yield event("response.completed", response=response_object(rid, created, "completed", items, ev))
+                    obj = finished(req, items, response_object(rid, created, "completed", out, ev, echo), ev, thinking,
+                                   got)
+                    yield event("response.completed", response=obj)
         except ApiError as e:
             yield event("error", code=e.code, message=e.message, param=e.param)
         except Exception as e:  # reported in the stream; the server keeps serving

@@ -12,11 +12,12 @@ from dsflash.engine.placement import add_placement_options
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from dsflash.checkpoint.manifest import seeded
     from dsflash.checkpoint.reader import CheckpointError
     from dsflash.engine.placement import checked_plan, tiers_from
     from dsflash.engine.plan import PlacementError
     from dsflash.engine.prefix_cache import PrefixCache
-    from dsflash.engine.session import Engine, default_device
+    from dsflash.engine.session import DEFAULT_CHUNK, Engine, default_device
     from dsflash.server.app import create_app
     from dsflash.split.link import box_half
     from dsflash.tokenizer import load_tokenizer
@@ -43,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"dsflash serve: listening on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    app = create_app(engine, tokenizer, cache=cache, model_name=name, dspark=args.dspark, api_key=api_key)
+    thinking = {"on": True, "off": False}.get(args.thinking, not seeded(model))
+    app = create_app(engine, tokenizer, cache=cache, model_name=name, dspark=args.dspark, api_key=api_key,
+                     thinking=thinking, chunk=args.chunk or DEFAULT_CHUNK)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -57,7 +60,15 @@ def register(subparsers) -> None:
     p.add_argument("--cache-dir", help="prefix-cache directory (default: RAM only)")
     p.add_argument("--dspark", type=int, default=0, metavar="K", help="DSpark draft depth limit (0 = off)")
     p.add_argument("--max-context", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument("--served-model-name", default=None, help="model id reported by the API")
+    p.add_argument("--served-model-name", default=None,
+                   help="model ids the API answers to, comma-separated; the first is reported "
+                        "(default: deepseek-v4.1-flash)")
+    p.add_argument("--thinking", choices=("auto", "on", "off"), default="auto",
+                   help="whether requests that do not say reason; auto: on, except for a checkpoint of seeded "
+                        "random weights (make-checkpoint, the built-in one), which never learnt to")
+    p.add_argument("--chunk", type=int, default=None, metavar="N",
+                   help="prefill chunk in tokens: the prefix cache's snapshot grid and the progress events' step "
+                        "(default: 8192)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     p.add_argument("--eager", action="store_true", help="run every forward eagerly (no CUDA graphs for short steps)")

@@ -5,8 +5,9 @@ client goes away."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -20,55 +21,94 @@ from dsflash.server.errors import ApiError
 from dsflash.server.images import ImageError, Images
 from dsflash.server.metrics import Metrics
 from dsflash.server.params import MessagesRequest, Sampling, json_mode, sampling_params, stop_list
+from dsflash.server.replay import Replays, Reply, tokenize_with
 from dsflash.server.worker import Done, Failed, Job, Worker
 from dsflash.split.link import BoxUnavailable
+from dsflash.tokenizer import EOS_ID
 
 
 class Server:
     def __init__(self, engine: Engine, tokenizer, cache: PrefixCache | None, model_name: str, dspark: int,
-                 chunk: int = DEFAULT_CHUNK):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+                 chunk: int = DEFAULT_CHUNK, thinking: bool = True):
+        # the names requests may give (comma-separated, as --served-model-name takes them); the first is reported
+        self.model_names = tuple(n.strip() for n in model_name.split(",") if n.strip()) or ("dsflash",)
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, self.model_names[0]
+        self.thinking = thinking  # the default of every endpoint (app.create_app says which)
         self.metrics = Metrics()
         if engine.encoder.reconnects is not None:  # a box
             self.metrics.box_reconnects = lambda: engine.encoder.reconnects
         self.metrics.tier_stats = engine.tier_stats
         self.worker = Worker(engine, tokenizer, cache, dspark, self.metrics, chunk)
         self.created = int(time.time())
+        self.replays = Replays()
+
+    def remember(self, done: Done, thinking: bool, got: Collected, call_ids: Sequence[str]) -> None:
+        """Keep a reply that ended with EOS after whole tool calls (`call_ids`: the ids the client got for
+        them, in order) for the exact replay of its tokens when the client sends it back (replay.py)."""
+        closed = sorted(got.closed)
+        if done.finish != "stop" or done.stop_string is not None or not closed or done.tokens[-1:] != [EOS_ID]:
+            return
+        try:  # (an unforced call's arguments may be no JSON: such a reply is re-rendered, as the client sends it)
+            calls = tuple((cid, got.calls[i].name, json.loads(got.calls[i].arguments))
+                          for cid, i in zip(call_ids, closed, strict=True))
+        except json.JSONDecodeError:
+            return
+        self.replays.remember(Reply(tuple(done.tokens), thinking, "".join(got.content), "".join(got.reasoning),
+                                    calls))
+
+    def check_model(self, name: str | None) -> None:
+        """Refuse (404, each API's shape) a request for a model this server does not serve; none named is fine."""
+        if name is not None and name not in self.model_names:
+            raise ApiError(404, f"The model `{name}` does not exist: this server serves "
+                                f"{', '.join(self.model_names)}", "model", "model_not_found", kind="not_found_error")
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def chat_job(self, req: Sampling | MessagesRequest, messages: list[dict], tools: list[dict] | None,
-                 forced: tuple[str, ...], thinking: bool, images: Images, arrived: float, *,
+                 forced: tuple[tuple[str, Any], ...], thinking: bool | None, images: Images, arrived: float, *,
                  max_tokens: int | None, stop: str | list[str] | None, effort: int | None = None,
-                 top_logprobs: int | None = None, fmt: Any = None, fmt_field: str = "response_format") -> Job:
+                 top_logprobs: int | None = None, fmt: Any = None, fmt_field: str = "response_format",
+                 budget: int | None = None, field: str = "messages") -> Job:
         """The job of a conversation (chat completions, Anthropic messages, Responses) in OpenAI's form with
         its images marked: the encoded prompt and its image spans, `req`'s sampling, the stop strings, the
-        forced tools, and the answer's format `fmt` (read as `json_mode` does, named `fmt_field`)."""
-        try:
-            text = encode_messages(messages, tools, thinking, effort)
-        except EncodingError as e:
-            raise ApiError(400, str(e), str(e).split(":")[0]) from e
-        try:
-            prompt, spans = images.prompt(text, self.tokenize, self.engine)
-        except ImageError as e:
-            raise ApiError(400, str(e), e.field) from e
+        forced tools, and the answer's format `fmt` (read as `json_mode` does, named `fmt_field`). `thinking`
+        None: the server's default; `budget`: the reasoning's cap in tokens; `field`: the request's field of
+        the conversation, named by a context-length error."""
+        thinking = self.thinking if thinking is None else thinking
+        prompt, spans = self.prompt(messages, tools, thinking, images, effort)
         # the generation-prompt tail `<think>`/`</think>` differs from the next turn's text; snapshot before it
         job = self.job(prompt, max_tokens, sampling_params(req), stop_list(stop), top_logprobs, len(prompt) - 1,
-                       arrived)
-        job.images, job.forced_tools, job.thinking = spans, forced, thinking
+                       arrived, field)
+        job.images, job.forced_tools, job.thinking, job.reasoning_budget = spans, forced, thinking, budget
+        job.skip_special = getattr(req, "skip_special_tokens", True)
         job.json_mode, job.json_schema = json_mode(fmt, fmt_field, forced)
         return job
 
+    def prompt(self, messages: list[dict], tools: list[dict] | None, thinking: bool, images: Images,
+               effort: int | None = None) -> tuple[list[int], list]:
+        """The token ids of a conversation's prompt (V4.1 encoding, sampled tool-call turns replayed as they
+        were sampled) and its image spans."""
+        verbatim, replayed = self.replays.marked(messages)
+        try:
+            text = encode_messages(messages, tools, thinking, effort, verbatim=verbatim)
+        except EncodingError as e:
+            raise ApiError(400, str(e), str(e).split(":")[0]) from e
+        try:
+            return images.prompt(text, tokenize_with(self.tokenize, replayed), self.engine)
+        except ImageError as e:
+            raise ApiError(400, str(e), e.field) from e
+
     def job(self, prompt: list[int], max_tokens: int | None, params: SamplingParams, stop: list[str],
-            top_logprobs: int | None, split: int, arrived: float) -> Job:
+            top_logprobs: int | None, split: int, arrived: float, field: str = "messages") -> Job:
         """A job of `prompt`, refused when it leaves no room to generate `max_tokens` (None: up to the
-        context), or when the sampling names tokens outside the vocabulary."""
+        context), or when the sampling names tokens outside the vocabulary. `field`: the request's field
+        of the prompt (messages, input, prompt), named by a context-length error."""
         limit = self.engine.max_context
         if len(prompt) >= limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
                                 f"{len(prompt)} tokens, which leaves no room to generate.",
-                           "messages", "context_length_exceeded",
+                           field, "context_length_exceeded",
                            extra={"prompt_tokens": len(prompt), "max_context": limit})
         vocab = self.engine.args.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
@@ -82,7 +122,9 @@ class Server:
                                 f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} to generate).",
                            "max_tokens", "context_length_exceeded",
                            extra={"prompt_tokens": len(prompt), "max_tokens": max_tokens, "max_context": limit})
-        return Job(prompt, max_tokens or room, params, stop, top_logprobs, split, arrived)
+        job = Job(prompt, max_tokens or room, params, stop, top_logprobs, split, arrived)
+        job.prompt_field = field
+        return job
 
     async def collect(self, job: Job, request: Request, thinking: bool) -> tuple[Collected, list[dict], Done]:
         """Run `job` to the end: the parsed reply, the logprob entries, and the Done event."""
@@ -111,7 +153,7 @@ class Server:
                     continue
                 if isinstance(ev, Failed):
                     if isinstance(ev.error, ContextLengthError):
-                        raise ApiError(400, str(ev.error), "messages", "context_length_exceeded")
+                        raise ApiError(400, str(ev.error), job.prompt_field, "context_length_exceeded")
                     if isinstance(ev.error, BoxUnavailable):  # retryable; never another model's answer
                         raise ApiError(503, str(ev.error), code="box_unavailable", kind="server_error",
                                        headers={"Retry-After": str(BoxUnavailable.retry_after)})

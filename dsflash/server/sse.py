@@ -118,7 +118,8 @@ async def choice_stream(choices: list[AsyncIterator[Any]], sse: Callable[..., st
 
 def total(dones: list[Done]) -> Done:
     """One Done for the usage of n choices: the prompt once, the completions summed."""
-    return replace(dones[0], completion_tokens=sum(d.completion_tokens for d in dones))
+    return replace(dones[0], completion_tokens=sum(d.completion_tokens for d in dones),
+                   reasoning_tokens=sum(d.reasoning_tokens for d in dones))
 
 
 def sse_data(obj: Any) -> str:
@@ -130,4 +131,5 @@ def usage(done: Done) -> dict:
     """OpenAI's usage object of a generation."""
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": done.reasoning_tokens}}

@@ -12,20 +12,35 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dsflash.engine.json_mode import JsonObject, Node
+from dsflash.engine.json_mode import JsonObject, Node, Vocab
 from dsflash.engine.prefix_cache import PrefixCache
-from dsflash.engine.sampling import Constraint, Forcing, SamplingParams, logprobs
+from dsflash.engine.sampling import AfterReasoning, Constraint, SamplingParams, logprobs
 from dsflash.engine.session import DEFAULT_CHUNK, Engine
 from dsflash.engine.spec import DecodeStats, decode
+from dsflash.engine.tool_call import Syntax, ToolCall
 from dsflash.server.encoding import (
     DSML_ATTRIBUTES_END,
+    DSML_CALLS_CLOSE,
     DSML_CALLS_OPEN,
+    DSML_INVOKE_CLOSE,
     DSML_INVOKE_OPEN,
+    DSML_PARAMETER_CLOSE,
+    DSML_PARAMETER_OPEN,
     THINK_END,
     TOOL_CALLS_SEPARATOR,
 )
 from dsflash.server.metrics import Metrics
 from dsflash.tokenizer import EOS_ID, token_bytes
+from dsflash.tokens import ASSISTANT, BOS, DSML, EOS, PAD, SYSTEM, THINK_START, USER
+
+# one call as `render_tool_calls` writes it: what a forced call's grammar follows
+DSML_SYNTAX = Syntax(head=TOOL_CALLS_SEPARATOR + DSML_CALLS_OPEN + "\n" + DSML_INVOKE_OPEN,
+                     name_end=DSML_ATTRIBUTES_END + "\n", param_open=DSML_PARAMETER_OPEN, flag='" string="',
+                     attr_end=DSML_ATTRIBUTES_END, param_close=DSML_PARAMETER_CLOSE, between="\n",
+                     invoke_end="\n" + DSML_INVOKE_CLOSE + "\n" + DSML_CALLS_CLOSE)
+
+
+PROGRESS_S = 0.5  # prefill progress about this often
 
 
 @dataclass
@@ -41,10 +56,17 @@ class Job:
     # prefill progress as llama.cpp reports it: total, cache, processed, time_ms (set by the worker thread)
     progress: dict | None = None
     images: list = field(default_factory=list)  # ImageSpan of the prompt's images
-    forced_tools: tuple[str, ...] = ()  # one of these tools must be called (tool_choice required / named)
+    # one of these tools (name, parameters schema) must be called (tool_choice required / named)
+    forced_tools: tuple[tuple[str, Node], ...] = ()
     json_mode: bool = False  # the answer is a JSON object (response_format json_object / json_schema)
     json_schema: Node | None = None  # ... following this schema
     thinking: bool = False  # with either: the constraint starts at the reasoning's end
+    reasoning_budget: int | None = None  # thinking: `</think>` is forced after this many reasoning tokens
+    prompt_field: str = "messages"  # the request's field of the prompt, for errors about it
+    # the text leaves out the special tokens (BOS, EOS, PAD, the role markers, `<think>`; vLLM's default),
+    # and `</think>` too unless a parser reads the text (which needs it, and the DSML marker)
+    skip_special: bool = True
+    parsed: bool = True
 
     def choices(self, n: int) -> list[Job]:
         """This job and its n - 1 siblings (seed + i; greedy ones give the same text, as in vLLM)."""
@@ -66,6 +88,8 @@ class Done:
     cached_tokens: int
     completion_tokens: int
     stats: dict
+    tokens: list[int] = field(default_factory=list)  # the generated ids, the end token included
+    reasoning_tokens: int = 0  # of completion_tokens, those before the reasoning's end
 
 
 @dataclass
@@ -120,7 +144,12 @@ class Worker:
                  chunk: int = DEFAULT_CHUNK, concurrency: int = 2):
         self.engine, self.tokenizer, self.cache, self.dspark = engine, tokenizer, cache, dspark
         self.metrics, self.chunk = metrics, chunk
-        self._token_bytes: list[bytes | None] | None = None
+        # rows of a prefill's encoder passes, each followed by a progress event: about PROGRESS_S of work at the
+        # last prefill's speed (the bits do not depend on it)
+        self.pass_rows = max(16, chunk // 16)
+        hidden = {tokenizer.token_to_id(t) for t in (BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, THINK_START)} - {None}
+        self._hidden = {True: hidden, False: hidden | {tokenizer.token_to_id(THINK_END)}}  # by Job.parsed
+        self._vocabs: dict[str, Vocab] = {}  # token bytes for JSON mode ("json") and forced calls ("dsml")
         self._json_masks: dict = {}
         self._json_lock = threading.Lock()
         # two generations in flight: with a box, each machine works on one while the other finishes the next
@@ -150,16 +179,21 @@ class Worker:
     def _prepare(self, job: Job, stats: DecodeStats):
         prompt, t0 = job.prompt, time.perf_counter()
 
-        def progress(done: int, total: int) -> None:
-            job.progress = {"total": len(prompt), "cache": stats.cached_tokens, "processed": stats.cached_tokens + done,
-                            "time_ms": round((time.perf_counter() - t0) * 1000, 1)}
+        def progress(done: int, total: int) -> None:  # a new dict each time: the stream sends each one once
+            cache = len(prompt) - total  # kept or resumed: not prefilled
+            job.progress = {"total": len(prompt), "cache": cache, "processed": cache + done,
+                            "time_ms": round((time.perf_counter() - t0) * 1000, 1)}  # one clock per job: monotone
 
         session = self.engine.session()
         # also snapshot at the split, so the next turn of the conversation (whose text differs from this
         # prompt's generation-prompt tail, e.g. `<think>` vs `</think>`) resumes from there
         synced = session.sync(prompt, images=job.images, cache=self.cache, chunk=self.chunk,
-                              snapshot_at=job.split if 0 < job.split < len(prompt) else None, progress=progress)
+                              snapshot_at=job.split if 0 < job.split < len(prompt) else None, progress=progress,
+                              pass_rows=self.pass_rows)
         stats.prompt_tokens, stats.cached_tokens, stats.prefill_s = len(prompt), synced.reused, synced.prefill_s
+        if synced.prefill_s > 0.05:
+            rate = (len(prompt) - synced.reused) / synced.prefill_s
+            self.pass_rows = int(min(max(16, rate * PROGRESS_S), self.chunk))
         return session, synced.logits
 
     def _generate(self, job: Job, emit: Callable[[Any], None]) -> None:
@@ -181,6 +215,7 @@ class Worker:
         out: list[int] = []
         emitted = 0  # tokens yielded, EOS included
         finish, stop_string = "length", None
+        ended: list[int] = []  # the end token, when one ended the generation
         pending_lp: list[dict] = []
         last = None
         t_dec = time.perf_counter()
@@ -203,9 +238,11 @@ class Worker:
                 pending_lp.append(self._lp_entry(tok, lp, best))
             if tok in end:
                 finish = "stop"
+                ended = [tok]
                 break
             out.append(tok)
-            piece, stop_string = stops.feed(self.tokenizer.decode(out, skip_special_tokens=False))
+            shown = [t for t in out if t not in self._hidden[job.parsed]] if job.skip_special else out
+            piece, stop_string = stops.feed(self.tokenizer.decode(shown, skip_special_tokens=False))
             if piece or pending_lp:
                 emit(Text(piece, pending_lp))
                 pending_lp = []
@@ -226,27 +263,43 @@ class Worker:
                 self.cache.put(session.cache_key(), session.snapshot())
             except Exception:
                 pass
-        emit(Done(finish, stop_string, stats.prompt_tokens, stats.cached_tokens, emitted, stats.as_dict()))
+        emit(Done(finish, stop_string, stats.prompt_tokens, stats.cached_tokens, emitted, stats.as_dict(), out + ended,
+                  self._reasoning_tokens(job, out)))
+
+    def hidden_texts(self, parsed: bool) -> set[str]:
+        """The text of the tokens left out of a job's text (see Job.skip_special)."""
+        return {self.tokenizer.id_to_token(t) for t in self._hidden[parsed] if t is not None}
+
+    def _reasoning_tokens(self, job: Job, out: list[int]) -> int:
+        """How many of the generated tokens are reasoning: those before `</think>` (thinking mode)."""
+        if not job.thinking:
+            return 0
+        end = self.tokenizer.token_to_id(THINK_END)
+        return out.index(end) if end in out else len(out)
 
     def _constraint(self, job: Job) -> Constraint | None:
-        """What the answer must be (after the reasoning, when thinking): a forced tool call opens the DSML
-        block with an invoke of one of the forced tools (the arguments are the model's own); JSON mode
-        makes it a JSON object, following the request's schema when it has one."""
-        if not job.forced_tools and not job.json_mode:
-            return None
-        trigger = None
-        if job.thinking:
-            trigger = self.tokenizer.token_to_id(THINK_END)
-            if trigger is None:
-                raise ValueError(f"the tokenizer has no single {THINK_END} token to start the answer's constraint")
+        """What the answer must be (after the reasoning, when thinking): a forced tool call is one DSML invoke
+        of a forced tool with arguments of its schema; JSON mode makes it a JSON object, following the
+        request's schema when it has one. Thinking with a reasoning budget forces the reasoning's end."""
+        inner: Constraint | None = None
         if job.forced_tools:
-            heads = [TOOL_CALLS_SEPARATOR + DSML_CALLS_OPEN + "\n" + DSML_INVOKE_OPEN + name + DSML_ATTRIBUTES_END
-                     + "\n" for name in job.forced_tools]
-            return Forcing([self.tokenizer.encode(h, add_special_tokens=False).ids for h in heads], trigger)
-        with self._json_lock:  # the token bytes and the masks by grammar state are made once per server
-            if self._token_bytes is None:
-                self._token_bytes = token_bytes(self.tokenizer)
-        return JsonObject(self._token_bytes, EOS_ID, trigger, self._json_masks, job.json_schema)
+            inner = ToolCall(self._vocab("dsml"), EOS_ID, DSML_SYNTAX, list(job.forced_tools),
+                             lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids)
+        elif job.json_mode:
+            inner = JsonObject(self._vocab("json"), EOS_ID, self._json_masks, job.json_schema)
+        if not job.thinking or (inner is None and job.reasoning_budget is None):
+            return inner
+        trigger = self.tokenizer.token_to_id(THINK_END)
+        if trigger is None:
+            raise ValueError(f"the tokenizer has no single {THINK_END} token to end the reasoning")
+        return AfterReasoning(trigger, inner, job.reasoning_budget)
+
+    def _vocab(self, kind: str) -> Vocab:
+        """The token bytes and their tables, made once per server: DSML's marker has bytes for forced calls."""
+        with self._json_lock:
+            if kind not in self._vocabs:
+                self._vocabs[kind] = Vocab(token_bytes(self.tokenizer, (DSML,) if kind == "dsml" else ()))
+            return self._vocabs[kind]
 
     def _lp_entry(self, tok: int, lp: float, best: list[tuple[int, float]]) -> dict:
         def one(t: int, v: float) -> dict:
