@@ -32,8 +32,8 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         msgs, tools = _anthropic_to_openai(req, images)
         tools, forced = offered_tools(tools, req.tool_choice)
         thinking = req.thinking is not None and req.thinking.type != "disabled"
-        job = srv.chat_job(req, msgs, tools, forced, thinking, images, arrived, max_tokens=req.max_tokens,
-                           stop=req.stop_sequences)
+        job = await srv.off_loop(srv.chat_job, req, msgs, tools, forced, thinking, images, arrived,
+                                 max_tokens=req.max_tokens, stop=req.stop_sequences)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
             return event_stream(_messages_stream(srv, job, request, mid, thinking), job)
@@ -160,7 +160,10 @@ def _anthropic_to_openai(req: MessagesRequest, images: Images) -> tuple[list[dic
         if isinstance(req.system, str):
             system = req.system
         else:
-            system = "\n\n".join(b.get("text", "") for b in req.system if b.get("type") == "text")
+            for i, b in enumerate(req.system):
+                if b.get("type") == "text" and not isinstance(b.get("text"), str):
+                    raise ApiError(400, f"system[{i}].text: must be a string", f"system[{i}].text")
+            system = "\n\n".join(b["text"] for b in req.system if b.get("type") == "text")
         messages.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         role, content = m.get("role"), m.get("content")

@@ -64,8 +64,9 @@ def to_messages(req: ResponsesRequest, images: Images) -> tuple[list[dict], list
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-            if role not in ("user", "assistant", "system"):
+            role = item.get("role")
+            role = "system" if role == "developer" else role
+            if not isinstance(role, str) or role not in ("user", "assistant", "system"):
                 raise ApiError(400, f"input[{i}].role: expected user, assistant, system or developer",
                                f"input[{i}].role")
             messages.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}].content", images)})
@@ -132,14 +133,14 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     async def responses(req: ResponsesRequest, request: Request):
         arrived = time.perf_counter()
         m.inc(m.requests, "responses")
-        thinking, effort = reasoning_effort((req.reasoning or {}).get("effort"))
+        thinking, effort = reasoning_effort((req.reasoning or {}).get("effort"), "reasoning.effort")
         thinking = bool(req.reasoning) if thinking is None else thinking
         images = Images()
         messages, tools = to_messages(req, images)
         tools, forced = offered_tools(tools, req.tool_choice)
-        job = srv.chat_job(req, messages, tools, forced, thinking, images, arrived, effort=effort,
-                           max_tokens=req.max_output_tokens or req.max_tokens, stop=req.stop,
-                           fmt=(req.text or {}).get("format"), fmt_field="text.format")
+        job = await srv.off_loop(srv.chat_job, req, messages, tools, forced, thinking, images, arrived,
+                                 effort=effort, max_tokens=req.max_output_tokens or req.max_tokens, stop=req.stop,
+                                 fmt=(req.text or {}).get("format"), fmt_field="text.format")
         rid, created = f"resp_{uuid.uuid4().hex}", time.time()
         if req.stream:
             return event_stream(stream(job, request, rid, created, thinking), job)

@@ -6,13 +6,16 @@ import argparse
 import os
 import sys
 
+from dsflash.server import MAX_BODY, MAX_QUEUE, REQUEST_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
+
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from dsflash.checkpoint.manifest import verify_weights
+    from dsflash.checkpoint.reader import CheckpointError
     from dsflash.engine.prefix_cache import PrefixCache
     from dsflash.engine.session import Engine, default_device
     from dsflash.server.app import create_app
+    from dsflash.server.limits import serve
     from dsflash.split.link import box_half
     from dsflash.tokenizer import load_tokenizer
 
@@ -22,6 +25,12 @@ def run(args: argparse.Namespace) -> int:
 
         model = builtin_checkpoint()
         print(f"dsflash serve: no --model given, using the built-in tiny checkpoint at {model}", file=sys.stderr)
+    if args.verify_weights:
+        try:
+            verify_weights(model)
+        except CheckpointError as e:  # damaged or mismatched weights: say which tensor, serve nothing
+            print(f"dsflash serve: {e}", file=sys.stderr)
+            return 1
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
     engine = Engine.load(model, max_context=args.max_context, encoder=encoder, device=args.device or default_device(),
                          cuda_graphs=not args.eager)
@@ -32,9 +41,19 @@ def run(args: argparse.Namespace) -> int:
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"dsflash serve: listening on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    app = create_app(engine, tokenizer, cache=cache, model_name=name, dspark=args.dspark, api_key=api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(engine, tokenizer, cache=cache, model_name=name, dspark=args.dspark, api_key=api_key,
+                     max_body=args.max_body, request_timeout=args.request_timeout, max_queue=args.max_queue)
+    serve(app, args.host, args.port, args.log_level, args.request_timeout, args.shutdown_timeout)
     return 0
+
+
+def _size(text: str) -> int:
+    from dsflash.server.limits import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def register(subparsers) -> None:
@@ -54,4 +73,17 @@ def register(subparsers) -> None:
     p.add_argument("--box-token", help="the box's shared secret")
     p.add_argument("--box-deadline", type=float, default=60.0,
                    help="seconds to wait for a box that went away before answering 503")
+    p.add_argument("--verify-weights", action="store_true",
+                   help="check every tensor against the checkpoint's model.manifest.json before loading")
+    p.add_argument("--max-body", type=_size, default=MAX_BODY, metavar="SIZE",
+                   help=f"largest request body, e.g. 16MiB, 512KB (413 past it; default {MAX_BODY // 1024 ** 2}MiB)")
+    p.add_argument("--max-queue", type=int, default=MAX_QUEUE, metavar="N",
+                   help="generation requests that may wait beyond the running ones (503 + Retry-After past it; "
+                        f"default {MAX_QUEUE})")
+    p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S, metavar="S",
+                   help="seconds for a request's headers, and then its body, to arrive (closed / 408 past it; "
+                        f"default {REQUEST_TIMEOUT_S:g})")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="S",
+                   help="on SIGTERM, seconds running generations may finish before they are ended "
+                        f"(streams get their finish reason and [DONE]; default {SHUTDOWN_TIMEOUT_S:g})")
     p.set_defaults(func=run)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -22,6 +24,9 @@ from dsflash.server.metrics import Metrics
 from dsflash.server.params import MessagesRequest, Sampling, json_mode, sampling_params, stop_list
 from dsflash.server.worker import Done, Failed, Job, Worker
 from dsflash.split.link import BoxUnavailable
+from dsflash.tokenizer import token_bytes
+
+DISCONNECT_CHECK_S = 0.25  # how often a generation looks whether its client is still there
 
 
 class Server:
@@ -33,9 +38,43 @@ class Server:
             self.metrics.box_reconnects = lambda: engine.encoder.reconnects
         self.worker = Worker(engine, tokenizer, cache, dspark, self.metrics, chunk)
         self.created = int(time.time())
+        self.draining = False  # set by a shutdown: new generations are refused
+        # no token covers more bytes of text than the longest, so a longer text than the context times that
+        # cannot fit, and is refused before it is tokenized (tokenizing 50 MB took minutes and 9 GB); a
+        # normalizer could lengthen the text, so then there is no such bound
+        self.max_text_bytes = None if tokenizer.normalizer is not None else engine.max_context * max(
+            [len(b) for b in token_bytes(tokenizer) if b is not None]
+            + [len(t.content.encode()) for t in tokenizer.get_added_tokens_decoder().values()])
+        # prompts are built and tokenized here, off the event loop, so /health and other clients get answers
+        # meanwhile
+        self.prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsflash-prep")
 
-    def tokenize(self, text: str) -> list[int]:
+    async def off_loop(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """`fn(*args, **kwargs)` on the prompt-building threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep, partial(fn, *args, **kwargs))
+
+    def tokenize(self, text: str, field: str = "messages") -> list[int]:
+        """`text`'s tokens (checked by `check_size` first)."""
+        self.check_size(text, field)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def check_size(self, text: str, field: str) -> None:
+        """Refuse, untokenized, a text too long for the context in any tokenization."""
+        size = len(text.encode("utf-8"))
+        if self.max_text_bytes is not None and size > self.max_text_bytes:
+            limit = self.engine.max_context
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens; the {field} text has "
+                                f"{size} bytes, more than {limit} tokens can hold ({self.max_text_bytes} bytes).",
+                           field, "context_length_exceeded", extra={"text_bytes": size, "max_context": limit})
+
+    async def drain(self, timeout: float) -> None:
+        """A shutdown: refuse new generations, give the running ones `timeout` seconds, then cancel the rest
+        (streams end with their finish reason, the others answer with what they have)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.worker.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.worker.cancel_all()
 
     def chat_job(self, req: Sampling | MessagesRequest, messages: list[dict], tools: list[dict] | None,
                  forced: tuple[str, ...], thinking: bool, images: Images, arrived: float, *,
@@ -48,6 +87,7 @@ class Server:
             text = encode_messages(messages, tools, thinking, effort)
         except EncodingError as e:
             raise ApiError(400, str(e), str(e).split(":")[0]) from e
+        self.check_size(text, "messages")  # the whole prompt; its pieces between images are tokenized apart
         try:
             prompt, spans = images.prompt(text, self.tokenize, self.engine)
         except ImageError as e:
@@ -63,6 +103,9 @@ class Server:
             top_logprobs: int | None, split: int, arrived: float) -> Job:
         """A job of `prompt`, refused when it leaves no room to generate `max_tokens` (None: up to the
         context), or when the sampling names tokens outside the vocabulary."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down", kind="server_error",
+                           headers={"Retry-After": "5", "Connection": "close"})
         limit = self.engine.max_context
         if len(prompt) >= limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
@@ -100,13 +143,20 @@ class Server:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.worker.submit(job, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        check = time.monotonic() + DISCONNECT_CHECK_S
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    ev = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
                 except TimeoutError:
+                    ev = None
+                # on a clock, not only when no token came: a non-streamed request has nothing else that
+                # would notice its client leaving while tokens flow
+                if time.monotonic() >= check:
+                    check = time.monotonic() + DISCONNECT_CHECK_S
                     if await request.is_disconnected():
                         job.cancel.set()
+                if ev is None:
                     continue
                 if isinstance(ev, Failed):
                     if isinstance(ev.error, ContextLengthError):
