@@ -60,7 +60,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over HTTP (OpenAI and Anthropic APIs)")
     p.add_argument("--model", help="checkpoint directory (default: the built-in tiny checkpoint)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--api-key", help="require this key on /v1 requests (default: $DSFLASH_API_KEY, else none)")
+    p.add_argument("--api-key",
+                   help="require this key on all but /health and /metrics (default: $DSFLASH_API_KEY, else none)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--cache-dir", help="prefix-cache directory (default: RAM only)")
     p.add_argument("--dspark", type=int, default=0, metavar="K", help="DSpark draft depth limit (0 = off)")
