@@ -10,6 +10,11 @@ import sys
 
 import torch
 
+from dsflash.checkpoint.reader import CheckpointError
+from dsflash.config import ConfigError
+from dsflash.engine.session import ContextLengthError
+from dsflash.split.link import BoxRefused, BoxUnavailable
+
 # the module of each subcommand, whose `register(subparsers)` adds it
 COMMANDS = [
     "dsflash.golden.check",  # check-golden
@@ -47,10 +52,22 @@ def set_threads(n: int | None) -> None:
     torch.set_num_threads(n or cpu_threads())
 
 
+# what a user can cause (a missing or damaged file, a prompt too long, a box down or refusing, Ctrl-C): said in
+# one line, with a non-zero exit, rather than a traceback
+EXPECTED = (ConfigError, CheckpointError, ContextLengthError, BoxUnavailable, BoxRefused, FileNotFoundError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     set_threads(args.threads)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except EXPECTED as e:
+        print(f"dsflash {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"dsflash {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ from pathlib import Path
 
 from dsflash.checkpoint.builtin import builtin_checkpoint
 from dsflash.checkpoint.manifest import verify_weights
-from dsflash.checkpoint.reader import CheckpointError
 from dsflash.engine.images import ImageSpan
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import SamplingParams
-from dsflash.engine.session import DEFAULT_CHUNK, Engine, default_device
+from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine, default_device
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.vision import preprocess_image
-from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
+from dsflash.split.link import box_half
 from dsflash.tokenizer import EOS_ID, load_tokenizer
 
 
@@ -39,14 +38,6 @@ class Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _generate(args)
-    except (BoxUnavailable, BoxRefused, CheckpointError) as e:  # the reason, in one line rather than a traceback
-        print(f"dsflash generate: {e}", file=sys.stderr)
-        return 1
-
-
-def _generate(args: argparse.Namespace) -> int:
     if args.model is None:
         args.model = builtin_checkpoint()
         print(f"dsflash generate: no --model given, using the built-in tiny checkpoint at {args.model}",
@@ -69,6 +60,8 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = json.loads(Path(args.prompt_tokens).read_text())
         if (Path(args.model) / "tokenizer.json").exists():
             tokenizer = load_tokenizer(args.model)
+    if len(prompt) + args.n > engine.max_context:  # refused before any of it is computed
+        raise ContextLengthError(len(prompt) + args.n, engine.max_context)
     try:
         params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed,
                                 args.presence_penalty, args.frequency_penalty, args.repetition_penalty)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsflash.checkpoint.reader import open_checkpoint
+from dsflash.checkpoint.reader import CheckpointError, open_checkpoint
 from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.model.transformer import Transformer
 
@@ -47,6 +47,9 @@ def load_model(path: str | Path, half: str | None = None, device: str = "cpu", r
     if args.engram_layer_ids and layers.start == 0:
         token_map, classes = engram_token_map(path, args.vocab_size)
         if classes != args.engram_compressed_vocab_size:
-            raise ValueError(f"{path}: the tokenizer gives {classes} Engram token classes, config "
-                             f"engram_compressed_vocab_size is {args.engram_compressed_vocab_size}")
+            if not (path / "tokenizer.json").exists():  # the usual cause: Engram's classes come from it
+                raise CheckpointError(f"{path}: no tokenizer.json (Engram's token classes come from the "
+                                      f"checkpoint's tokenizer; copy it into the checkpoint directory)")
+            raise CheckpointError(f"{path}: the tokenizer gives {classes} Engram token classes, config "
+                                  f"engram_compressed_vocab_size is {args.engram_compressed_vocab_size}")
     return Transformer(args, ckpt, token_map, layers=layers, device=device, reference=reference, tiers=tiers)
