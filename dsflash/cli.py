@@ -7,6 +7,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -37,7 +38,29 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--threads", type=int, default=None, metavar="N",
                              help=f"CPU threads for torch (default: the cores this process may run on, "
                                   f"{cpu_threads()} here)")
+    for p in parsers(parser):
+        p.formatter_class = DefaultsHelp
     return parser
+
+
+def parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """`parser` and every subcommand's parser under it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from parsers(sub)
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """Each option's help with its default, unless the help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or any(action.default is v for v in (None, False)) \
+                or action.default == argparse.SUPPRESS:
+            return text
+        return text + " (default: %(default)s)"
 
 
 def cpu_threads() -> int:

@@ -4,7 +4,6 @@ Ctrl-C (a real SIGINT) stopping a reply but not the conversation, a server that 
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -103,21 +102,20 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_conversation(keyed):
 
 
 def test_every_option_has_help_and_shows_its_default():
+    """Every option of every command (bench's subcommands too) has help text showing its default; each
+    bench subcommand lists only the options it reads."""
     from dsflash import cli
 
-    def commands(parser: argparse.ArgumentParser, name: str):
-        yield name, parser
+    for parser in cli.parsers(cli.build_parser()):
+        text = " ".join(parser.format_help().split())  # argparse wraps lines
         for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for sub_name, sub in action.choices.items():
-                    yield from commands(sub, f"{name} {sub_name}")
-
-    for name, parser in commands(cli.build_parser(), "dsflash"):
-        for action in parser._actions:
-            if action.option_strings and action.dest != "help":
-                assert action.help, f"{name} {action.option_strings[0]} has no help text"
-        text = parser.format_help()
-        for action in parser._actions:
-            if action.option_strings and action.default not in (None, False, argparse.SUPPRESS, []) \
-                    and isinstance(action.default, int | float | str):
-                assert f"{action.default}" in text, f"{name} {action.option_strings[0]}: default not shown"
+            if not action.option_strings or action.dest == "help":
+                continue
+            assert action.help, f"{parser.prog} {action.option_strings[0]} has no help text"
+            if action.default is not None and action.default is not False and "default" not in action.help:
+                shown = f"(default: {action.default})"
+                assert " ".join(shown.split()) in text, f"{parser.prog} {action.option_strings[0]}: {shown} not shown"
+    bench = {p.prog.split()[-1]: {a.dest for a in p._actions} for p in cli.parsers(cli.build_parser())
+             if p.prog.startswith("dsflash bench ")}
+    assert "lengths" not in bench["step"] and "rows" not in bench["prefill"] and "model" in bench["link"]
+    assert {"context", "rows", "lengths", "warmup_s"} <= bench["all"]

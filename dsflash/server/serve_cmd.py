@@ -59,15 +59,15 @@ def _size(text: str) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over HTTP (OpenAI and Anthropic APIs)")
     p.add_argument("--model", help="checkpoint directory (default: the built-in tiny checkpoint)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--api-key",
                    help="require this key on all but /health and /metrics (default: $DSFLASH_API_KEY, else none)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--cache-dir", help="prefix-cache directory (default: RAM only)")
     p.add_argument("--dspark", type=int, default=0, metavar="K", help="DSpark draft depth limit (0 = off)")
     p.add_argument("--max-context", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="uvicorn log level: critical, error, warning, info, debug")
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     p.add_argument("--eager", action="store_true", help="run every forward eagerly (no CUDA graphs for short steps)")
     p.add_argument("--box", metavar="HOST:PORT", help="run the encoder half on this dsflash box")
