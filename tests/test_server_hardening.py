@@ -319,3 +319,66 @@ def test_serve_verify_weights_refuses_a_damaged_checkpoint_in_one_line(ckpt, tmp
                         str(free_port()), "--verify-weights"], capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"tensor '{FP4}' is damaged" in r.stderr
+
+
+@pytest.mark.slow
+def test_mixed_hostile_load_gives_no_5xx_and_keeps_memory_flat(ckpt):
+    """Rounds of malformed shapes, clients that leave mid-answer (streamed or not), oversized and too-long
+    bodies, stalled uploads and ordinary requests, from several threads at once: no 5xx except the
+    queue's 503, and the server's resident memory after the last round within 100 MB of the first's."""
+    proc, base = serve(ckpt, "--max-body", "4MiB", "--request-timeout", "1", "--max-queue", "4")
+    port = int(base.rsplit(":", 1)[1])
+    statuses: list[int] = []
+
+    def rss() -> float:
+        with open(f"/proc/{proc.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+    def ask(path: str, **kw) -> None:
+        try:
+            statuses.append(httpx.post(base + path, timeout=httpx.Timeout(60, read=kw.pop("read", 60)), **kw)
+                            .status_code)
+        except httpx.ReadTimeout:
+            pass  # the client left
+
+    def stream_and_leave() -> None:
+        with httpx.stream("POST", base + "/v1/messages", timeout=60, json={
+                "messages": [{"role": "user", "content": "Hi"}], **LONG, "stream": True}) as r:
+            statuses.append(r.status_code)
+            for _ in r.iter_lines():
+                break
+
+    def stall() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+            statuses.append(int(s.recv(64).split()[1]))
+
+    def round_() -> None:
+        work = [lambda p=p, b=b: ask(p, content=b, headers={"content-type": "application/json"})
+                for p, b, _ in SHAPES]
+        work += [lambda: ask("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], **LONG},
+                             read=1.5),
+                 stream_and_leave, stall,
+                 lambda: ask("/v1/chat/completions", content=b"x" * (5 * 1024 ** 2)),
+                 lambda: ask("/v1/chat/completions", json={"messages": [{"role": "user",
+                                                                         "content": "w " * 1_500_000}]}),
+                 lambda: ask("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                           "max_tokens": 3})]
+        threads = [threading.Thread(target=w) for w in work]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+
+    try:
+        round_()
+        wait_idle(base, 30)
+        first = rss()
+        for _ in range(5):
+            round_()
+        wait_idle(base, 30)
+        assert all(s < 500 or s == 503 for s in statuses), sorted(set(statuses))
+        assert {400, 408, 413, 200} <= set(statuses)
+        assert rss() - first < 100, (first, rss())
+    finally:
+        stop(proc)
