@@ -56,6 +56,22 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a count (0, 1, 2, ...): {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over HTTP (OpenAI and Anthropic APIs)")
     p.add_argument("--model", help="checkpoint directory (default: the built-in tiny checkpoint)")
@@ -78,13 +94,13 @@ def register(subparsers) -> None:
                    help="check every tensor against the checkpoint's model.manifest.json before loading")
     p.add_argument("--max-body", type=_size, default=MAX_BODY, metavar="SIZE",
                    help=f"largest request body, e.g. 16MiB, 512KB (413 past it; default {MAX_BODY // 1024 ** 2}MiB)")
-    p.add_argument("--max-queue", type=int, default=MAX_QUEUE, metavar="N",
+    p.add_argument("--max-queue", type=_count, default=MAX_QUEUE, metavar="N",
                    help="generation requests that may wait beyond the running ones (503 + Retry-After past it; "
                         f"default {MAX_QUEUE})")
-    p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S, metavar="S",
+    p.add_argument("--request-timeout", type=_seconds, default=REQUEST_TIMEOUT_S, metavar="S",
                    help="seconds for a request's headers, and then its body, to arrive (closed / 408 past it; "
                         f"default {REQUEST_TIMEOUT_S:g})")
-    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="S",
+    p.add_argument("--shutdown-timeout", type=_seconds, default=SHUTDOWN_TIMEOUT_S, metavar="S",
                    help="on SIGTERM, seconds running generations may finish before they are ended "
                         f"(streams get their finish reason and [DONE]; default {SHUTDOWN_TIMEOUT_S:g})")
     p.set_defaults(func=run)
