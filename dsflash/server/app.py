@@ -5,7 +5,8 @@ Generations run on the decode worker (`worker.py`: turns tokens into text, appli
 events to the request); the request side (`server.py`) builds jobs and streams the worker's events; each
 API dialect (`openai.py`, `anthropic.py`, `responses.py`) parses reasoning/content/DSML tool calls and
 formats its own responses. A client that goes away (stream or not) sets the job's cancel flag, which
-`decode(stopped=...)` checks every token.
+`decode(stopped=...)` checks every token. Before any of that, `limits.py` bounds what a request may take
+(body size and read time, generation requests in flight) and, with a key, `ApiKeyGuard` checks it.
 """
 
 from __future__ import annotations
