@@ -220,6 +220,27 @@ def test_a_non_streamed_client_that_leaves_stops_its_generation(server, path, ex
     assert after["dsflash_generated_tokens_total"] - before["dsflash_generated_tokens_total"] < 1500
 
 
+def test_a_client_that_leaves_during_the_prefill_stops_it_at_the_next_chunk(ckpt, tmp_path):
+    """A 15,000-token prompt prefilled in chunks of 512 (tens of seconds on a CPU); the client hangs up
+    after 1 s: the prefill stops at the next chunk, nothing is counted as prefilled or generated (before:
+    the whole prefill ran, then the generation until the client's absence was noticed)."""
+    from tests.conftest import serve_app
+
+    proc, base = serve_app(ckpt, tmp_path, 16384, "tiny", 512)
+    try:
+        before = metrics(base)
+        body = {"messages": [{"role": "user", "content": "the cat sat on the mat " * 1500}], **LONG, "max_tokens": 1000}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        assert wait_idle(base, 10) < 10
+        after = metrics(base)
+        assert after['dsflash_finished_total{reason="cancelled"}'] == 1
+        for counter in ("dsflash_prefill_tokens_total", "dsflash_generated_tokens_total"):
+            assert after[counter] == before[counter], counter
+    finally:
+        stop(proc)
+
+
 def test_slow_headers_and_a_stalled_body_are_timed_out(server):
     """--request-timeout 1.5: a client sending its headers a byte at a time, and one that stops after ten
     bytes of a hundred-byte body."""
