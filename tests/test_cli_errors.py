@@ -80,6 +80,13 @@ def test_chat_takes_the_api_key_from_a_flag_or_the_environment(keyed):
         "dsflash chat: the server answered 401: missing or incorrect API key", r.stderr
 
 
+def running(base: str) -> bool:
+    import httpx
+
+    metrics = httpx.get(base + "/metrics").text.splitlines()
+    return any(line.startswith("dsflash_running ") and float(line.split()[1]) > 0 for line in metrics)
+
+
 def test_ctrl_c_stops_a_reply_and_keeps_the_conversation(keyed):
     """A real SIGINT to `dsflash chat` during a 2,000-token reply stops the reply, and the chat takes the
     next turn (stopped the same way); SIGINT at the prompt then ends the chat with status 130."""
@@ -90,9 +97,15 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_conversation(keyed):
         for turn in ("Tell me everything\n", "And now?\n"):
             proc.stdin.write(turn)
             proc.stdin.flush()
-            assert proc.stdout.read(3)  # the reply has begun
+            deadline = time.monotonic() + 60
+            while not running(keyed):  # the reply is being generated (the chat is in it, not at the prompt)
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
             proc.send_signal(signal.SIGINT)
             assert proc.stderr.readline() == "(stopped)\n"
+            while running(keyed):  # the server noticed the client leave: the next turn starts from nothing
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
         time.sleep(0.5)  # back at the prompt
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 130 and "Traceback" not in proc.stderr.read()
