@@ -7,8 +7,15 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
+
+from dsflash.checkpoint.reader import CheckpointError
+from dsflash.config import ConfigError
+from dsflash.engine.plan import PlacementError
+from dsflash.engine.session import ContextLengthError
+from dsflash.split.link import BoxRefused, BoxUnavailable
 
 # the module of each subcommand, whose `register(subparsers)` adds it
 COMMANDS = [
@@ -33,7 +40,29 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--threads", type=int, default=None, metavar="N",
                              help=f"CPU threads for torch (default: the cores this process may run on, "
                                   f"{cpu_threads()} here)")
+    for p in parsers(parser):
+        p.formatter_class = DefaultsHelp
     return parser
+
+
+def parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """`parser` and every subcommand's parser under it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from parsers(sub)
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """Each option's help with its default, unless the help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or any(action.default is v for v in (None, False)) \
+                or action.default == argparse.SUPPRESS:
+            return text
+        return text + " (default: %(default)s)"
 
 
 def cpu_threads() -> int:
@@ -48,10 +77,23 @@ def set_threads(n: int | None) -> None:
     torch.set_num_threads(n or cpu_threads())
 
 
+# what a user can cause (a missing or damaged file, a prompt too long, a box down or refusing, Ctrl-C): said in
+# one line, with a non-zero exit, rather than a traceback
+EXPECTED = (ConfigError, CheckpointError, PlacementError, ContextLengthError, BoxUnavailable, BoxRefused,
+            FileNotFoundError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     set_threads(args.threads)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except EXPECTED as e:
+        print(f"dsflash {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"dsflash {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -125,10 +126,30 @@ def test_bench_checkpoint_fits_one_h200():
 
 def test_cli(tmp_path, capsys):
     assert main(["make-checkpoint", "--preset", "tiny-a", "--seed", "3", "--out", str(tmp_path / "cli")]) == 0
-    assert "wrote" in capsys.readouterr().out
-    assert _model_bytes(tmp_path / "cli") == _model_bytes(make_checkpoint(TINY_A, 3, tmp_path / "api"))
+    assert "with tokenizer.json" in capsys.readouterr().out
+    # the tiny presets come with the tiny tokenizer, and the Engram class count it gives
+    assert _model_bytes(tmp_path / "cli") == _model_bytes(make.make_with_tokenizer(TINY_A, 3, tmp_path / "api"))
+    assert (tmp_path / "cli" / "tokenizer.json").read_bytes() == (tmp_path / "api" / "tokenizer.json").read_bytes()
     assert read_header(tmp_path / "cli" / "model.safetensors")["embed.weight"] == ("BF16", [512, 256])
     assert main(["make-checkpoint", "--preset", "tiny-a", "--experts", "8", "--out", str(tmp_path / "x")]) == 2
     assert "only the bench preset takes an expert count" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["make-checkpoint", "--preset", "nope", "--out", str(tmp_path / "y")])
+
+
+def test_make_checkpoint_output_takes_text_prompts(tmp_path):
+    """`make-checkpoint` then `generate --prompt` on its output, as a user would (subprocesses): before,
+    no tokenizer.json was written and the prompt failed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "dsflash.cli"]
+    out = tmp_path / "ckpt"
+    subprocess.run([*cli, "make-checkpoint", "--preset", "tiny-a", "--out", str(out)], env=env, check=True,
+                   capture_output=True, timeout=300)
+    r = subprocess.run([*cli, "generate", "--model", str(out), "--prompt", "Hello there", "-n", "3", "--json",
+                        "--device", "cpu"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) == 3

@@ -244,5 +244,6 @@ def test_generate_context_is_the_planned_and_the_engine_limit(tmp_path, capsys):
                  "--context", "5", "--json"]) == 1
     err = capsys.readouterr().err
     assert "plan: half all, cpu, context 5 x 1 session(s)" in err
-    assert err.strip().splitlines()[-1] == "dsflash generate: this request needs 6 tokens of context, the model's " \
+    # 3 prompt tokens and 4 to generate: 7, refused before any is computed (as the server counts max_tokens)
+    assert err.strip().splitlines()[-1] == "dsflash generate: this request needs 7 tokens of context, the model's " \
         "limit is 5"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -144,7 +145,10 @@ def test_make_checkpoint_shards_cli(tmp_path, capsys):
     assert main(["make-checkpoint", "--preset", "tiny-b", "--out", str(tmp_path), "--shards", "4"]) == 0
     assert "4 file(s)" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == shard_names(4)
-    assert open_checkpoint(tmp_path).args == TINY_B
+    # the tiny tokenizer is written too, and the Engram class count set to the count it gives
+    assert (tmp_path / "tokenizer.json").exists()
+    assert open_checkpoint(tmp_path).args == replace(TINY_B, engram_compressed_vocab_size=open_checkpoint(
+        tmp_path).args.engram_compressed_vocab_size)
     # rewriting as one file leaves no stale shard or index behind
     assert main(["make-checkpoint", "--preset", "tiny-b", "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]

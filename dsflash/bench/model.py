@@ -321,8 +321,6 @@ def run(ns: argparse.Namespace) -> int:
          "checkpoint": {"preset": ns.preset, "experts": args.n_routed_experts}, "top_k": args.n_activated_experts,
          "device": ns.device, "cuda_graphs": not ns.eager}
     if ns.what == "link":
-        if not ns.model:
-            raise SystemExit("bench link needs --model (a checkpoint directory both processes load)")
         r["link"] = bench_link(ns.model, ns.device, ns.context[0], ns.reps)
         r["checkpoint"] = {"model": ns.model}
         out = Path(ns.out)
@@ -359,25 +357,40 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def add_parser(sub: argparse._SubParsersAction, what: str) -> None:
+    """`bench WHAT` with the options WHAT reads (run() reads each only where it is given)."""
     p = sub.add_parser(what, help=f"engine benchmark: {what}")
     p.add_argument("--preset", default="bench", help="bench (real widths, fewer experts), tiny-a, tiny-b, ...")
-    p.add_argument("--experts", type=int, default=48)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--context", type=lambda s: [int(x) for x in s.split(",")], default=[8192])
-    p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=list(range(1, 9)))
-    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768])
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--warmup-s", type=float, default=3.0,
-                   help="bench step: untimed rounds of every step shape for this long before timing")
-    p.add_argument("--compare-full", action="store_true",
-                   help="also time a full prefill (decoder on every row) and report snapshot bytes per token")
-    p.add_argument("--reference-layers", type=int, default=0,
-                   help="also time the reference code path on an encoder slice of this many layers")
-    p.add_argument("--prefill", action="store_true", help="bench profile: the prefill of --context tokens, not a step")
+    p.add_argument("--experts", type=int, default=48, help="routed experts per layer of the bench preset")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--eager", action="store_true", help="run every forward eagerly (no CUDA graphs for short steps)")
-    p.add_argument("--model", help="checkpoint directory (bench link)")
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default="bench/results", help="directory for the results (JSON and Markdown)")
+    if what in ("step", "all", "profile", "link"):
+        p.add_argument("--context", type=_ints, default=[8192],
+                       help="context lengths of the timed steps, comma-separated (profile and link: the first)")
+    if what in ("step", "all", "profile"):
+        p.add_argument("--rows", type=_ints, default=list(range(1, 9)),
+                       help="rows per step, comma-separated (profile: the first)")
+    if what in ("prefill", "all"):
+        p.add_argument("--lengths", type=_ints, default=[8192, 32768], help="prompt lengths, comma-separated")
+        p.add_argument("--compare-full", action="store_true",
+                       help="also time a full prefill (decoder on every row) and report snapshot bytes per token")
+    if what in ("step", "prefill", "all", "link"):
+        p.add_argument("--reps", type=int, default=10, help="timed repetitions of each measurement")
+    if what in ("step", "all"):
+        p.add_argument("--warmup-s", type=float, default=3.0,
+                       help="untimed rounds of every step shape for this long before timing")
+    if what in ("step", "prefill", "all"):
+        p.add_argument("--reference-layers", type=int, default=0,
+                       help="also time the reference code path on an encoder slice of this many layers")
+    if what == "profile":
+        p.add_argument("--prefill", action="store_true", help="the prefill of --context tokens, not a step")
+    if what == "link":
+        p.add_argument("--model", required=True, help="checkpoint directory both processes load")
     p.set_defaults(func=run, what=what)
 
 
@@ -388,5 +401,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         add_parser(bsub, what)
     add_tiers(bsub)
     k = bsub.add_parser("kernels", help="each CUDA kernel at real shapes against the measured ceilings")
-    k.add_argument("rest", nargs=argparse.REMAINDER)
+    k.add_argument("rest", nargs=argparse.REMAINDER, help="the options of python -m dsflash.bench.kernels")
     k.set_defaults(func=lambda ns: __import__("dsflash.bench.kernels", fromlist=["main"]).main(ns.rest))

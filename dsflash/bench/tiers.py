@@ -257,7 +257,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
         return [int(x) for x in s.split(",")]
 
     p = bsub.add_parser("tiers", help="routed experts resident vs pinned host vs disk, through the expert cache")
-    p.add_argument("--preset", default="bench")
+    p.add_argument("--preset", default="bench", help="configuration to slice (bench: real widths and schedule)")
     p.add_argument("--experts", type=int, default=384, help="routed experts per layer of the bench preset")
     p.add_argument("--layers", type=int, default=2, help="the encoder slice [0, N) written and run")
     p.add_argument("--dir", default="/tmp/dsflash-bench-tiers", help="where the checkpoint is written (kept)")
@@ -267,11 +267,11 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="device expert cache in GiB (default: one layer's bank)")
     p.add_argument("--engram-cache-gib", type=float, default=None,
                    help="the Engram disk tier's hot-row RAM cache in GiB (default: model/tiers.py's)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--lengths", type=ints, default=[8192, 32768], help="prefill lengths")
     p.add_argument("--context", type=int, default=8192, help="steps follow a prefill of this many tokens")
     p.add_argument("--rows", type=ints, default=[1, 5], help="rows per step (L)")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions of each step")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for the resident tier's steps either")
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default="bench/results", help="directory for the results (.json, .md)")
     p.set_defaults(func=run)

@@ -8,9 +8,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from dsflash.checkpoint.make import make_checkpoint
+from dsflash.checkpoint.make import make_with_tokenizer
 from dsflash.config import PRESETS
-from dsflash.tokenizer import build_tiny_tokenizer, compressed_token_map
 
 BUILTIN_SEED = 0
 
@@ -20,11 +19,7 @@ def builtin_checkpoint(root: str | Path | None = None) -> Path:
     out = root / f"builtin-tiny-a-s{BUILTIN_SEED}-v3"  # v3: the manifest says "seeded"
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
-    base = PRESETS["tiny-a"]
-    tokenizer = build_tiny_tokenizer(base.vocab_size)
-    _, classes = compressed_token_map(tokenizer)
     # the preset's max_seq_len sized DeepSeek's reference caches; our state grows, so allow real chats
-    args = dataclasses.replace(base, engram_compressed_vocab_size=classes, max_seq_len=16384)
-    make_checkpoint(args, BUILTIN_SEED, out)
-    tokenizer.save(str(out / "tokenizer.json"))
-    return out
+    made = make_with_tokenizer(dataclasses.replace(PRESETS["tiny-a"], max_seq_len=16384), BUILTIN_SEED, out)
+    assert made is not None  # tiny-a's 512 ids are within the tiny corpus's range
+    return made

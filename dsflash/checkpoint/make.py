@@ -12,6 +12,7 @@ larger than memory can be written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -28,6 +29,7 @@ from dsflash.checkpoint.reader import DTYPE_SIZES, INDEX
 from dsflash.config import PRESETS, ConfigError, ModelArgs, preset, validate
 from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import E2M1_VALUES, E8M0_BIAS, quantize_fp8_blocks, quantize_fp8_rows
+from dsflash.tokenizer import build_tiny_tokenizer, compressed_token_map
 
 EMBED_RMS = 0.12  # RMS of the released embedding (the real layer-0 input)
 # mean of each norm weight by owner (noise: 10% of the mean); every other norm has mean 1
@@ -221,25 +223,50 @@ def make_checkpoint(args: ModelArgs, seed: int, out_dir: str | Path, shards: int
     return out
 
 
+def make_with_tokenizer(args: ModelArgs, seed: int, out_dir: str | Path, shards: int = 1) -> Path | None:
+    """`make_checkpoint` with a tokenizer that fits it, so text works end to end (`generate --prompt`,
+    `serve`): the tiny byte-level BPE trained for `args.vocab_size` ids, saved as tokenizer.json, and the
+    Engram class count of the config set to the count that tokenizer's compressed-token map gives. Returns
+    None (writing nothing) for a vocabulary larger than the tiny corpus supports (the released model's,
+    whose tokenizer.json is DeepSeek's)."""
+    try:
+        tokenizer = build_tiny_tokenizer(args.vocab_size)
+    except ValueError:
+        return None
+    _, classes = compressed_token_map(tokenizer)
+    out = make_checkpoint(dataclasses.replace(args, engram_compressed_vocab_size=classes), seed, out_dir, shards)
+    tokenizer.save(str(out / "tokenizer.json"))
+    return out
+
+
 def _command(ns: argparse.Namespace) -> int:
     try:
         args = preset(ns.preset, ns.experts)
-        out = make_checkpoint(args, ns.seed, ns.out, ns.shards)
+        out = make_with_tokenizer(args, ns.seed, ns.out, ns.shards)
+        note = "with tokenizer.json"
+        if out is None:
+            out = make_checkpoint(args, ns.seed, ns.out, ns.shards)
+            note = (f"no tokenizer.json: a vocabulary of {args.vocab_size:,} ids needs the released tokenizer.json "
+                    f"copied in (until then: --prompt-tokens)")
     except ConfigError as e:
         print(f"dsflash make-checkpoint: {e}", file=sys.stderr)
         return 2
     size = sum((out / name).stat().st_size for name in shard_names(ns.shards))
     print(f"wrote {out}: preset {ns.preset}, seed {ns.seed}, {len(expected_tensors(args))} tensors in "
-          f"{ns.shards} file(s), {size:,} bytes")
+          f"{ns.shards} file(s), {size:,} bytes, {note}")
     return 0
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("make-checkpoint", help="write a seeded checkpoint for a preset configuration",
                                    description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", required=True, choices=[*PRESETS, "bench"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True, type=Path, help="directory for config.json and model.safetensors")
+    parser.add_argument("--preset", required=True, choices=[*PRESETS, "bench"],
+                        help="the configuration: the tiny golden ones, the released model's, or bench (real widths, "
+                             "fewer experts)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every tensor's generator")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="directory for config.json, the weights, model.manifest.json and (tiny presets) "
+                             "tokenizer.json")
     parser.add_argument("--shards", type=int, default=1, metavar="N",
                         help="write N shard files and model.safetensors.index.json, as the released checkpoint ships")
     parser.add_argument("--experts", type=int, help="routed experts per layer of the bench preset (default 48)")

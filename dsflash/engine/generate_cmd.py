@@ -10,16 +10,14 @@ from pathlib import Path
 
 from dsflash.checkpoint.builtin import builtin_checkpoint
 from dsflash.checkpoint.manifest import verify_weights
-from dsflash.checkpoint.reader import CheckpointError
 from dsflash.engine.images import ImageSpan
 from dsflash.engine.placement import add_placement_options, checked_plan, tiers_from
-from dsflash.engine.plan import PlacementError
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine, default_device
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.vision import preprocess_image
-from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
+from dsflash.split.link import box_half
 from dsflash.tokenizer import EOS_ID, load_tokenizer
 
 
@@ -41,15 +39,6 @@ class Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _generate(args)
-    except (BoxUnavailable, BoxRefused, CheckpointError, PlacementError, ContextLengthError) as e:
-        # the reason, in one line rather than a traceback
-        print(f"dsflash generate: {e}", file=sys.stderr)
-        return 1
-
-
-def _generate(args: argparse.Namespace) -> int:
     if args.model is None:
         args.model = builtin_checkpoint()
         print(f"dsflash generate: no --model given, using the built-in tiny checkpoint at {args.model}",
@@ -74,6 +63,8 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = json.loads(Path(args.prompt_tokens).read_text())
         if (Path(args.model) / "tokenizer.json").exists():
             tokenizer = load_tokenizer(args.model)
+    if len(prompt) + args.n > engine.max_context:  # refused before any of it is computed
+        raise ContextLengthError(len(prompt) + args.n, engine.max_context)
     try:
         params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed,
                                 args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
@@ -124,18 +115,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image", action="append", metavar="PATH",
                    help="an image before the --prompt text (repeatable; needs a checkpoint with the vision tower)")
     p.add_argument("-n", type=int, default=64, help="tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of this mass")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the likeliest")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from tokens already generated")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence in the generated tokens")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides the logits of tokens seen in the prompt or output (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--dspark", type=int, default=0, metavar="K", help="DSpark draft depth limit (0 = off)")
     p.add_argument("--cache-dir", help="prefix-cache directory")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prefill chunk size")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="generate all -n tokens, past the end of sentence")
     p.add_argument("--device", default=default_device(), help="cpu or cuda (default: cuda when present)")
     p.add_argument("--eager", action="store_true", help="run every forward eagerly (no CUDA graphs for short steps)")
     p.add_argument("--box", metavar="HOST:PORT", help="run the encoder half on this dsflash box")

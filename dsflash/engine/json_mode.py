@@ -77,19 +77,22 @@ def compile_schema(schema, where: str = "schema") -> Node:
             raise SchemaError(f"{where}.enum: must be a non-empty list")
         literals = tuple(dict.fromkeys(_compact(v) for v in schema["enum"]))
     kinds = schema.get("type", sorted(KINDS))
-    kinds = frozenset([kinds] if isinstance(kinds, str) else kinds)
-    if not kinds or not kinds <= KINDS:
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    # checked before the set is made: a number or a nested list is no set of names
+    if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds) \
+            or not set(kinds) <= KINDS:
         raise SchemaError(f"{where}.type: {schema.get('type')!r} is not a JSON type or list of them")
     props = schema.get("properties", {})
     if not isinstance(props, dict):
         raise SchemaError(f"{where}.properties: must be an object")
     required = schema.get("required", [])
-    if not isinstance(required, list) or not set(required) <= set(props):
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required) \
+            or not set(required) <= set(props):
         raise SchemaError(f"{where}.required: must list declared properties")
     if not isinstance(schema.get("additionalProperties", False), bool):
         raise SchemaError(f"{where}.additionalProperties: only true or false is supported")
     items = schema.get("items")
-    return Node(kinds, literals, tuple(_compact(k) for k in props),
+    return Node(frozenset(kinds), literals, tuple(_compact(k) for k in props),
                 tuple(compile_schema(v, f"{where}.properties.{k}") for k, v in props.items()),
                 tuple(k in required for k in props), None if items is None else compile_schema(items, f"{where}.items"),
                 not props)

@@ -42,8 +42,8 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         msgs, tools = _anthropic_to_openai(req, images)
         tools, forced = offered_tools(tools, req.tool_choice, "input_schema")
         thinking, budget = anthropic_thinking(req)
-        job = srv.chat_job(req, msgs, tools, forced, thinking, images, arrived, max_tokens=req.max_tokens,
-                           stop=req.stop_sequences, budget=budget)
+        job = await srv.off_loop(srv.chat_job, req, msgs, tools, forced, thinking, images, arrived,
+                                 max_tokens=req.max_tokens, stop=req.stop_sequences, budget=budget)
         thinking = job.thinking
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
@@ -109,7 +109,7 @@ def add_count_tokens(app: FastAPI, srv: Server) -> None:
         msgs, tools = _anthropic_to_openai(req, images)
         tools, _ = offered_tools(tools, req.tool_choice, "input_schema")
         thinking = None if req.thinking is None else req.thinking.type != "disabled"
-        prompt, _ = srv.prompt(msgs, tools, srv.thinking if thinking is None else thinking, images)
+        prompt, _ = await srv.off_loop(srv.prompt, msgs, tools, srv.thinking if thinking is None else thinking, images)
         return {"input_tokens": len(prompt)}
 
 
@@ -196,7 +196,10 @@ def _anthropic_to_openai(req: MessagesRequest, images: Images) -> tuple[list[dic
         if isinstance(req.system, str):
             system = req.system
         else:
-            system = "\n\n".join(b.get("text", "") for b in req.system if b.get("type") == "text")
+            for i, b in enumerate(req.system):
+                if b.get("type") == "text" and not isinstance(b.get("text"), str):
+                    raise ApiError(400, f"system[{i}].text: must be a string", f"system[{i}].text")
+            system = "\n\n".join(b["text"] for b in req.system if b.get("type") == "text")
         messages.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         role, content = m.get("role"), m.get("content")

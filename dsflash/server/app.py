@@ -5,7 +5,8 @@ Generations run on the decode worker (`worker.py`: turns tokens into text, appli
 events to the request); the request side (`server.py`) builds jobs and streams the worker's events; each
 API dialect (`openai.py`, `anthropic.py`, `responses.py`) parses reasoning/content/DSML tool calls and
 formats its own responses. A client that goes away (stream or not) sets the job's cancel flag, which
-`decode(stopped=...)` checks every token.
+`decode(stopped=...)` checks every token. Before any of that, `limits.py` bounds what a request may take
+(body size and read time, generation requests in flight) and, with a key, `ApiKeyGuard` checks it.
 """
 
 from __future__ import annotations
@@ -20,21 +21,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.session import DEFAULT_CHUNK, Engine
-from dsflash.server import anthropic, openai, responses
+from dsflash.server import MAX_BODY, MAX_QUEUE, REQUEST_TIMEOUT_S, anthropic, openai, responses
 from dsflash.server.errors import ApiError, error_response, loc_name
+from dsflash.server.limits import RequestLimits
 from dsflash.server.metrics import Metrics
 from dsflash.server.server import Server
 
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # for probes and scrapers, without the API key
+
 
 class ApiKeyGuard:
-    """ASGI middleware: /v1 requests without the key get `refuse(path)`. Plain ASGI rather than
-    BaseHTTPMiddleware, so streamed responses and disconnect detection pass through untouched."""
+    """ASGI middleware: requests without the key get `refuse(path)`, on every path but OPEN_PATHS (the API,
+    and /docs and /openapi.json, which describe it). Plain ASGI rather than BaseHTTPMiddleware, so
+    streamed responses and disconnect detection pass through untouched."""
 
     def __init__(self, app, key: str, refuse: Callable[[str], JSONResponse]):
         self.app, self.key, self.refuse = app, key.encode(), refuse
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             headers = dict(scope["headers"])
             bearer = headers.get(b"authorization", b"")
             given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
@@ -46,13 +51,16 @@ class ApiKeyGuard:
 
 def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, model_name: str = "deepseek-v4.1-flash",
                dspark: int = 0, prefix_cache: bool = True, chunk: int = DEFAULT_CHUNK,
-               api_key: str | None = None, thinking: bool = True) -> FastAPI:
+               api_key: str | None = None, thinking: bool = True, max_body: int = MAX_BODY,
+               request_timeout: float = REQUEST_TIMEOUT_S, max_queue: int = MAX_QUEUE) -> FastAPI:
     """The HTTP app. Without `cache`, a RAM-only prefix cache is made (unless `prefix_cache` is False).
     `chunk`: prefill chunk size (the prefix-cache snapshot grid and the progress granularity).
-    `api_key`: when set, every /v1 request needs it as `Authorization: Bearer KEY` (OpenAI clients) or
+    `api_key`: when set, every request needs it as `Authorization: Bearer KEY` (OpenAI clients) or
     `x-api-key: KEY` (Anthropic clients); /health and /metrics stay open for probes. `thinking`: whether a
     request that does not say reasons (every endpoint alike; `dsflash serve` takes it from the checkpoint:
-    off for seeded weights, see checkpoint.manifest.seeded)."""
+    off for seeded weights, see checkpoint.manifest.seeded). `max_body`: the largest request body in bytes
+    (413 past it); `request_timeout`: seconds for a body to arrive (408 past it); `max_queue`: generation
+    requests that may wait beyond the running ones (503 and Retry-After past it)."""
     if cache is None and prefix_cache:
         cache = PrefixCache(engine.identity)
     srv = Server(engine, tokenizer, cache, model_name, dspark, chunk, thinking)
@@ -60,7 +68,13 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
     app.state.server = srv
     m = srv.metrics
 
-    if api_key:
+    def refuse_limit(err: ApiError, path: str) -> JSONResponse:
+        m.inc(m.errors, err.code)
+        return error_response(err, path)
+
+    app.add_middleware(RequestLimits, max_body=max_body, body_timeout=request_timeout,
+                       max_inflight=srv.worker.concurrency + max_queue, refuse=refuse_limit)
+    if api_key:  # added last, so it runs first: no body is read for a request without the key
         def refuse(path: str) -> JSONResponse:
             m.inc(m.errors, "invalid_api_key")
             return error_response(ApiError(401, "missing or incorrect API key", code="invalid_api_key",

@@ -27,6 +27,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests: dict[str, int] = {}
         self.errors: dict[str, int] = {}
+        self.finished: dict[str, int] = {}  # generations by how they ended: stop, length, cancelled
         self.prompt_tokens = self.prefill_tokens = self.generated_tokens = self.cached_tokens = 0
         self.drafted = self.accepted = 0
         self.box_reconnects: Callable[[], int] | None = None  # read from the box link, when split
@@ -64,6 +65,8 @@ class Metrics:
 
             counter("dsflash_requests_total", "HTTP requests by endpoint.", self.requests, "endpoint")
             counter("dsflash_errors_total", "Failed requests by kind.", self.errors, "kind")
+            counter("dsflash_finished_total", "Generations by how they ended (cancelled: the client left or the "
+                    "server shut down).", self.finished, "reason")
             counter("dsflash_prompt_tokens_total", "Prompt tokens of generation requests.", self.prompt_tokens)
             counter("dsflash_prefill_tokens_total", "Prompt tokens actually prefilled (not from the cache).",
                     self.prefill_tokens)

@@ -72,9 +72,9 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         except ImageError as e:
             raise ApiError(400, str(e), e.field) from e
         top = (req.top_logprobs or 0) if req.logprobs else None
-        job = srv.chat_job(req, messages, tools, forced, thinking, images, arrived, effort=effort, top_logprobs=top,
-                           max_tokens=req.max_completion_tokens or req.max_tokens, stop=req.stop,
-                           fmt=req.response_format)
+        job = await srv.off_loop(srv.chat_job, req, messages, tools, forced, thinking, images, arrived,
+                                 effort=effort, top_logprobs=top, stop=req.stop, fmt=req.response_format,
+                                 max_tokens=req.max_completion_tokens or req.max_tokens)
         thinking = job.thinking
         jobs = job.choices(req.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -115,7 +115,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         if req.echo:
             raise ApiError(400, "echo: not supported", "echo")
         if isinstance(req.prompt, str):
-            prompt = srv.tokenize(req.prompt)
+            prompt = await srv.off_loop(srv.tokenize, req.prompt, "prompt")
             if not prompt or prompt[0] != BOS_ID:
                 prompt = [BOS_ID] + prompt
         else:

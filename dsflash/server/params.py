@@ -7,7 +7,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsflash.engine.json_mode import Node, SchemaError, compile_schema, schema_start
 from dsflash.engine.sampling import SamplingParams
@@ -20,6 +20,35 @@ REASONING_LEVELS = {"none": None, "minimal": 10, "low": 25, "medium": 50, "high"
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, body: Any) -> Any:
+        """JSON's `\\ud800` escapes decode to lone surrogates, which no UTF-8 text (nor the tokenizer)
+        holds: refused here, named by field, before anything reads the text."""
+        where = lone_surrogate(body)
+        if where is not None:
+            raise ApiError(400, f"{where or 'body'}: a lone UTF-16 surrogate is not text", where or "body")
+        return body
+
+
+def lone_surrogate(value: Any, where: str = "") -> str | None:
+    """The path of the first string (key or value) in `value` that is not valid Unicode text, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        path = f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}" if where else str(k)
+        if isinstance(k, str) and lone_surrogate(k) is not None:
+            return path
+        found = lone_surrogate(v, path)
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(_Body):
@@ -162,11 +191,13 @@ def sampling_params(req: Sampling | MessagesRequest) -> SamplingParams:
 
 
 def reasoning_effort(value: str | int | None, field: str = "reasoning_effort") -> tuple[bool | None, int | None]:
-    """(thinking, effort) from OpenAI's reasoning_effort (a named level or an int 1..100): "none" turns
-    thinking off, any other level on with that effort; None leaves both to the defaults."""
+    """(thinking, effort) from OpenAI's reasoning_effort (a named level or an int 1..100), named `field` in
+    errors: "none" turns thinking off, any other level on with that effort; None leaves both to the defaults."""
     if value is None:
         return None, None
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise ApiError(400, f"{field}: must be a level name or an integer, not {type(value).__name__}", field)
+    if isinstance(value, int):
         if not 1 <= value <= 100:
             raise ApiError(400, f"{field}: must be an integer in [1, 100] or a level name", field)
         return True, value
@@ -219,7 +250,10 @@ def offered_tools(tools: list[dict] | None, tool_choice: Any, schema_field: str 
             raise ApiError(400, f"tool_choice: {kind!r} needs at least one tool", "tool_choice")
         chosen = named
     elif kind in ("function", "tool") and isinstance(tool_choice, dict):
-        name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
+        function = tool_choice.get("function")
+        if function is not None and not isinstance(function, dict):
+            raise ApiError(400, "tool_choice.function: must be an object with a name", "tool_choice.function")
+        name = tool_choice.get("name") or (function or {}).get("name")
         if name not in names:
             raise ApiError(400, f"tool_choice: no tool named {name!r} among the tools", "tool_choice")
         chosen = [(i, f) for i, f in named if f.get("name") == name][:1]

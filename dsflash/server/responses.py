@@ -96,8 +96,9 @@ def to_messages(req: ResponsesRequest, items: list[dict], images: Images) -> tup
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-            if role not in ("user", "assistant", "system"):
+            role = item.get("role")
+            role = "system" if role == "developer" else role
+            if not isinstance(role, str) or role not in ("user", "assistant", "system"):
                 raise ApiError(400, f"input[{i}].role: expected user, assistant, system or developer",
                                f"input[{i}].role")
             text = _text_of(item.get("content"), f"input[{i}].content", images)
@@ -214,9 +215,9 @@ def add_routes(app: FastAPI, srv: Server) -> None:
             items = before + prev["output"] + items
         messages, tools = to_messages(req, items, images)
         tools, forced = offered_tools(tools, req.tool_choice, "parameters")
-        job = srv.chat_job(req, messages, tools, forced, thinking, images, arrived, effort=effort,
-                           max_tokens=req.max_output_tokens or req.max_tokens, stop=req.stop,
-                           fmt=(req.text or {}).get("format"), fmt_field="text.format", field="input")
+        job = await srv.off_loop(srv.chat_job, req, messages, tools, forced, thinking, images, arrived,
+                                 effort=effort, max_tokens=req.max_output_tokens or req.max_tokens, stop=req.stop,
+                                 fmt=(req.text or {}).get("format"), fmt_field="text.format", field="input")
         thinking = job.thinking
         rid, created, echo = f"resp_{uuid.uuid4().hex}", time.time(), _echo(req)
         if req.stream:

@@ -7,18 +7,16 @@ import os
 import sys
 
 from dsflash.engine.placement import add_placement_options
+from dsflash.server import MAX_BODY, MAX_QUEUE, REQUEST_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from dsflash.checkpoint.manifest import seeded
-    from dsflash.checkpoint.reader import CheckpointError
+    from dsflash.checkpoint.manifest import seeded, verify_weights
     from dsflash.engine.placement import checked_plan, tiers_from
-    from dsflash.engine.plan import PlacementError
     from dsflash.engine.prefix_cache import PrefixCache
     from dsflash.engine.session import DEFAULT_CHUNK, Engine, default_device
     from dsflash.server.app import create_app
+    from dsflash.server.limits import serve
     from dsflash.split.link import box_half
     from dsflash.tokenizer import load_tokenizer
 
@@ -29,11 +27,9 @@ def run(args: argparse.Namespace) -> int:
         model = builtin_checkpoint()
         print(f"dsflash serve: no --model given, using the built-in tiny checkpoint at {model}", file=sys.stderr)
     args.device = args.device or default_device()
-    try:
-        placed = checked_plan("serve", args, model, "back" if args.box else "all")
-    except (CheckpointError, PlacementError) as e:  # before any tensor is read: the reason, in one line
-        print(f"dsflash serve: {e}", file=sys.stderr)
-        return 1
+    placed = checked_plan("serve", args, model, "back" if args.box else "all")  # before any tensor is read
+    if args.verify_weights:
+        verify_weights(model)  # damaged or mismatched weights: cli.main says which tensor, serves nothing
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
     engine = Engine.load(model, max_context=args.max_context, encoder=encoder, device=args.device,
                          cuda_graphs=not args.eager, tiers=tiers_from(args, placed))
@@ -46,17 +42,44 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     thinking = {"on": True, "off": False}.get(args.thinking, not seeded(model))
     app = create_app(engine, tokenizer, cache=cache, model_name=name, dspark=args.dspark, api_key=api_key,
-                     thinking=thinking, chunk=args.chunk or DEFAULT_CHUNK)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+                     thinking=thinking, chunk=args.chunk or DEFAULT_CHUNK, max_body=args.max_body,
+                     request_timeout=args.request_timeout, max_queue=args.max_queue)
+    serve(app, args.host, args.port, args.log_level, args.request_timeout, args.shutdown_timeout)
     return 0
+
+
+def _size(text: str) -> int:
+    from dsflash.server.limits import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a count (0, 1, 2, ...): {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over HTTP (OpenAI and Anthropic APIs)")
     p.add_argument("--model", help="checkpoint directory (default: the built-in tiny checkpoint)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--api-key", help="require this key on /v1 requests (default: $DSFLASH_API_KEY, else none)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--api-key",
+                   help="require this key on all but /health and /metrics (default: $DSFLASH_API_KEY, else none)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--cache-dir", help="prefix-cache directory (default: RAM only)")
     p.add_argument("--dspark", type=int, default=0, metavar="K", help="DSpark draft depth limit (0 = off)")
     p.add_argument("--max-context", type=int, default=None, help="context limit (default: the model's)")
@@ -69,12 +92,25 @@ def register(subparsers) -> None:
     p.add_argument("--chunk", type=int, default=None, metavar="N",
                    help="prefill chunk in tokens: the prefix cache's snapshot grid and the progress events' step "
                         "(default: 8192)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="uvicorn log level: critical, error, warning, info, debug")
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     p.add_argument("--eager", action="store_true", help="run every forward eagerly (no CUDA graphs for short steps)")
     p.add_argument("--box", metavar="HOST:PORT", help="run the encoder half on this dsflash box")
     p.add_argument("--box-token", help="the box's shared secret")
     p.add_argument("--box-deadline", type=float, default=60.0,
                    help="seconds to wait for a box that went away before answering 503")
+    p.add_argument("--verify-weights", action="store_true",
+                   help="check every tensor against the checkpoint's model.manifest.json before loading")
+    p.add_argument("--max-body", type=_size, default=MAX_BODY, metavar="SIZE",
+                   help=f"largest request body, e.g. 16MiB, 512KB (413 past it; default {MAX_BODY // 1024 ** 2}MiB)")
+    p.add_argument("--max-queue", type=_count, default=MAX_QUEUE, metavar="N",
+                   help="generation requests that may wait beyond the running ones (503 + Retry-After past it; "
+                        f"default {MAX_QUEUE})")
+    p.add_argument("--request-timeout", type=_seconds, default=REQUEST_TIMEOUT_S, metavar="S",
+                   help="seconds for a request's headers, and then its body, to arrive (closed / 408 past it; "
+                        f"default {REQUEST_TIMEOUT_S:g})")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=SHUTDOWN_TIMEOUT_S, metavar="S",
+                   help="on SIGTERM, seconds running generations may finish before they are ended "
+                        f"(streams get their finish reason and [DONE]; default {SHUTDOWN_TIMEOUT_S:g})")
     add_placement_options(p, context=False)
     p.set_defaults(func=run)

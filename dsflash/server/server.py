@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -24,7 +26,9 @@ from dsflash.server.params import MessagesRequest, Sampling, json_mode, sampling
 from dsflash.server.replay import Replays, Reply, tokenize_with
 from dsflash.server.worker import Done, Failed, Job, Worker
 from dsflash.split.link import BoxUnavailable
-from dsflash.tokenizer import EOS_ID
+from dsflash.tokenizer import EOS_ID, token_bytes
+
+DISCONNECT_CHECK_S = 0.25  # how often a generation looks whether its client is still there
 
 
 class Server:
@@ -40,6 +44,16 @@ class Server:
         self.metrics.tier_stats = engine.tier_stats
         self.worker = Worker(engine, tokenizer, cache, dspark, self.metrics, chunk)
         self.created = int(time.time())
+        self.draining = False  # set by a shutdown: new generations are refused
+        # no token covers more bytes of text than the longest, so a longer text than the context times that
+        # cannot fit, and is refused before it is tokenized (tokenizing 50 MB took minutes and 9 GB); a
+        # normalizer could lengthen the text, so then there is no such bound
+        self.max_text_bytes = None if tokenizer.normalizer is not None else engine.max_context * max(
+            [len(b) for b in token_bytes(tokenizer) if b is not None]
+            + [len(t.content.encode()) for t in tokenizer.get_added_tokens_decoder().values()])
+        # prompts are built and tokenized here, off the event loop, so /health and other clients get answers
+        # meanwhile
+        self.prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsflash-prep")
         self.replays = Replays()
 
     def remember(self, done: Done, thinking: bool, got: Collected, call_ids: Sequence[str]) -> None:
@@ -62,8 +76,32 @@ class Server:
             raise ApiError(404, f"The model `{name}` does not exist: this server serves "
                                 f"{', '.join(self.model_names)}", "model", "model_not_found", kind="not_found_error")
 
-    def tokenize(self, text: str) -> list[int]:
+    async def off_loop(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """`fn(*args, **kwargs)` on the prompt-building threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep, partial(fn, *args, **kwargs))
+
+    def tokenize(self, text: str, field: str = "messages") -> list[int]:
+        """`text`'s tokens (checked by `check_size` first)."""
+        self.check_size(text, field)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def check_size(self, text: str, field: str) -> None:
+        """Refuse, untokenized, a text too long for the context in any tokenization."""
+        size = len(text.encode("utf-8"))
+        if self.max_text_bytes is not None and size > self.max_text_bytes:
+            limit = self.engine.max_context
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens; the {field} text has "
+                                f"{size} bytes, more than {limit} tokens can hold ({self.max_text_bytes} bytes).",
+                           field, "context_length_exceeded", extra={"text_bytes": size, "max_context": limit})
+
+    async def drain(self, timeout: float) -> None:
+        """A shutdown: refuse new generations, give the running ones `timeout` seconds, then cancel the rest
+        (streams end with their finish reason, the others answer with what they have)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.worker.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.worker.cancel_all()
 
     def chat_job(self, req: Sampling | MessagesRequest, messages: list[dict], tools: list[dict] | None,
                  forced: tuple[tuple[str, Any], ...], thinking: bool | None, images: Images, arrived: float, *,
@@ -76,7 +114,7 @@ class Server:
         None: the server's default; `budget`: the reasoning's cap in tokens; `field`: the request's field of
         the conversation, named by a context-length error."""
         thinking = self.thinking if thinking is None else thinking
-        prompt, spans = self.prompt(messages, tools, thinking, images, effort)
+        prompt, spans = self.prompt(messages, tools, thinking, images, effort, field)
         # the generation-prompt tail `<think>`/`</think>` differs from the next turn's text; snapshot before it
         job = self.job(prompt, max_tokens, sampling_params(req), stop_list(stop), top_logprobs, len(prompt) - 1,
                        arrived, field)
@@ -86,14 +124,16 @@ class Server:
         return job
 
     def prompt(self, messages: list[dict], tools: list[dict] | None, thinking: bool, images: Images,
-               effort: int | None = None) -> tuple[list[int], list]:
+               effort: int | None = None, field: str = "messages") -> tuple[list[int], list]:
         """The token ids of a conversation's prompt (V4.1 encoding, sampled tool-call turns replayed as they
-        were sampled) and its image spans."""
+        were sampled) and its image spans; a prompt too long for the context in any tokenization is refused
+        untokenized, naming `field`."""
         verbatim, replayed = self.replays.marked(messages)
         try:
             text = encode_messages(messages, tools, thinking, effort, verbatim=verbatim)
         except EncodingError as e:
             raise ApiError(400, str(e), str(e).split(":")[0]) from e
+        self.check_size(text, field)  # the whole prompt; its pieces between images are tokenized apart
         try:
             return images.prompt(text, tokenize_with(self.tokenize, replayed), self.engine)
         except ImageError as e:
@@ -104,6 +144,9 @@ class Server:
         """A job of `prompt`, refused when it leaves no room to generate `max_tokens` (None: up to the
         context), or when the sampling names tokens outside the vocabulary. `field`: the request's field
         of the prompt (messages, input, prompt), named by a context-length error."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down", kind="server_error",
+                           headers={"Retry-After": "5", "Connection": "close"})
         limit = self.engine.max_context
         if len(prompt) >= limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
@@ -143,13 +186,20 @@ class Server:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.worker.submit(job, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        check = time.monotonic() + DISCONNECT_CHECK_S
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    ev = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
                 except TimeoutError:
+                    ev = None
+                # on a clock, not only when no token came: a non-streamed request has nothing else that
+                # would notice its client leaving while tokens flow
+                if time.monotonic() >= check:
+                    check = time.monotonic() + DISCONNECT_CHECK_S
                     if await request.is_disconnected():
                         job.cancel.set()
+                if ev is None:
                     continue
                 if isinstance(ev, Failed):
                     if isinstance(ev.error, ContextLengthError):

@@ -97,6 +97,10 @@ class Failed:
     error: Exception
 
 
+class _Cancelled(Exception):
+    """Raised from a prefill's progress callback to end the prefill of a cancelled job."""
+
+
 class StopScanner:
     """Stop strings over the text of a generation as it grows: what may be sent so far, holding back text
     that could be the start of a stop string (and a partial UTF-8 character) until later text shows what
@@ -153,38 +157,65 @@ class Worker:
         self._json_masks: dict = {}
         self._json_lock = threading.Lock()
         # two generations in flight: with a box, each machine works on one while the other finishes the next
+        self.concurrency = concurrency
         self.executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="dsflash-engine")
+        self.live: dict[int, Job] = {}  # queued or running, by id, for a shutdown to cancel (under metrics.lock)
 
     def submit(self, job: Job, emit: Callable[[Any], None]) -> None:
         with self.metrics.lock:
             self.metrics.queued += 1
+            self.live[id(job)] = job
         self.executor.submit(self._run, job, emit)
+
+    def busy(self) -> bool:
+        """Whether any job is queued or running."""
+        with self.metrics.lock:
+            return bool(self.live)
+
+    def cancel_all(self) -> int:
+        """Cancel every queued and running job (each ends with its Done "cancelled"); returns how many."""
+        with self.metrics.lock:
+            jobs = list(self.live.values())
+        for job in jobs:
+            job.cancel.set()
+        return len(jobs)
 
     def _run(self, job: Job, emit: Callable[[Any], None]) -> None:
         with self.metrics.lock:
             self.metrics.queued -= 1
-        if job.cancel.is_set():
-            emit(Done("cancelled", None, len(job.prompt), 0, 0, {}))
-            return
-        with self.metrics.lock:
-            self.metrics.running += 1
         try:
-            self._generate(job, emit)
-        except Exception as e:  # reported to the request, never kills the worker
-            emit(Failed(e))
+            if job.cancel.is_set():
+                self._done(emit, Done("cancelled", None, len(job.prompt), 0, 0, {}))
+                return
+            with self.metrics.lock:
+                self.metrics.running += 1
+            try:
+                self._generate(job, emit)
+            except _Cancelled:  # during the prefill
+                self._done(emit, Done("cancelled", None, len(job.prompt), 0, 0, {}))
+            except Exception as e:  # reported to the request, never kills the worker
+                emit(Failed(e))
+            finally:
+                with self.metrics.lock:
+                    self.metrics.running -= 1
         finally:
             with self.metrics.lock:
-                self.metrics.running -= 1
+                self.live.pop(id(job), None)
 
-    def _prepare(self, job: Job, stats: DecodeStats):
+    def _done(self, emit: Callable[[Any], None], done: Done) -> None:
+        self.metrics.inc(self.metrics.finished, done.finish)
+        emit(done)
+
+    def _sync(self, job: Job, session, stats: DecodeStats):
         prompt, t0 = job.prompt, time.perf_counter()
 
         def progress(done: int, total: int) -> None:  # a new dict each time: the stream sends each one once
+            if job.cancel.is_set():  # a client gone or a shutdown: the rest of a long prefill is not wanted
+                raise _Cancelled
             cache = len(prompt) - total  # kept or resumed: not prefilled
             job.progress = {"total": len(prompt), "cache": cache, "processed": cache + done,
                             "time_ms": round((time.perf_counter() - t0) * 1000, 1)}  # one clock per job: monotone
 
-        session = self.engine.session()
         # also snapshot at the split, so the next turn of the conversation (whose text differs from this
         # prompt's generation-prompt tail, e.g. `<think>` vs `</think>`) resumes from there
         synced = session.sync(prompt, images=job.images, cache=self.cache, chunk=self.chunk,
@@ -194,12 +225,13 @@ class Worker:
         if synced.prefill_s > 0.05:
             rate = (len(prompt) - synced.reused) / synced.prefill_s
             self.pass_rows = int(min(max(16, rate * PROGRESS_S), self.chunk))
-        return session, synced.logits
+        return synced.logits
 
     def _generate(self, job: Job, emit: Callable[[Any], None]) -> None:
         stats = DecodeStats()
-        session, first_logits = self._prepare(job, stats)
+        session = self.engine.session()
         try:
+            first_logits = self._sync(job, session, stats)
             self._decode(job, emit, session, first_logits, stats)
         finally:
             session.close()  # frees the box's side of a split session too; the prefix cache keeps snapshots
@@ -263,8 +295,8 @@ class Worker:
                 self.cache.put(session.cache_key(), session.snapshot())
             except Exception:
                 pass
-        emit(Done(finish, stop_string, stats.prompt_tokens, stats.cached_tokens, emitted, stats.as_dict(), out + ended,
-                  self._reasoning_tokens(job, out)))
+        self._done(emit, Done(finish, stop_string, stats.prompt_tokens, stats.cached_tokens, emitted, stats.as_dict(),
+                              out + ended, self._reasoning_tokens(job, out)))
 
     def hidden_texts(self, parsed: bool) -> set[str]:
         """The text of the tokens left out of a job's text (see Job.skip_special)."""

@@ -485,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("box", help="serve the encoder half (layers 0..d-1 and layer d's cache write) over TCP")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--listen", default="127.0.0.1:7400", help="HOST:PORT (loopback unless --token is given)")
     p.add_argument("--token", help="shared secret the back side must present")
     p.add_argument("--health-port", type=int, help="HTTP port for GET /health (default: listen port + 1)")
