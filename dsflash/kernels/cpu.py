@@ -33,7 +33,7 @@ SPARSE_ATTN_BLOCK = 64
 # MKL's conditional numerical reproducibility: its AVX2 kernels (those the golden arrays' GEMMs match) and
 # STRICT (no thread-count dependent splits). MKL reads MKL_CBWR at its first call, so it is set when this
 # backend is imported, before any GEMM; a value already in the environment wins (MKL_CBWR=AUTO: MKL's fastest
-# reproducible kernels for this CPU).
+# reproducible kernels for this CPU; an empty MKL_CBWR: MKL's default, unpinned).
 MKL_CODE_PATH = "AVX2,STRICT"
 os.environ.setdefault("MKL_CBWR", MKL_CODE_PATH)
 
