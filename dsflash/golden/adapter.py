@@ -20,6 +20,8 @@ def selections_from_arrays(sel: dict) -> Selections:
     return Selections(
         index_topk={int(k): torch.from_numpy(np.asarray(v)).long() for k, v in sel["index_topk"].items()},
         moe_ids={layer: torch.from_numpy(np.asarray(v)).long() for layer, v in enumerate(sel["moe_expert_ids"])},
+        moe_weights={layer: torch.from_numpy(np.asarray(v)).float()
+                     for layer, v in enumerate(sel.get("moe_expert_weights", ()))},
     )
 
 
@@ -50,8 +52,9 @@ class GoldenEngine:
                       selections: dict | None) -> dict[str, np.ndarray]:
         """One prefill of an image sequence at start_pos 0 from a fresh state: ids and token_types [S], image_rows
         [number of IMAGE positions, dim] (the aligner rows of every image, in span order). Returns the prefill
-        arrays plus "input_embeds" [S, dim] (the merged input rows), "engram_hash_ids" [S, n_engram, cols] and
-        "moe_expert_ids" [L, S, k] (the router picks, forced ones in replay)."""
+        arrays plus "input_embeds" [S, dim] (the merged input rows), "engram_hash_ids" [S, n_engram, cols],
+        "moe_expert_ids" [L, S, k] (the router picks, forced ones in replay) and "moe_expert_weights" [L, S, k]
+        (their routing weights)."""
         select = selections_from_arrays(selections) if selections is not None else None
         dev = self.device
         trace: dict = {}
@@ -59,13 +62,14 @@ class GoldenEngine:
                    torch.from_numpy(np.asarray(token_types)).long().to(dev),
                    torch.from_numpy(np.asarray(image_rows, np.float32)).to(device=dev, dtype=torch.bfloat16))
         out = self.model.forward(SequenceState(device=dev), x, debug=Debug(select, trace))
-        moe = trace["moe_ids"]
+        moe, weights = trace["moe_ids"], trace["moe_weights"]
         result = {
             "logits": out.logits.cpu().numpy(),
             "handoff_streams": out.handoff_streams.float().cpu().numpy(),
             "handoff_pre_mix": out.handoff_pre_mix.cpu().numpy(),
             "input_embeds": trace["input_embeds"].float().cpu().numpy(),
             "moe_expert_ids": torch.stack([moe[i] for i in sorted(moe)]).cpu().numpy(),
+            "moe_expert_weights": torch.stack([weights[i] for i in sorted(weights)]).cpu().numpy(),
         }
         if "engram_hash_ids" in trace:
             result["engram_hash_ids"] = trace["engram_hash_ids"].cpu().numpy()

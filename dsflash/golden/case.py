@@ -140,9 +140,11 @@ def load_case(case_dir: str | os.PathLike) -> GoldenCase:
     return case
 
 
-def replay_selections(case: GoldenCase, prefix: str, seq: int | None = None) -> dict:
+def replay_selections(case: GoldenCase, prefix: str, seq: int | None = None, weights: bool = False) -> dict:
     """The selections an engine forces in replay mode (README "How replay is meant"):
-    {"index_topk": {layer: int32 [S, k_layer]}, "moe_expert_ids": int64 [L, S, k]}.
+    {"index_topk": {layer: int32 [S, k_layer]}, "moe_expert_ids": int64 [L, S, k]}; with `weights` also
+    "moe_expert_weights": float32 [L, S, k], the reference's routing weights (not part of replay mode: a
+    debugging aid that takes the router's fp32 arithmetic out of the comparison, docs/numerics.md).
 
     index_topk rows list compressed-cache rows of that layer's ratio, ascending, -1 as trailing padding.
     prefix "full." (or "full_lowtie.") selects the one-shot prefill of full.input_ids; "battery." (or
@@ -163,4 +165,7 @@ def replay_selections(case: GoldenCase, prefix: str, seq: int | None = None) -> 
         return array if seq is None else array[seq]
 
     index_topk = {i: pick(f"index_topk_L{i}").astype(np.int32, copy=False) for i in case.index_source_layers}
-    return {"index_topk": index_topk, "moe_expert_ids": pick("moe_expert_ids").astype(np.int64, copy=False)}
+    out = {"index_topk": index_topk, "moe_expert_ids": pick("moe_expert_ids").astype(np.int64, copy=False)}
+    if weights:
+        out["moe_expert_weights"] = pick("moe_expert_weights").astype(np.float32, copy=False)
+    return out

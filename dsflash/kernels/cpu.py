@@ -9,10 +9,15 @@ Batch invariance: a row's result must not depend on how many rows share the call
 torch's vectorised elementwise loops are only invariant for row counts that are multiples of a tile
 (scalar tails and small-M GEMM paths round differently), so every GEMM here pads its rows to a
 multiple of ROW_TILE, and the model pads whole chunks the same way (see model/transformer.py).
+
+Code path: MKL (torch's CPU BLAS) picks its GEMM kernels by the CPU it finds, so AVX2, AVX-512 and AMX
+machines sum the same fp32 GEMM in different orders, and its default mode splits work by the thread count.
+MKL_CODE_PATH pins one kernel family on every x86 CPU, thread-count independent (docs/numerics.md).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +29,13 @@ from dsflash.numerics.quant import fp8_act_codes, k_range_blocks
 
 ROW_TILE = 64
 SPARSE_ATTN_BLOCK = 64
+
+# MKL's conditional numerical reproducibility: its AVX2 kernels (those the golden arrays' GEMMs match) and
+# STRICT (no thread-count dependent splits). MKL reads MKL_CBWR at its first call, so it is set when this
+# backend is imported, before any GEMM; a value already in the environment wins (MKL_CBWR=AUTO: MKL's fastest
+# reproducible kernels for this CPU; an empty MKL_CBWR: MKL's default, unpinned).
+MKL_CODE_PATH = "AVX2,STRICT"
+os.environ.setdefault("MKL_CBWR", MKL_CODE_PATH)
 
 
 def pad_rows(x: torch.Tensor, multiple: int = ROW_TILE, value: float = 0.0) -> torch.Tensor:

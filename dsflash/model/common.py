@@ -37,11 +37,14 @@ class Selections:
 
     index_topk[layer]: int [positions, k] compressed-cache rows, ascending, -1 padded.
     moe_ids[layer]: int [positions, k] expert ids in the order the router returned them.
+    moe_weights[layer]: float32 [positions, k] their routing weights (debugging: another implementation's
+    fp32 router arithmetic replayed too; without it the weights come from the engine's own router scores).
     Positions past the arrays' ends use the engine's own choice.
     """
 
     index_topk: dict[int, torch.Tensor] = field(default_factory=dict)
     moe_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    moe_weights: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def rows(self, table: dict[int, torch.Tensor], layer: int, positions: torch.Tensor) -> torch.Tensor | None:
         t = table.get(layer)

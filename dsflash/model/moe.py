@@ -36,14 +36,19 @@ class Gate:
         bias = self.bias
         if chunk is not None and chunk.image_mask is not None and self.bias_vl is not None:
             bias = torch.where(chunk.image_mask.unsqueeze(-1), self.bias_vl, bias)
-        forced = None
+        forced = forced_weights = None
         if chunk is not None and chunk.select is not None:
             forced = chunk.select.rows(chunk.select.moe_ids, self.layer, chunk.positions[: chunk.n])
+            forced_weights = chunk.select.rows(chunk.select.moe_weights, self.layer, chunk.positions[: chunk.n])
         if forced is None:
             return self.route(logits, bias, ascending=ascending)
         _, ids = self.route(logits, bias)
         ids[: chunk.n] = forced
-        return self.route(logits, bias, ids, ascending)
+        if forced_weights is None:
+            return self.route(logits, bias, ids, ascending)
+        weights, ids = self.route(logits, bias, ids)  # the router's order, as the forced weights are
+        weights[: chunk.n] = forced_weights
+        return by_id(weights, ids) if ascending else (weights, ids)
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor | None = None,
               ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,10 +82,13 @@ def route(k: Kernels, logits: torch.Tensor, bias: torch.Tensor, topk: int, score
     if norm and topk > 1:
         weights /= k.small_sum(weights, -1).unsqueeze(-1) + 1e-20  # not norm_eps: as in training
     weights *= scale
-    if ascending:
-        ids, order = ids.sort(dim=-1)
-        weights = weights.gather(1, order)
-    return weights, ids
+    return by_id(weights, ids) if ascending else (weights, ids)
+
+
+def by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [N, k] reordered by ascending expert id (the routed experts' summation order)."""
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(1, order), ids
 
 
 class Expert:
@@ -124,7 +132,9 @@ class MoE:
     def __call__(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
         weights, ids = self.gate(x, chunk, ascending=True)
         if chunk is not None and chunk.trace is not None:  # debugging: the router's own order, routed again
-            chunk.trace.setdefault("moe_ids", {})[self.layer] = self.gate(x, chunk)[1][: chunk.n]
+            traced_weights, traced_ids = self.gate(x, chunk)
+            chunk.trace.setdefault("moe_ids", {})[self.layer] = traced_ids[: chunk.n]
+            chunk.trace.setdefault("moe_weights", {})[self.layer] = traced_weights[: chunk.n]
         if self.store is not None:
             return self._routed_from_cache(x, weights, ids)
         if x.size(0) <= self.k.slot_moe_rows:

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-NUMERICS_VERSION = 5  # 5: CUDA's RoPE rounds as the CPU's (no FMA contraction), docs/numerics.md
+NUMERICS_VERSION = 6  # 6: the CPU backend pins MKL's code path (AVX2 kernels, STRICT), docs/numerics.md
 # The model's quantisation block, along every linear input: one E8M0 scale per BLOCK values of a row (FP4
 # weights, the Engram table, index keys and queries) or per BLOCK x BLOCK tile (dense FP8 weights), and one
 # power-of-two scale per BLOCK values of an FP8 activation (and of the window KV's fake quantisation)
