@@ -267,6 +267,7 @@ def tiny_b(tmp_path_factory):
     return Engine.load(ckpt, max_context=4096), load_model(ckpt)
 
 
+@pytest.mark.slow  # ~45 s on 2 cores; test_steps_with_rollbacks_equal_one_prefill stays in the default set
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_random_step_and_rollback_sequences_on_tiny_b(tiny_b, data):

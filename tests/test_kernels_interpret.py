@@ -240,6 +240,8 @@ print("ok")
 """
 
 
+# ~90 s on 2 cores: the Triton interpreter runs every kernel family (CI runs the slow set)
+@pytest.mark.slow
 def test_kernels_under_the_fixed_interpreter():
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
@@ -277,6 +279,8 @@ print("ok")
 """
 
 
+# ~20 s on 2 cores (slow set)
+@pytest.mark.slow
 def test_fused_elementwise_kernels_in_the_model_under_the_interpreter(golden_cases):
     """The CUDA backend's RMSNorm, mHC (mix scale, collapse, expand), MoE sum, KV fake-quant, packing and RoPE
     kernels, run by the interpreter inside a whole tiny-model forward (the model's own views, strides and row
