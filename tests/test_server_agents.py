@@ -343,3 +343,30 @@ def test_a_reply_is_replayed_only_when_it_comes_back_unchanged():
     for k in range(2):  # bounded: the oldest call ids go first
         store.remember(Reply((k,), False, "", "", ((f"call_{k}", "get", {}),)))
     assert store.match(sent) is None
+
+
+def test_replies_survive_a_restart_through_the_journal(tmp_path):
+    """With a cache directory the kept replies are journalled (a real file): a new store on the same file (a
+    restarted server) replays them; a damaged line is skipped; the journal is rewritten with the kept replies
+    once it holds twice as many lines; a journal that cannot be written leaves the replies in memory."""
+    from dsflash.server.replay import Replays, Reply
+
+    journal = tmp_path / "replays-abc.jsonl"
+    store = Replays(limit=2, journal=journal)
+    reply = Reply((5, 6, 1), True, "Let me look.", "hm", (("call_a", "get", {"x": [1, "y"]}),))
+    store.remember(reply)
+    sent = {"role": "assistant", "content": "Let me look.", "reasoning_content": "hm",
+            "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "get",
+                                                                           "arguments": '{"x": [1, "y"]}'}}]}
+    with open(journal, "a") as f:
+        f.write('{"ids": [1, 2\n')  # a line cut by a crash
+    again = Replays(limit=2, journal=journal)
+    assert again.match(sent) == reply
+    for k in range(4):  # 1 + 1 damaged + 4 lines > 2 x 2: rewritten with the two kept replies
+        again.remember(Reply((k,), False, "", "", ((f"call_{k}", "get", {}),)))
+    assert len(journal.read_text().splitlines()) <= 4 and again.match(sent) is None
+    assert Replays(limit=2, journal=journal).match({**sent, "content": "", "reasoning_content": None,
+        "tool_calls": [{"id": "call_3", "type": "function", "function": {"name": "get", "arguments": "{}"}}]})
+    blocked = Replays(journal=tmp_path / "no-such-dir" / "replays.jsonl")  # writes fail: memory only
+    blocked.remember(reply)
+    assert blocked.match(sent) == reply

@@ -54,7 +54,9 @@ class Server:
         # prompts are built and tokenized here, off the event loop, so /health and other clients get answers
         # meanwhile
         self.prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsflash-prep")
-        self.replays = Replays()
+        # beside the prefix cache's snapshots, named by the model (another model's ids are no replay of this one's)
+        journal = cache.disk / f"replays-{engine.identity[:16]}.jsonl" if cache is not None and cache.disk else None
+        self.replays = Replays(journal=journal)
 
     def remember(self, done: Done, thinking: bool, got: Collected, call_ids: Sequence[str]) -> None:
         """Keep a reply that ended with EOS after whole tool calls (`call_ids`: the ids the client got for
