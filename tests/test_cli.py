@@ -151,3 +151,25 @@ def test_generate_with_engram_and_experts_on_disk_gives_the_resident_tokens(tmp_
     assert b["tiers"]["experts"]["evictions"] > 0 and b["tiers"]["engram"]["rows_read"] > 0
     tiny = dsflash(*common, "--experts", "disk", "--expert-cache", "1000")
     assert tiny.returncode != 0 and "Traceback" not in tiny.stderr and "--expert-cache" in tiny.stderr
+
+
+def test_weights_load_and_prefill_show_a_live_bar():
+    """`Engine.load(loaded=...)` reports every layer of both halves once (the bar `generate`, `serve` and `box`
+    show on stderr while the weights load), and the prefill bar counts the tokens to the prompt's end."""
+    import io
+
+    from dsflash.engine.progress import LayerCount, ProgressBar, local_layers
+    from dsflash.engine.session import Engine
+
+    out = io.StringIO()
+    loading = LayerCount(local_layers(CASE, split=False), after_s=0, stream=out)
+    seen = []
+    engine = Engine.load(CASE, loaded=lambda i: (seen.append(i), loading(i)))
+    loading.close()
+    n = engine.args.n_layers
+    assert sorted(seen) == list(range(n)) and local_layers(CASE, split=True) == n - engine.args.first_decoder_layer
+    assert out.getvalue().rstrip("\n").split("\r")[-1].startswith(f"loading weights [{'#' * 24}] {n}/{n} layers")
+    bar = ProgressBar("prefill", "tokens", after_s=0, stream=out)
+    engine.session().sync(list(range(3, 43)), chunk=16, progress=bar)
+    bar.close()
+    assert "] 40/40 tokens" in out.getvalue().split("\r")[-1]

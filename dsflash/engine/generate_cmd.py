@@ -13,29 +13,13 @@ from dsflash.checkpoint.manifest import verify_weights
 from dsflash.engine.images import ImageSpan
 from dsflash.engine.placement import add_placement_options, checked_plan, tiers_from
 from dsflash.engine.prefix_cache import PrefixCache
+from dsflash.engine.progress import LayerCount, ProgressBar, local_layers
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine, default_device
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.vision import preprocess_image
 from dsflash.split.link import box_half
 from dsflash.tokenizer import EOS_ID, load_tokenizer
-
-
-class Progress:
-    """A one-line progress report on stderr for prefills that take longer than a second."""
-
-    def __init__(self, enabled: bool):
-        self.enabled, self.t0, self.shown = enabled, time.perf_counter(), False
-
-    def __call__(self, done: int, total: int) -> None:
-        elapsed = time.perf_counter() - self.t0
-        if self.enabled and (self.shown or elapsed > 1.0):
-            self.shown = True
-            print(f"\rprefill {done}/{total} tokens  {done / elapsed:,.0f} tok/s", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.shown:
-            print(file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,8 +31,10 @@ def run(args: argparse.Namespace) -> int:
     if args.verify_weights:
         verify_weights(args.model)
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
+    loading = LayerCount(local_layers(args.model, args.box is not None), enabled=not args.json)
     engine = Engine.load(args.model, max_context=args.context, encoder=encoder, device=args.device,
-                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed))
+                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed), loaded=loading)
+    loading.close()
     tokenizer, images = None, []
     if args.image and args.prompt is None:
         raise SystemExit("dsflash generate: --image goes with --prompt")
@@ -73,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     cache = PrefixCache(engine.identity, disk_dir=args.cache_dir) if args.cache_dir else None
     stats = DecodeStats()
     t0 = time.perf_counter()
-    progress = Progress(not args.json)
+    progress = ProgressBar("prefill", "tokens", enabled=not args.json)
     session = engine.session()
     synced = session.sync(prompt, images=images, cache=cache, chunk=args.chunk, progress=progress)
     stats.prompt_tokens, stats.cached_tokens, stats.prefill_s = len(prompt), synced.reused, synced.prefill_s

@@ -77,13 +77,16 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, max_context: int | None = None,
              encoder: Callable[[Engine], EncoderHalf] | None = None, device: str = "cpu",
-             reference: bool = False, cuda_graphs: bool = True, tiers: Tiers = RESIDENT) -> Engine:
+             reference: bool = False, cuda_graphs: bool = True, tiers: Tiers = RESIDENT,
+             loaded: Callable[[int], None] | None = None) -> Engine:
         """The decoder half from the checkpoint at `path`, and the encoder half from it too, or from
         `encoder(engine)` when given (e.g. `dsflash.split.link.box_half`, a box over TCP). `device`/
         `reference` pick the kernel backend (dsflash.kernels); `cuda_graphs` lets short forwards replay
-        captured segments (engine/graphs.py); `tiers` places Engram and the routed experts (model/tiers.py)."""
+        captured segments (engine/graphs.py); `tiers` places Engram and the routed experts (model/tiers.py);
+        `loaded(i)` is called after each layer i of either half (a progress bar)."""
         def half(name: str) -> Runner:
-            return Runner(load_model(path, half=name, device=device, reference=reference, tiers=tiers), cuda_graphs)
+            return Runner(load_model(path, half=name, device=device, reference=reference, tiers=tiers,
+                                     loaded=loaded), cuda_graphs)
 
         decoder = half("decoder")
         engine = cls(decoder, None, max_context or decoder.args.max_seq_len, engine_identity(decoder.model))

@@ -9,6 +9,7 @@ ratio-1 layer (20 in V4.1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -75,7 +76,9 @@ class ForwardOutput:
 
 class Transformer:
     def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None,
-                 device: str | torch.device = "cpu", reference: bool = False, tiers: Tiers = RESIDENT):
+                 device: str | torch.device = "cpu", reference: bool = False, tiers: Tiers = RESIDENT,
+                 loaded: Callable[[int], None] | None = None):
+        """`loaded(i)`, when given, is called after layer i's weights are in place (a command's progress bar)."""
         self.args, self.ckpt, self.tiers = args, ckpt, tiers
         self.layers = layers if layers is not None else range(args.n_layers)
         self.k = load_kernels(device, reference)
@@ -98,6 +101,8 @@ class Transformer:
             self.blocks[i] = Block(args, i, w, prefix, attn)
             if i in args.engram_layer_ids:
                 self.engram[i] = Engram(args, w, prefix + "engram.", tiers.engram, engram_cache)
+            if loaded is not None:
+                loaded(i)
         # tables off the device: their rows are fetched on the host, so a replayed forward hashes and gathers
         # before its graph (`_replay`), and a prefill fetches the next chunk's rows ahead
         self.engram_staged = any(not e.table.resident for e in self.engram.values())

@@ -14,6 +14,7 @@ def run(args: argparse.Namespace) -> int:
     from dsflash.checkpoint.manifest import seeded, verify_weights
     from dsflash.engine.placement import checked_plan, tiers_from
     from dsflash.engine.prefix_cache import PrefixCache
+    from dsflash.engine.progress import LayerCount, local_layers
     from dsflash.engine.session import DEFAULT_CHUNK, Engine, default_device
     from dsflash.server.app import create_app
     from dsflash.server.limits import serve
@@ -31,8 +32,10 @@ def run(args: argparse.Namespace) -> int:
     if args.verify_weights:
         verify_weights(model)  # damaged or mismatched weights: cli.main says which tensor, serves nothing
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
+    loading = LayerCount(local_layers(model, args.box is not None))
     engine = Engine.load(model, max_context=args.max_context, encoder=encoder, device=args.device,
-                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed))
+                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed), loaded=loading)
+    loading.close()
     tokenizer = load_tokenizer(model)
     cache = PrefixCache(engine.identity, disk_dir=args.cache_dir) if args.cache_dir else None
     name = args.served_model_name or "deepseek-v4.1-flash"

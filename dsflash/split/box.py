@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -32,12 +33,14 @@ import torch
 
 from dsflash.checkpoint.manifest import verify_weights
 from dsflash.checkpoint.reader import CheckpointError
+from dsflash.config import load_config
 from dsflash.engine import snapshot
 from dsflash.engine.halves import LocalEncoder
 from dsflash.engine.images import SpanKey, cache_key, span_keys
 from dsflash.engine.placement import add_placement_options, checked_plan, tiers_from
 from dsflash.engine.plan import PlacementError
 from dsflash.engine.prefix_cache import PrefixCache
+from dsflash.engine.progress import LayerCount
 from dsflash.engine.runner import Runner
 from dsflash.engine.session import MAX_STEP_ROWS, default_device, engine_identity
 from dsflash.model.load import load_model
@@ -133,8 +136,9 @@ class Connection:
 class Box:
     def __init__(self, model_path: str | Path, token: str | None = None, cache_dir: str | None = None,
                  max_frame: int = MAX_FRAME, device: str = "cpu", cuda_graphs: bool = True,
-                 limits: Limits = Limits(), tiers: Tiers = RESIDENT):
-        self.model = Runner(load_model(model_path, half="encoder", device=device, tiers=tiers), cuda_graphs)
+                 limits: Limits = Limits(), tiers: Tiers = RESIDENT, loaded: Callable[[int], None] | None = None):
+        self.model = Runner(load_model(model_path, half="encoder", device=device, tiers=tiers, loaded=loaded),
+                            cuda_graphs)
         self.args = self.model.args
         self.identity = engine_identity(self.model.model)
         self.token = token
@@ -473,8 +477,10 @@ def run(args: argparse.Namespace) -> int:
         placed = checked_plan("box", args, args.model, "box")
         if args.verify_weights:
             verify_weights(args.model)
+        loading = LayerCount(load_config(Path(args.model)).first_decoder_layer)
         box = Box(args.model, token=args.token, cache_dir=args.cache_dir, device=args.device,
-                  cuda_graphs=not args.eager, limits=limits, tiers=tiers_from(args, placed))
+                  cuda_graphs=not args.eager, limits=limits, tiers=tiers_from(args, placed), loaded=loading)
+        loading.close()
     except (CheckpointError, PlacementError) as e:  # damaged weights or no room: say which, serve nothing
         print(f"dsflash box: {e}", file=sys.stderr)
         return 2
