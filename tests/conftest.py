@@ -156,3 +156,42 @@ def after_plan(stderr: str) -> str:
     plan, sep, rest = stderr.partition("\nfits\n")
     assert sep and ": plan: half " in plan, stderr
     return rest
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    """The real `openai` client on the module's `server` fixture (a base URL)."""
+    import openai
+
+    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    """The real `anthropic` client on the module's `server` fixture."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server, api_key="x", max_retries=0)
+
+
+def read_metrics(base: str) -> dict[str, float]:
+    """A server's /metrics as {series (labels included): value}."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def end_process(proc) -> None:
+    """SIGTERM, then SIGKILL after 10 s (a server fixture's teardown)."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()

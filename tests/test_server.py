@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from dsflash.engine.json_mode import START, compile_schema, feed, schema_start
 from dsflash.tokenizer import EOS_ID
-from tests.conftest import free_port, serve_app, start_server
+from tests.conftest import end_process, free_port, read_metrics, serve_app, start_server
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -53,30 +53,7 @@ def server(served):
     # a small context so the context-length error is cheap to provoke; 16-row chunks for progress
     proc, base = serve_app(ckpt, tmp, 1024, "tiny", 16)
     yield base
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(server):
-    return anthropic.Anthropic(base_url=server, api_key="x", max_retries=0)
-
-
-def _metrics(server: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(server + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    end_process(proc)
 
 
 def test_models_and_health(server, oai):
@@ -86,7 +63,7 @@ def test_models_and_health(server, oai):
 
 def test_chat_stream_matches_non_stream_and_caches(server, oai, prompt_tokens):
     messages = [{"role": "user", "content": "Hello there"}]
-    before = _metrics(server)
+    before = read_metrics(server)
     full = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
                                        extra_body=NO_THINK)
     choice = full.choices[0]
@@ -109,7 +86,7 @@ def test_chat_stream_matches_non_stream_and_caches(server, oai, prompt_tokens):
                                          extra_body=NO_THINK)
     assert second.usage.prompt_tokens_details.cached_tokens >= full.usage.prompt_tokens
 
-    after = _metrics(server)
+    after = read_metrics(server)
     assert after['dsflash_requests_total{endpoint="chat_completions"}'] >= \
         before.get('dsflash_requests_total{endpoint="chat_completions"}', 0) + 3
     assert after["dsflash_generated_tokens_total"] > before["dsflash_generated_tokens_total"]
@@ -257,7 +234,7 @@ def test_context_length_and_anthropic_errors(server, oai):
     assert err["code"] == "context_length_exceeded" and err["prompt_tokens"] > err["max_context"] == 1024
     r = httpx.post(server + "/v1/messages", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
-    m = _metrics(server)
+    m = read_metrics(server)
     assert m['dsflash_errors_total{kind="context_length_exceeded"}'] >= 1
     assert m['dsflash_errors_total{kind="invalid_request"}'] >= 1
 
@@ -265,16 +242,16 @@ def test_context_length_and_anthropic_errors(server, oai):
 def test_stream_disconnect_stops_generation(server):
     body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 100, "stream": True,
             "temperature": 0, **NO_THINK}
-    before = _metrics(server)["dsflash_generated_tokens_total"]
+    before = read_metrics(server)["dsflash_generated_tokens_total"]
     with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=30) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                 break  # close the connection after the first content
     deadline = time.time() + 20
-    while _metrics(server)["dsflash_running"] and time.time() < deadline:
+    while read_metrics(server)["dsflash_running"] and time.time() < deadline:
         time.sleep(0.1)
-    assert _metrics(server)["dsflash_running"] == 0
-    assert _metrics(server)["dsflash_generated_tokens_total"] - before < 60
+    assert read_metrics(server)["dsflash_running"] == 0
+    assert read_metrics(server)["dsflash_generated_tokens_total"] - before < 60
 
 
 def test_tool_calls_formatting_in_process():

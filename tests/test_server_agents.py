@@ -6,11 +6,10 @@ names, token counts and prefill progress."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from tests.conftest import serve_app
+from tests.conftest import end_process, serve_app
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -28,21 +27,7 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agents")
     proc, base = serve_app(builtin_checkpoint(tmp), tmp, 4096, "tiny,tiny-alias", 16)
     yield base
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(server):
-    return anthropic.Anthropic(base_url=server, api_key="x", max_retries=0)
+    end_process(proc)
 
 
 def _args_ok(args: dict) -> bool:

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import after_plan, free_port, start_server
+from tests.conftest import after_plan, free_port, read_metrics, start_server
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -56,19 +56,10 @@ def server(ckpt):
     stop(proc)
 
 
-def metrics(base: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(base + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def wait_idle(base: str, timeout: float) -> float:
     """Seconds until the engine runs nothing (fails past `timeout`)."""
     t0 = time.monotonic()
-    while metrics(base)["dsflash_running"] or metrics(base)["dsflash_queue_depth"]:
+    while read_metrics(base)["dsflash_running"] or read_metrics(base)["dsflash_queue_depth"]:
         assert time.monotonic() - t0 < timeout, "generations still running"
         time.sleep(0.05)
     return time.monotonic() - t0
@@ -187,7 +178,7 @@ def test_a_full_queue_gets_503_with_retry_after(server):
     for c in clients:
         c.start()
     deadline = time.monotonic() + 3
-    while metrics(server)["dsflash_running"] + metrics(server)["dsflash_queue_depth"] < 3:
+    while read_metrics(server)["dsflash_running"] + read_metrics(server)["dsflash_queue_depth"] < 3:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     t0 = time.monotonic()
@@ -208,13 +199,13 @@ def test_a_full_queue_gets_503_with_retry_after(server):
                                          ("/v1/responses", {"max_output_tokens": 3000})])
 def test_a_non_streamed_client_that_leaves_stops_its_generation(server, path, extra):
     """The client hangs up 3 s into a 3000-token answer (its read timeout): the engine stops at once."""
-    before = metrics(server)
+    before = read_metrics(server)
     body = {"messages": [{"role": "user", "content": "Hi"}], **LONG, **extra}
     if path == "/v1/responses":
         body = {"input": "Hi", **{k: v for k, v in body.items() if k not in ("messages", "max_tokens")}}
     leave_after(server, path, body, 3.0)
     assert wait_idle(server, 2.5) < 2.5  # before: 6.6 s to the whole 3000 tokens, as the tokens' pace allowed
-    after = metrics(server)
+    after = read_metrics(server)
     assert after['dsflash_finished_total{reason="cancelled"}'] == before.get(
         'dsflash_finished_total{reason="cancelled"}', 0) + 1
     assert after["dsflash_generated_tokens_total"] - before["dsflash_generated_tokens_total"] < 1500
@@ -228,12 +219,12 @@ def test_a_client_that_leaves_during_the_prefill_stops_it_at_the_next_chunk(ckpt
 
     proc, base = serve_app(ckpt, tmp_path, 16384, "tiny", 512)
     try:
-        before = metrics(base)
+        before = read_metrics(base)
         body = {"messages": [{"role": "user", "content": "the cat sat on the mat " * 1500}], **LONG, "max_tokens": 1000}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
         assert wait_idle(base, 10) < 10
-        after = metrics(base)
+        after = read_metrics(base)
         assert after['dsflash_finished_total{reason="cancelled"}'] == 1
         for counter in ("dsflash_prefill_tokens_total", "dsflash_generated_tokens_total"):
             assert after[counter] == before[counter], counter
@@ -283,7 +274,7 @@ def test_the_api_description_needs_the_key_and_the_probes_do_not(server):
 
 def until_generated(base: str, tokens: float, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while metrics(base)["dsflash_generated_tokens_total"] < tokens:
+    while read_metrics(base)["dsflash_generated_tokens_total"] < tokens:
         assert time.monotonic() < deadline
         time.sleep(0.05)
 
@@ -312,7 +303,7 @@ def test_sigterm_ends_streams_cleanly_within_the_shutdown_timeout(ckpt):
                    threading.Thread(target=sse_lines, args=(base, "/v1/messages", {**ask, "stream": True}, claude))]
         for t, tokens in zip(threads, (10, 10, 10), strict=True):
             t.start()
-            until_generated(base, metrics(base)["dsflash_generated_tokens_total"] + tokens)
+            until_generated(base, read_metrics(base)["dsflash_generated_tokens_total"] + tokens)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
