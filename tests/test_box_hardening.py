@@ -215,13 +215,15 @@ def test_a_hung_box_gives_box_unavailable_within_the_deadline_then_service_resum
 @pytest.mark.slow
 def test_a_long_prefill_chunk_is_not_taken_for_a_hang(local):
     with running(flags=("--max-context", "4096")) as b:
-        split = split_engine(b, deadline=2, max_context=4096)  # a 1 s liveness window
-        ids = prompt(1500, seed=8)
+        # a 0.5 s liveness window, and one chunk the box's worker takes longer than that over (1500 tokens took
+        # 0.6 s on an idle AVX-512 core, so the chunk is twice that)
+        split = split_engine(b, deadline=1, max_context=4096)
+        ids = prompt(3000, seed=8)
         t0 = time.monotonic()
-        logits = split.session().prefill(ids, chunk=2048)  # one chunk: seconds on the box's worker
+        logits = split.session().prefill(ids, chunk=4096)
         assert time.monotonic() - t0 > split.encoder.link.liveness
         assert split.encoder.reconnects == 0
-        assert torch.equal(logits, local.session().prefill(ids, chunk=2048))
+        assert torch.equal(logits, local.session().prefill(ids, chunk=4096))
 
 
 # ---- item 9: a box that is gone ----
