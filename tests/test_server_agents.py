@@ -80,6 +80,35 @@ def test_forced_calls_follow_the_schema_and_round_trip(oai, claude):
     assert cut.status == "incomplete" and not [o for o in cut.output if o.type == "function_call"]
 
 
+@pytest.mark.slow
+def test_streamed_forced_calls_are_whole_or_absent(oai, claude):
+    """Streamed, a forced call arrives whole (its arguments the non-streamed reply's, JSON of the schema) or,
+    cut by max_tokens, not at all: no tool-call delta, tool_use block or function_call item is sent for it,
+    on all three APIs."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    ask = [{"role": "user", "content": "Weather?"}]
+    kw = dict(model="tiny", tools=tools, temperature=0.7, seed=1, extra_body=NO_THINK, tool_choice="required")
+    for max_tokens in (100, 12):
+        plain = oai.chat.completions.create(messages=ask, max_tokens=max_tokens, **kw).choices[0]
+        deltas = [c for c in oai.chat.completions.create(messages=ask, max_tokens=max_tokens, stream=True, **kw)
+                  if c.choices and c.choices[0].delta.tool_calls]
+        if plain.message.tool_calls is None:  # cut: nothing of the call was streamed
+            assert deltas == [] and max_tokens == 12
+        else:
+            args = "".join(d.choices[0].delta.tool_calls[0].function.arguments or "" for d in deltas)
+            assert args == plain.message.tool_calls[0].function.arguments and _args_ok(json.loads(args))
+
+    a_tools = [{"name": "get_weather", "input_schema": SCHEMA}]
+    with claude.messages.stream(model="tiny", max_tokens=12, messages=ask, tools=a_tools,
+                                tool_choice={"type": "any"}) as stream:
+        events = list(stream)
+    assert not [e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use"]
+    r_tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
+    events = list(oai.responses.create(model="tiny", input="Weather?", tools=r_tools, tool_choice="required",
+                                       max_output_tokens=12, stream=True))
+    assert not [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+
+
 def test_forced_call_with_a_schema_outside_the_subset_is_400(server):
     import httpx
 

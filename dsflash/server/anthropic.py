@@ -20,6 +20,7 @@ from dsflash.server.dsml import (
     ToolCallArgumentsDelta,
     ToolCallEnd,
     ToolCallStart,
+    WholeCalls,
 )
 from dsflash.server.errors import ApiError
 from dsflash.server.images import ImageError, Images
@@ -135,7 +136,7 @@ async def _messages_stream(srv: Server, job: Job, request: Request, mid: str, th
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": len(job.prompt), "output_tokens": 0}}})
     yield event("ping", {})
-    parser, got, call_ids = DsmlParser(thinking), Collected(), []
+    parser, got, call_ids, whole = DsmlParser(thinking), Collected(), [], WholeCalls()
     index, open_kind, has_calls = -1, None, False
 
     def open_block(kind: str, start: dict) -> list[str]:
@@ -152,6 +153,7 @@ async def _messages_stream(srv: Server, job: Job, request: Request, mid: str, th
         async for ev in srv.events(job, request):
             evs = parser.finish() if isinstance(ev, Done) else parser.feed(ev.text)
             got.add(evs)
+            evs = whole(evs)  # a call is sent once it is whole, or never
             for e in evs:
                 if isinstance(e, ContentDelta):
                     if open_kind != "text":

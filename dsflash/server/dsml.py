@@ -229,6 +229,30 @@ class DsmlParser:
             self._state = _State.CALLS
 
 
+class WholeCalls:
+    """A stream's tool-call events held back until the call's end, then released together (its start, one
+    arguments delta with all their text, its end): a call cut off by max_tokens is never sent, so a streamed
+    call is as whole as a non-streamed reply's (`Collected.closed`), on every API. Other events pass at once."""
+
+    def __init__(self):
+        self._held: dict[int, list[Event]] = {}
+
+    def __call__(self, events: list[Event]) -> list[Event]:
+        out: list[Event] = []
+        for e in events:
+            if isinstance(e, ToolCallStart):
+                self._held[e.index] = [e]
+            elif isinstance(e, ToolCallArgumentsDelta):
+                self._held[e.index].append(e)
+            elif isinstance(e, ToolCallEnd):
+                start, *deltas = self._held.pop(e.index)
+                text = "".join(d.text for d in deltas)
+                out += [start, *([ToolCallArgumentsDelta(e.index, text)] if text else []), e]
+            else:
+                out.append(e)
+        return out
+
+
 class Collected:
     """Parser events gathered into a whole reply: content, reasoning and the tool calls (name and the
     JSON text of the arguments, by call index; `closed` marks the calls whose block ended)."""

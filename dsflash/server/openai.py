@@ -18,6 +18,7 @@ from dsflash.server.dsml import (
     ReasoningDelta,
     ToolCallArgumentsDelta,
     ToolCallStart,
+    WholeCalls,
 )
 from dsflash.server.errors import ApiError
 from dsflash.server.images import ImageError, Images
@@ -218,7 +219,7 @@ async def _chat_choice(srv: Server, index: int, job: Job, request: Request, thin
         return {"index": index, "delta": delta, "logprobs": {"content": lps} if lps else None,
                 "finish_reason": finish}
 
-    parser, got, call_ids = DsmlParser(thinking), Collected(), {}
+    parser, got, call_ids, whole = DsmlParser(thinking), Collected(), {}, WholeCalls()
     yield chunk({"role": "assistant", "content": ""})
     async for ev in srv.events(job, request):
         if isinstance(ev, Done):
@@ -226,6 +227,7 @@ async def _chat_choice(srv: Server, index: int, job: Job, request: Request, thin
         else:
             evs, lps = parser.feed(ev.text), ev.logprobs
         got.add(evs)
+        evs = whole(evs)  # a call is sent once it is whole, or never
         for e in evs:
             if isinstance(e, ContentDelta):
                 yield chunk({"content": e.text}, lps=lps)

@@ -24,7 +24,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import Field
 
-from dsflash.server.dsml import Collected, ContentDelta, DsmlParser, ToolCallArgumentsDelta, ToolCallStart
+from dsflash.server.dsml import (
+    Collected,
+    ContentDelta,
+    DsmlParser,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    WholeCalls,
+)
 from dsflash.server.errors import ApiError
 from dsflash.server.images import ImageError, Images
 from dsflash.server.params import Sampling, offered_tools, reasoning_effort
@@ -236,13 +243,14 @@ def add_routes(app: FastAPI, srv: Server) -> None:
             seq += 1
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **data})}\n\n"
 
-        got, parser = Collected(), DsmlParser(thinking)
+        got, parser, whole = Collected(), DsmlParser(thinking), WholeCalls()
         msg_id, call_ids, order = f"msg_{uuid.uuid4().hex[:24]}", {}, {}  # order: output index by item
         yield event("response.created", response=response_object(rid, created, "in_progress", [], None, echo))
         try:
             async for ev in srv.events(job, request):
                 evs = parser.finish() if isinstance(ev, Done) else parser.feed(ev.text)
                 got.add(evs)
+                evs = whole(evs)  # a call is sent once it is whole, or never
                 for e in evs:
                     if isinstance(e, ContentDelta):
                         if "msg" not in order:
