@@ -255,7 +255,8 @@ def test_stream_disconnect_stops_generation(server):
 
 
 def test_tool_calls_formatting_in_process():
-    """Tool calls from DSML output, streamed as argument deltas and whole, with a scripted worker."""
+    """Tool calls from DSML output, streamed and whole, with a scripted worker: streamed, a call is sent once it
+    is whole (its start, then all its arguments), never in pieces a cut-off could leave invalid."""
     from types import SimpleNamespace
 
     from fastapi.testclient import TestClient
@@ -295,7 +296,8 @@ def test_tool_calls_formatting_in_process():
     deltas = [c["choices"][0]["delta"] for c in chunks]
     args = "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas if "tool_calls" in d)
     assert json.loads(args) == {"city": "Paris", "days": 2}
-    assert sum(1 for d in deltas if "tool_calls" in d) > 2  # arguments arrive in pieces
+    assert [("id" in d["tool_calls"][0], bool(d["tool_calls"][0]["function"].get("arguments")))
+            for d in deltas if "tool_calls" in d] == [(True, False), (False, True)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
     anth = {"max_tokens": 10, "messages": [{"role": "user", "content": "weather?"}],
@@ -311,7 +313,7 @@ def test_tool_calls_formatting_in_process():
     with client.stream("POST", "/v1/responses", json={**resp_body, "stream": True}) as s:
         events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
     pieces = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
-    assert len(pieces) > 2 and json.loads("".join(pieces)) == {"city": "Paris", "days": 2}
+    assert len(pieces) == 1 and json.loads(pieces[0]) == {"city": "Paris", "days": 2}  # sent once whole
     assert events[-1]["type"] == "response.completed" and events[-1]["response"]["output"][1]["name"] == "get_weather"
 
 
