@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -78,7 +79,7 @@ class Lookup:
         return self._ready
 
 
-class EngramTable:
+class EngramTable(ABC):
     """One Engram layer's table. `request(ids)` (int64 hash ids [...]) starts the lookup of those rows."""
 
     name: str  # the weight's checkpoint name (for messages)
@@ -92,11 +93,12 @@ class EngramTable:
     def resident(self) -> bool:
         return False
 
+    @abstractmethod
     def request(self, ids: torch.Tensor) -> Lookup:
-        raise NotImplementedError
+        """Start the lookup of the rows `ids` name (each tier its way)."""
 
-    def prefetch(self, ids: torch.Tensor) -> None:
-        """Start the lookup of rows a later `request` will ask for (the next chunk's)."""
+    def prefetch(self, ids: torch.Tensor) -> None:  # noqa: B027 (a resident table has nothing to fetch ahead)
+        """Start the lookup of rows a later `request` will ask for (the next chunk's); nothing by default."""
 
 
 class ResidentTable(EngramTable):
@@ -128,10 +130,10 @@ class StagedTable(EngramTable):
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="engram-lookup")
         self._ahead: tuple[Future, list] | None = None  # the latest prefetch and its host ids (once known)
 
+    @abstractmethod
     def _fetch(self, unique: torch.Tensor, out_rows: torch.Tensor, out_scales: torch.Tensor) -> None:
         """Fill out_rows / out_scales (uint8 host tensors [u, ...]) with the table rows `unique` (int64 [u],
         ascending)."""
-        raise NotImplementedError
 
     def _host(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.uint8, pin_memory=self._cuda)
