@@ -31,6 +31,10 @@ def test_check_golden_case(case, tmp_path):
             warnings.warn(f"{case.name}: {probe.reason()}", stacklevel=1)
             want = "PASS"
         assert entry["tier"] == want, entry["tier"]
+        # the check counts the replayed routing weights that are not the reference's, as the probe does, and
+        # says why FAITHFUL is out of reach when some are
+        info = entry["rules"]["faithful(info)"]
+        assert (info["routing_weights_differ"], info["routing_weights"]) == (probe.differ, probe.total)
     else:  # another case set (DSFLASH_GOLDEN_DIR): PASS is required, FAITHFUL reported
         assert entry["tier"] in ("FAITHFUL", "PASS"), entry["tier"]
 

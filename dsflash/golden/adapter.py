@@ -33,11 +33,15 @@ class GoldenEngine:
     def prefill(self, ids: np.ndarray, selections: dict | None) -> dict[str, np.ndarray]:
         select = selections_from_arrays(selections) if selections is not None else None
         ids = torch.from_numpy(np.asarray(ids)).long().to(self.device)
-        out = self.model.forward(SequenceState(device=self.device), ids, debug=Debug(select))
+        trace: dict = {}
+        out = self.model.forward(SequenceState(device=self.device), ids, debug=Debug(select, trace))
+        weights = trace["moe_weights"]
         return {
             "logits": out.logits.cpu().numpy(),
             "handoff_streams": out.handoff_streams.float().cpu().numpy(),
             "handoff_pre_mix": out.handoff_pre_mix.cpu().numpy(),
+            # the router's weights per layer, in its own order (the reference's full.moe_expert_weights)
+            "moe_expert_weights": torch.stack([weights[i] for i in sorted(weights)]).float().cpu().numpy(),
         }
 
     def encode_image(self, pixels: np.ndarray, n_vit_h: int, n_vit_w: int) -> dict[str, np.ndarray]:

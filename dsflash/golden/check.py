@@ -41,6 +41,7 @@ from dsflash.golden.rules import (
 )
 
 PREFILL_KEYS = ("logits", "handoff_streams", "handoff_pre_mix")
+ROUTING_KEYS = ("moe_expert_weights",)  # reported where an engine gives them (faithful_rule)
 
 
 class GoldenEngine(Protocol):
@@ -104,8 +105,9 @@ class CaseCheck:
         return out
 
 
-def _prefill_arrays(out: dict) -> dict[str, np.ndarray]:
-    return {k: np.asarray(out[k], np.float32) for k in PREFILL_KEYS}
+def _prefill_arrays(out: dict, optional: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """The arrays the rules read, and those of `optional` the engine gave."""
+    return {k: np.asarray(out[k], np.float32) for k in (*PREFILL_KEYS, *(k for k in optional if k in out))}
 
 
 def _battery_prefills(case: GoldenCase, engine: GoldenEngine, replay: bool) -> dict[str, np.ndarray]:
@@ -189,7 +191,7 @@ def check_case(case: GoldenCase | str | os.PathLike, engine: GoldenEngine) -> Ca
 
     full_ids = g["full.input_ids"]
     forced = replay_selections(case, "full.")
-    replay = check.attempt("replay", lambda: _prefill_arrays(engine.prefill(full_ids, forced)))
+    replay = check.attempt("replay", lambda: _prefill_arrays(engine.prefill(full_ids, forced), ROUTING_KEYS))
     own = check.attempt("own selection", lambda: _prefill_arrays(engine.prefill(full_ids, None)))
     battery = check.attempt("battery replay", lambda: _battery_prefills(case, engine, replay=True))
     battery_own = check.attempt("battery own selection", lambda: _battery_prefills(case, engine, replay=False))
@@ -247,8 +249,19 @@ def report_lines(check: CaseCheck) -> list[str]:
         logits_max = r["faithful(info)"].numbers["logits_max_abs"]
         lines.append(f"{head}  replay logits max |Δ| vs full.logits {logits_max:.3g} "
                      f"(FAITHFUL needs <= {FAITHFUL_LOGITS_ABS:g} and a bit-identical hand-off)")
+        lines += _stack_lines(head, r["faithful(info)"].numbers)
     lines.append(_tier_line(head, verdict))
     return lines
+
+
+def _stack_lines(head: str, numbers: dict) -> list[str]:
+    """Why FAITHFUL is out of reach where the replayed routing weights are not the reference's."""
+    differ = numbers.get("routing_weights_differ")
+    if not differ:
+        return []
+    return [f"{head}  replayed routing weights: {differ} of {numbers['routing_weights']} differ from the reference's: "
+            "this CPU stack's fp32 GEMMs sum the router in another order than the golden machine's, so FAITHFUL "
+            "is out of reach here (docs/numerics.md, CPU stacks)"]
 
 
 def _tier_line(head: str, verdict: CaseVerdict) -> str:

@@ -222,15 +222,21 @@ def drafter_rule(test_logits: np.ndarray, ref_logits: np.ndarray) -> RuleResult:
 
 def faithful_rule(replay: PrefillArrays, golden: Mapping[str, np.ndarray]) -> RuleResult:
     """FAITHFUL condition, reported (passed=None; the verdict is numbers["faithful"]): replay logits within
-    FAITHFUL_LOGITS_ABS of full.logits, hand-off streams and pre-mix bit-identical to full.handoff_*."""
+    FAITHFUL_LOGITS_ABS of full.logits, hand-off streams and pre-mix bit-identical to full.handoff_*. Where the
+    engine reports its replayed routing weights (router order) and the case holds the reference's, how many
+    differ: a CPU stack whose fp32 GEMMs sum the router in another order than the golden machine's cannot be
+    FAITHFUL (docs/numerics.md, "CPU stacks"), and this number says so."""
     logits_max = float(np.abs(np.asarray(replay["logits"], np.float64) - golden["full.logits"]).max())
     streams_equal = np.array_equal(np.asarray(replay["handoff_streams"], np.float32), golden["full.handoff_streams"])
     pre_mix_equal = np.array_equal(np.asarray(replay["handoff_pre_mix"], np.float32), golden["full.handoff_pre_mix"])
     faithful = logits_max <= FAITHFUL_LOGITS_ABS and streams_equal and pre_mix_equal
-    return RuleResult(passed=None, bounds={"logits_max_abs": FAITHFUL_LOGITS_ABS},
-                      numbers={"faithful": bool(faithful), "logits_max_abs": logits_max,
-                               "handoff_streams_bit_identical": bool(streams_equal),
-                               "handoff_pre_mix_bit_identical": bool(pre_mix_equal)})
+    numbers = {"faithful": bool(faithful), "logits_max_abs": logits_max,
+               "handoff_streams_bit_identical": bool(streams_equal),
+               "handoff_pre_mix_bit_identical": bool(pre_mix_equal)}
+    if "moe_expert_weights" in replay and "full.moe_expert_weights" in golden:
+        ours, ref = np.asarray(replay["moe_expert_weights"], np.float32), golden["full.moe_expert_weights"]
+        numbers["routing_weights_differ"], numbers["routing_weights"] = int((ours != ref).sum()), int(ref.size)
+    return RuleResult(passed=None, bounds={"logits_max_abs": FAITHFUL_LOGITS_ABS}, numbers=numbers)
 
 
 def greedy_rule(logits: np.ndarray, golden: Mapping[str, np.ndarray]) -> RuleResult:
