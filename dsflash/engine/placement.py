@@ -16,7 +16,8 @@ from dsflash.model.tiers import ENGRAM_CACHE, TIERS, Tiers
 MEMINFO = Path("/proc/meminfo")
 
 
-def _size(text: str) -> int:
+def size_arg(text: str) -> int:
+    """argparse's type for a size flag (plan.parse_size: 140GiB, 256KiB, a byte count)."""
     try:
         return parse_size(text)
     except PlacementError as e:
@@ -27,9 +28,9 @@ def add_placement_options(parser: argparse.ArgumentParser, context: bool = True)
     """The shared flags; `context`: also --context (commands with their own --max-context read that)."""
     g = parser.add_argument_group("placement (see `dsflash plan`)")
     g.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs to place the layers on (default 1)")
-    g.add_argument("--gpu-memory", type=_size, metavar="SIZE",
+    g.add_argument("--gpu-memory", type=size_arg, metavar="SIZE",
                    help="memory per GPU, e.g. 140GiB (default: what each device has free)")
-    g.add_argument("--host-memory", type=_size, metavar="SIZE",
+    g.add_argument("--host-memory", type=size_arg, metavar="SIZE",
                    help="host memory, e.g. 512GiB (default: MemAvailable of /proc/meminfo)")
     g.add_argument("--engram", choices=TIERS,
                    help="where the Engram tables live (default: host memory when they fit, else disk; "
@@ -37,9 +38,9 @@ def add_placement_options(parser: argparse.ArgumentParser, context: bool = True)
     g.add_argument("--experts", choices=TIERS,
                    help="where the routed experts live (default: the GPUs when they fit, else host, else disk; "
                         "resident on the CPU backend)")
-    g.add_argument("--expert-cache", type=_size, metavar="SIZE",
+    g.add_argument("--expert-cache", type=size_arg, metavar="SIZE",
                    help="GPU expert cache per GPU for host/disk experts (default: one layer's bank)")
-    g.add_argument("--engram-cache", type=_size, default=ENGRAM_CACHE, metavar="SIZE",
+    g.add_argument("--engram-cache", type=size_arg, default=ENGRAM_CACHE, metavar="SIZE",
                    help="host RAM for the hot rows of disk-tier Engram tables (0: none)")
     if context:
         g.add_argument("--context", type=int, metavar="N", help="tokens per session to hold (default: the model's)")

@@ -24,21 +24,6 @@ FLUSH_S = 3.0  # after a shutdown's cancel: for the ended generations to send th
 RETRY_AFTER_S = 2  # what a client refused for a full queue is told to wait
 
 
-def parse_size(text: str) -> int:
-    """A byte count such as 16MiB, 512KB, 1000 (binary and decimal units)."""
-    units = {"": 1, "B": 1, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "KIB": 1024, "MIB": 1024 ** 2,
-             "GIB": 1024 ** 3, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
-    t = text.strip().upper()
-    digits = t.rstrip("KMGIB")
-    try:
-        value, unit = float(digits), units[t[len(digits):].strip()]
-    except (ValueError, KeyError):
-        raise ValueError(f"not a size: {text!r} (e.g. 16MiB, 512KB, 1000)") from None
-    if value <= 0:
-        raise ValueError(f"a size must be positive, got {text!r}")
-    return int(value * unit)
-
-
 def size_text(n: int) -> str:
     for unit, size in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
         if n >= size and n % size == 0:

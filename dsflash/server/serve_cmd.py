@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from dsflash.engine.placement import add_placement_options
+from dsflash.engine.placement import add_placement_options, size_arg
 from dsflash.server import MAX_BODY, MAX_QUEUE, REQUEST_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
 
 
@@ -49,15 +49,6 @@ def run(args: argparse.Namespace) -> int:
                      request_timeout=args.request_timeout, max_queue=args.max_queue)
     serve(app, args.host, args.port, args.log_level, args.request_timeout, args.shutdown_timeout)
     return 0
-
-
-def _size(text: str) -> int:
-    from dsflash.server.limits import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _count(text: str) -> int:
@@ -104,8 +95,8 @@ def register(subparsers) -> None:
                    help="seconds to wait for a box that went away before answering 503")
     p.add_argument("--verify-weights", action="store_true",
                    help="check every tensor against the checkpoint's model.manifest.json before loading")
-    p.add_argument("--max-body", type=_size, default=MAX_BODY, metavar="SIZE",
-                   help=f"largest request body, e.g. 16MiB, 512KB (413 past it; default {MAX_BODY // 1024 ** 2}MiB)")
+    p.add_argument("--max-body", type=size_arg, default=MAX_BODY, metavar="SIZE",
+                   help=f"largest request body, e.g. 16MiB, 512KiB (413 past it; default {MAX_BODY // 1024 ** 2}MiB)")
     p.add_argument("--max-queue", type=_count, default=MAX_QUEUE, metavar="N",
                    help="generation requests that may wait beyond the running ones (503 + Retry-After past it; "
                         f"default {MAX_QUEUE})")
