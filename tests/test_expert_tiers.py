@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from dsflash.checkpoint.reader import Checkpoint
+from dsflash.engine.graphs import SegmentGraphs
+from dsflash.engine.runner import Runner
 from dsflash.engine.session import Engine
+from dsflash.kernels import cpu
 from dsflash.model import expert_cache
 from dsflash.model.load import load_model
 from dsflash.model.state import SequenceState
@@ -155,29 +158,61 @@ def test_bench_tiers_writes_a_checkpoint_and_compares_the_tiers(tmp_path):
 def test_cached_experts_are_bit_identical_on_cuda(tier):
     """On the Triton backend: host (pinned memory, side-stream copies) and disk (pread into pinned staging,
     codes converted on the device) through a 3-slot cache give the resident bits for a prefill (two groups
-    a layer), steps (one group: the resident calls over slots) and a rollback; the resident engine's steps
-    replay CUDA graphs, the tiered one's run eagerly."""
+    a layer), steps (one group: the resident calls over slots) and a rollback; both engines' one-row steps
+    replay CUDA graphs, the tiered one's one graph per layer with its experts loaded between them (its
+    3-row steps route to more experts than the cache holds: eager)."""
     resident = Engine.load(CASE, device="cuda", max_context=512)
     probe = load_model(CASE, device="cuda", tiers=Tiers(experts=tier))
     slot_bytes = probe.expert_store.slot_bytes
     del probe
     engine = Engine.load(CASE, device="cuda", max_context=512, tiers=Tiers(experts=tier, expert_cache=3 * slot_bytes))
-    assert engine.decoder.graphs is None and resident.decoder.graphs is not None
+    assert engine.decoder.graphs is not None and resident.decoder.graphs is not None
     outs = []
     for e in (resident, engine):
         s = e.session()
         out = [s.prefill(IDS[:70].tolist(), chunk=32)]
         p = s.pos
-        for _ in range(3):  # a graph is captured on the second step and replayed on the third
-            out.append(s.step(p, IDS[70:73].tolist()))
-            s.rollback(p)
+        for n in (3, 1):
+            for _ in range(3):  # a graph is captured on the second step and replayed on the third
+                out.append(s.step(p, IDS[70:70 + n].tolist()))
+                s.rollback(p)
         out.append(s.step(p, IDS[70:71].tolist()))
         s.rollback(p + 1)
         out.append(s.step(p + 1, IDS[80:85].tolist()))
         outs.append(out)
     for i, (a, b) in enumerate(zip(*outs, strict=True)):
         assert torch.equal(a, b), i
+    # segments past the first were captured: the layers' graphs resumed after their routing
+    assert max(key[0][-1] for key in engine.decoder.graphs._graphs) == len(engine.decoder.model.layers)
     stats = engine.tier_stats()["experts"]
     # per miss: a host expert's copy in the kernels' layout, a disk expert's stored bytes
     per_expert = slot_bytes if tier == "host" else expert_bytes(Checkpoint(CASE))
     assert stats["evictions"] > 0 and stats["bytes_read"] >= stats["misses"] * per_expert > 0, stats
+
+
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_segmented_steps_with_cached_experts_are_bit_identical_on_cpu(tier):
+    """Steps the way CUDA graphs run them with the experts off the device: one segment per layer, each
+    stopping after its routing, the experts loaded into a 4-slot cache between segments (every layer
+    evicts the previous one's), run uncaptured on the CPU: the eager resident forward's bits."""
+    eager = load_model(CASE)
+    tiers = Tiers(experts=tier, expert_cache=4 * expert_bytes(Checkpoint(CASE)))
+    shaped = Runner(load_model(CASE, tiers=tiers), graphs=SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False))
+    segments = []
+    run = shaped.graphs.run
+    shaped.graphs.run = lambda key, fn, *inputs: (segments.append(key[-1]), run(key, fn, *inputs))[1]
+    outs = []
+    for model in (eager, shaped):
+        state, out = SequenceState(), []
+        model.forward(state, IDS[:70])
+        for n in (1, 3, 8, 2):
+            if n == 8:
+                state.truncate(state.pos - 2, dict(enumerate(shaped.args.compress_ratios)))
+            step = model.forward(state, IDS[state.pos:state.pos + n])
+            out.append(torch.cat([step.logits, step.streams.flatten(1).float(), step.main_hidden.float()], 1))
+        outs.append(torch.cat(out))
+    assert torch.equal(*outs)
+    layers = shaped.args.n_layers
+    assert segments == list(range(layers + 1)) * 4  # every step replayed, one segment per layer and a last
+    stats = shaped.model.tier_stats()["experts"]
+    assert stats["evictions"] > 0 and stats["misses"] > 0, stats

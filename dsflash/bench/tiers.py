@@ -272,6 +272,6 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=8192, help="steps follow a prefill of this many tokens")
     p.add_argument("--rows", type=ints, default=[1, 5], help="rows per step (L)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions of each step")
-    p.add_argument("--eager", action="store_true", help="no CUDA graphs for the resident tier's steps either")
+    p.add_argument("--eager", action="store_true", help="steps without CUDA graphs (every tier)")
     p.add_argument("--out", default="bench/results", help="directory for the results (.json, .md)")
     p.set_defaults(func=run)

@@ -18,12 +18,12 @@ from dsflash.model.transformer import ForwardOutput, Streams, Tokens, Transforme
 
 class Runner:
     def __init__(self, model: Transformer, cuda_graphs: bool = True, graphs: SegmentGraphs | None = None):
-        """`cuda_graphs`: short forwards replay captured segments (the Triton backend only, with resident
-        routed experts: off-device experts are loaded by what the routing reads on the host, which a graph
-        cannot replay, so their forwards run eagerly); `graphs` gives the store explicitly (e.g.
-        `SegmentGraphs(capture=False)`: the graphed arithmetic, uncaptured)."""
+        """`cuda_graphs`: short forwards replay captured segments (the Triton backend only; with routed
+        experts off the device, one segment per layer, the routing read on the host between them);
+        `graphs` gives the store explicitly (e.g. `SegmentGraphs(capture=False)`: the graphed arithmetic,
+        uncaptured)."""
         self.model = model
-        if graphs is None and cuda_graphs and model.k.name == "cuda" and model.expert_store is None:
+        if graphs is None and cuda_graphs and model.k.name == "cuda":
             graphs = SegmentGraphs()
         self.graphs = graphs
         # the server runs generations on two threads; a graph may only be replayed (and a RoPE table grown

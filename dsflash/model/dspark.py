@@ -97,8 +97,8 @@ class DSpark:
         """One draft round after the target row at position state.dspark_pos - 1 produced `anchor`.
         Returns ([anchor, d_1..d_B], logits [B, V] with the Markov bias added, raw confidence [B]).
         With `graphs` (the engine's store), once a whole window of context exists the stages and the head
-        replay one CUDA graph per session (keyed by its context rings' addresses); the Markov chain samples
-        token by token, eagerly."""
+        replay one CUDA graph per session (keyed by its context rings' addresses; eager when the stages' routed
+        experts are off the device); the Markov chain samples token by token, eagerly."""
         a = self.args
         b = a.dspark_block_size
         p0 = state.dspark_pos
@@ -107,7 +107,10 @@ class DSpark:
         rows = b + (-b % self.k.row_tile)
         chunk = Chunk(state, torch.arange(p0, p0 + rows, device=dev), b, row_tile=self.k.row_tile, _p0=p0)
         self.stages[0].attn.rope.reserve(p0 + rows, dev)
-        if graphs is not None and graphs.begin(rows, tuple(r.rebuilds for r in self.ropes)) and p0 >= a.window_size:
+        # stages whose experts come from the expert store read their routing on the host: drafted eagerly
+        resident = all(stage.ffn.store is None for stage in self.stages)
+        if (graphs is not None and graphs.begin(rows, tuple(r.rebuilds for r in self.ropes), resident)
+                and p0 >= a.window_size):
             rings = [stage.attn.history(state).data for stage in self.stages]
 
             def fn(positions: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

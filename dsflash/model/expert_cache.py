@@ -245,6 +245,18 @@ class ExpertStore:
         size = max(1, min(self.slots // 2, -(-len(used) // 2))) if wide else max(1, self.slots // 2)
         return [used[i:i + size] for i in range(0, len(used), size)], wide
 
+    def slots_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """A short forward's routing ids [rows, k] of `layer` remapped to slots holding its experts, loaded now
+        as one group (one host read of the routing). The caller checks `holds(ids.numel())` first."""
+        used = torch.unique(ids).tolist()
+        if len(used) > self.slots:
+            raise ValueError(f"{len(used)} experts in one group, the cache holds {self.slots}")
+        return self.acquire(layer, used)[ids]
+
+    def holds(self, experts: int) -> bool:
+        """Whether a forward that routes to up to `experts` distinct experts a layer can load them at once."""
+        return experts <= self.slots
+
     def acquire(self, layer: int, experts: list[int], then: list[int] | None = None, wide: bool = False
                 ) -> torch.Tensor:
         """Make `experts` of `layer` resident and return the remap table, int64 [layer's experts] on the

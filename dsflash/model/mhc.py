@@ -10,6 +10,7 @@ site: the attention uses the previous layer's FFN pre, the FFN this layer's atte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,16 @@ from dsflash.model.attention import Attention
 from dsflash.model.common import Chunk
 from dsflash.model.moe import MoE
 from dsflash.model.weights import WeightLoader
+
+
+class FfnInput(NamedTuple):
+    """A block between its attention and its FFN: the FFN's input and what `hc_post` mixes its output with."""
+
+    x: torch.Tensor  # bf16 [rows, D]: the FFN's input
+    residual: torch.Tensor  # bf16 [rows, hc, D]: the streams after the attention site
+    post: torch.Tensor  # fp32 [rows, hc]
+    comb: torch.Tensor  # fp32 [rows, hc, hc]
+    pre: torch.Tensor  # fp32 [rows, hc]: the FFN site's pre (the next block's pre_mix)
 
 
 @dataclass
@@ -51,15 +62,23 @@ class Block:
     def forward(self, h: torch.Tensor, pre_mix: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """h: bf16 [rows, hc, D] streams; pre_mix: fp32 [rows, hc], the previous block's FFN pre. Returns the
         streams after the block and its FFN pre (the next block's pre_mix)."""
+        f = self.attend(h, pre_mix, chunk)
+        return self.finish(self.ffn(f.x, chunk), f)
+
+    def attend(self, h: torch.Tensor, pre_mix: torch.Tensor, chunk: Chunk) -> FfnInput:
+        """The attention site, then the FFN site's mixes and input: the block up to its FFN. (A forward
+        replayed in segments stops here to read the routing on the host: model/transformer.py.)"""
         residual = h
         attn_pre, attn_post, attn_comb = self.hc_mixes(h, self.hc_attn)
         x = self.k.rms_norm(self.hc_pre(h, pre_mix), self.attn_norm, self.eps)
         h = self.hc_post(self.attn(x, chunk), residual, attn_post, attn_comb)
-
-        residual = h
         ffn_pre, ffn_post, ffn_comb = self.hc_mixes(h, self.hc_ffn)
         x = self.k.rms_norm(self.hc_pre(h, attn_pre), self.ffn_norm, self.eps)
-        return self.hc_post(self.ffn(x, chunk), residual, ffn_post, ffn_comb), ffn_pre
+        return FfnInput(x, h, ffn_post, ffn_comb, ffn_pre)
+
+    def finish(self, y: torch.Tensor, f: FfnInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output streams from its FFN's output y, and its FFN pre."""
+        return self.hc_post(y, f.residual, f.post, f.comb), f.pre
 
     def hc_mixes(self, h: torch.Tensor, site: HcSite) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pre [rows, hc], post [rows, hc], comb [rows, hc, hc]) from one projection of the flattened streams,

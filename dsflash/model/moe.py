@@ -143,6 +143,17 @@ class MoE:
         y += self.shared(x)
         return y.to(x.dtype)
 
+    def route(self, x: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing alone (weights, expert ids by ascending id): where a forward replayed in segments stops
+        to load the experts into the store's slots (`ExpertStore.slots_for`), then resumes with `from_slots`."""
+        return self.gate(x, chunk, ascending=True)
+
+    def from_slots(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The MoE's output with the routed experts run from the expert store's slots (`slots`: the routing ids
+        remapped to them, all resident)."""
+        store = self.store
+        return self._routed_by_slot(x, weights, slots, store.w13, store.w2, store.slots)
+
     def _routed_by_slot(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2, n: int
                         ) -> torch.Tensor:
         """Every (row, slot) pair in two expert_linear calls (gate and up together, then down), with no host
@@ -166,8 +177,7 @@ class MoE:
         store = self.store
         groups, wide = store.groups(ids, self.n_experts)
         if len(groups) == 1:
-            slots = store.acquire(self.layer, groups[0], wide=wide)[ids]
-            return self._routed_by_slot(x, weights, slots, store.w13, store.w2, store.slots)
+            return self.from_slots(x, weights, store.acquire(self.layer, groups[0], wide=wide)[ids])
         routed = x.new_empty((*ids.shape, x.size(1)))
         for g, experts in enumerate(groups):
             slot = store.acquire(self.layer, experts, groups[g + 1] if g + 1 < len(groups) else None, wide)[ids]

@@ -24,7 +24,7 @@ from dsflash.model.dspark import DSpark
 from dsflash.model.engram import Engram, EngramLayout
 from dsflash.model.engram_tables import Gathered, Lookup, TableStats
 from dsflash.model.expert_cache import ExpertStore
-from dsflash.model.mhc import Block, hc_pre
+from dsflash.model.mhc import Block, FfnInput, hc_pre
 from dsflash.model.rope import Rope
 from dsflash.model.state import SequenceState
 from dsflash.model.tiers import RESIDENT, Tiers
@@ -261,13 +261,26 @@ class Transformer:
         for i, e in self.engram.items():
             e.table.prefetch(hashes[:, a.engram_layer_ids.index(i)])
 
-    def _layers(self, f: _Pass) -> None:
+    def _layers(self, f: _Pass, halt: bool = False) -> None:
         """The first range's embedding, then the layers over the pass: Engram before a block, the DSpark
-        taps of its input, the block (mHC around attention and MoE)."""
+        taps of its input, the block (mHC around attention and MoE).
+
+        A forward replayed in segments (`_replay` with the routed experts in the expert store) runs a segment
+        at a time: `halt` stops after the next layer's routing (f.halted, with its expert ids in f.route_ids),
+        and a pass that holds a halted layer first finishes it from the slots its experts were loaded into
+        (f.slots)."""
         a = self.args
-        if f.h is None:
+        start = self.layers.start
+        if f.halted is not None:
+            i, ffn_in, weights = f.halted
+            block = self.blocks[i]
+            f.h, f.pre = block.finish(block.ffn.from_slots(ffn_in.x, weights, f.slots), ffn_in)
+            f.halted = f.slots = None
+            self._block_done(f, i)
+            start = i + 1
+        elif f.h is None:
             self._embed(f)
-        for i in self.layers:
+        for i in range(start, self.layers.stop):
             block = self.blocks[i]
             if f.tail_only:
                 keep_from = f.end - a.window_size - (self.layers.stop - 1 - i) * (a.window_size - 1)
@@ -282,11 +295,19 @@ class Transformer:
                 f.h = self.engram[i](f.h, f.lookups[i].wait(), f.mask)
             if i in a.dspark_target_layer_ids:
                 f.taps.append(self.k.stream_mean(f.h))
+            if halt:
+                ffn_in = block.attend(f.h, f.pre, f.chunk)
+                weights, f.route_ids = block.ffn.route(ffn_in.x, f.chunk)
+                f.halted = (i, ffn_in, weights)
+                return
             f.h, f.pre = block.forward(f.h, f.pre, f.chunk)
-            if f.trace is not None:
-                f.trace.setdefault("layer_out", {})[i] = (f.h[:f.n], f.pre[:f.n])
-            if i == a.first_decoder_layer - 1:
-                f.handoff = (f.h[:f.n], f.pre[:f.n])
+            self._block_done(f, i)
+
+    def _block_done(self, f: _Pass, i: int) -> None:
+        if f.trace is not None:
+            f.trace.setdefault("layer_out", {})[i] = (f.h[:f.n], f.pre[:f.n])
+        if i == self.args.first_decoder_layer - 1:
+            f.handoff = (f.h[:f.n], f.pre[:f.n])
 
     def _replay(self, f: _Pass, graphs: Replayer) -> bool:
         """`_layers(f)` as one CUDA graph, when every KV source the layers read holds an entry and the Engram
@@ -296,8 +317,20 @@ class Transformer:
         fixed shape); its outputs: the streams, the hand-off, the DSpark taps. It reads and writes the
         session's state in place -- window rings, the compressors' rings, the sources' and (hashing inside)
         the Engram ids' whole buffers (model/attention.py) -- so its key names them by address; their row
-        counts are set here, outside the graph."""
+        counts are set here, outside the graph.
+
+        With the routed experts in the expert store (host or disk tier) the forward is one graph per layer
+        (`_segment`): each stops after its layer's routing, the host reads the expert ids and loads those
+        experts into the store's device slots (`ExpertStore.slots_for`), and the next graph runs them from
+        the slots and goes on to the next layer's routing. Each layer's arithmetic is the eager forward's, so
+        are the bits; a forward whose picks could exceed the cache runs eagerly."""
         chunk, a, state = f.chunk, self.args, f.chunk.state
+        # routed experts from the expert store: one segment per layer, each stopping after its routing, which
+        # the host reads to load the layer's experts into the store's slots before the next segment runs
+        store = self.expert_store
+        halts = [] if store is None else list(self.layers)
+        if store is not None and not store.holds(min(chunk.rows * a.n_activated_experts, a.n_routed_experts)):
+            return False
         held, counts, phases = [], {}, []
         for i in self.layers:
             attn = self.blocks[i].attn
@@ -328,31 +361,67 @@ class Transformer:
                 staged += [fit_zeros(g.table.view(torch.uint8), g.ids.numel()),
                            fit_zeros(g.scale.view(torch.uint8), g.ids.numel()), g.ids]
         chunk.graphed = True
+        key = ("layers", f.n, tuple(phases), tuple((t.data_ptr(), t.size(0)) for t in held))
+        inputs = [f.ids] if f.h is None else [f.h, f.pre]
+        carried = []
+        for k in range(len(halts) + 1):
+            out = graphs.run((*key, k), self._segment(f, chunk, halts, k, len(staged)), chunk.positions,
+                             *inputs, *staged, *carried)
+            if k == len(halts):
+                break
+            # the routing of layer halts[k], read on the host: its experts loaded into the store's slots
+            inputs = [*out[:6], self.expert_store.slots_for(halts[k], out[6])]
+            carried = out[7:]
+        for rows, count in growing:
+            rows.n = count
+        f.h, f.pre = out[:2]
+        f.handoff = (out[2], out[3]) if out[2].numel() else None
+        f.taps = list(out[7:])
+        return True
+
+    def _segment(self, f: _Pass, chunk: Chunk, halts: list[int], k: int, n_staged: int
+                 ) -> Callable[..., tuple[torch.Tensor, ...]]:
+        """Segment k of a replayed forward (`_replay`) as a function of tensors. Its inputs: the positions; the
+        first segment's token ids (the first range) or streams, a later one's halted layer (its FFN input,
+        routing weights and slots); the staged Engram rows (3 per table); then what a later segment carries:
+        the hand-off, the published index picks and candidate blocks, the Engram hashes (an empty tensor
+        for each one not made yet), and the DSpark taps so far. Its outputs: the halted layer (FFN input,
+        weights, expert ids) or, for the last, the streams; then the carried values."""
+        a = self.args
+        resume = halts[k - 1] if k else None
+        halt = k < len(halts)
 
         def fn(positions: torch.Tensor, *t: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # a chunk of its own: nothing this graph makes is shared with another graph's memory
             local = replace(chunk, positions=positions, _shared={})
             p = _Pass(local, n=f.n)
-            if f.h is None:
-                p.ids, rows = t[0], t[1:]
-                if rows:
-                    p.lookups = {i: Lookup(Gathered(rows[3 * j].view(torch.float8_e4m3fn),
-                                                    rows[3 * j + 1].view(torch.float8_e8m0fnu), rows[3 * j + 2]))
-                                 for j, i in enumerate(self.engram)}
+            t = list(t)
+            if resume is not None:
+                p.halted, p.slots = (resume, FfnInput(*t[:5]), t[5]), t[6]
+                del t[:7]
+            elif f.h is None:
+                p.ids = t.pop(0)
             else:
-                p.h, p.pre = t
-            self._layers(p)
-            return p.h, p.pre, *(p.handoff or ()), *p.taps
+                p.h, p.pre = t.pop(0), t.pop(0)
+            rows, t = t[:n_staged], t[n_staged:]
+            if rows:
+                p.lookups = {i: Lookup(Gathered(rows[3 * j].view(torch.float8_e4m3fn),
+                                                rows[3 * j + 1].view(torch.float8_e8m0fnu), rows[3 * j + 2]))
+                             for j, i in enumerate(self.engram)}
+            if resume is not None:
+                hand_h, hand_pre, local.topk, local.candidates, p.hashes = (x if x.numel() else None for x in t[:5])
+                p.handoff = None if hand_h is None else (hand_h, hand_pre)
+                p.taps = t[5:]
+                if p.hashes is not None:  # resident tables: the lookups from the hashes the first segment made
+                    p.lookups = {i: e.table.request(p.hashes[:, a.engram_layer_ids.index(i)])
+                                 for i, e in self.engram.items()}
+            self._layers(p, halt)
+            core = (*p.halted[1], p.halted[2], p.route_ids) if halt else (p.h, p.pre)
+            empty = positions.new_empty(0)
+            kept = (*(p.handoff or (None, None)), p.chunk.topk, p.chunk.candidates, p.hashes)
+            return *core, *(empty if x is None else x for x in kept), *p.taps
 
-        key = ("layers", f.n, tuple(phases), tuple((t.data_ptr(), t.size(0)) for t in held))
-        out = graphs.run(key, fn, chunk.positions, *((f.ids, *staged) if f.h is None else (f.h, f.pre)))
-        for rows, count in growing:
-            rows.n = count
-        f.h, f.pre = out[:2]
-        hands_off = a.first_decoder_layer - 1 in self.layers
-        f.handoff = out[2:4] if hands_off else None
-        f.taps = list(out[4 if hands_off else 2:])
-        return True
+        return fn
 
 
 def fit_zeros(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -379,3 +448,8 @@ class _Pass:
     mask: torch.Tensor | None = None
     trace: dict | None = None
     tail_only: bool = False
+    # a forward replayed in segments (Transformer._layers): the layer stopped after its routing (its index, its
+    # FFN input, its routing weights), that routing's expert ids, and the ids remapped to the store's slots
+    halted: tuple[int, FfnInput, torch.Tensor] | None = None
+    route_ids: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
