@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 df -h "$(dirname "$dir")" | tail -1
 free -g | head -2
 timeout ${LIMIT:-420} python -m dsflash.cli bench tiers --preset bench --experts 384 --layers 2 --dir "$dir" \
-  --tiers ${TIERS:-gpu,host,disk,engram-host,engram-disk} --lengths 8192,32768 --context 8192 --rows 1,5 --reps 5 --out "$out" 2>&1 \
+  --tiers ${TIERS:-gpu,host,disk,engram-host,engram-disk} --lengths ${LENGTHS:-8192,32768} --context 8192 --rows 1,5 --reps 5 --out "$out" 2>&1 \
   | grep -v -i warn | tail -20
 rc=${PIPESTATUS[0]}
 [ "${KEEP:-0}" = 1 ] || rm -rf "$dir"
