@@ -216,3 +216,26 @@ def test_segmented_steps_with_cached_experts_are_bit_identical_on_cpu(tier):
     assert segments == list(range(layers + 1)) * 4  # every step replayed, one segment per layer and a last
     stats = shaped.model.tier_stats()["experts"]
     assert stats["evictions"] > 0 and stats["misses"] > 0, stats
+
+
+def test_segmented_drafts_with_cached_experts_are_bit_identical_on_cpu():
+    """A DSpark draft the way its CUDA graphs run it with the stages' experts off the device (a graph per
+    stage, the experts loaded between them), uncaptured on the CPU: the eager resident draft's tokens,
+    logits and confidences, with one segment per stage and a last."""
+    eager = load_model(CASE)
+    tiers = Tiers(experts="disk", expert_cache=4 * expert_bytes(Checkpoint(CASE)))
+    model = load_model(CASE, tiers=tiers)
+    graphs = SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False)
+    segments = []
+    run = graphs.run
+    graphs.run = lambda key, fn, *inputs: (segments.append(key[-1]), run(key, fn, *inputs))[1]
+    context = model.args.window_size + 2
+    results = []
+    for m, g in ((eager, None), (model, graphs)):
+        state = SequenceState()
+        out = m.forward(state, IDS[:context])
+        m.dspark.write_context(state, out.main_hidden, torch.arange(context))
+        results.append([m.dspark.draft(state, anchor, graphs=g) for anchor in (5, 17)])
+    for (tokens, logits, confidence), (tokens2, logits2, confidence2) in zip(*results, strict=True):
+        assert tokens == tokens2 and torch.equal(logits, logits2) and torch.equal(confidence, confidence2)
+    assert segments == list(range(model.args.n_mtp_layers + 1)) * 2

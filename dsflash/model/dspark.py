@@ -14,7 +14,7 @@ from dsflash.config import ModelArgs
 from dsflash.kernels.cpu import pad_rows
 from dsflash.model.attention import Attention
 from dsflash.model.common import Chunk, Replayer
-from dsflash.model.mhc import Block, hc_pre
+from dsflash.model.mhc import Block, FfnInput, hc_pre
 from dsflash.model.rope import Rope
 from dsflash.model.state import PositionRing
 from dsflash.model.weights import WeightLoader
@@ -97,8 +97,8 @@ class DSpark:
         """One draft round after the target row at position state.dspark_pos - 1 produced `anchor`.
         Returns ([anchor, d_1..d_B], logits [B, V] with the Markov bias added, raw confidence [B]).
         With `graphs` (the engine's store), once a whole window of context exists the stages and the head
-        replay one CUDA graph per session (keyed by its context rings' addresses; eager when the stages' routed
-        experts are off the device); the Markov chain samples token by token, eagerly."""
+        replay one CUDA graph per session (keyed by its context rings' addresses; one per stage when the stages'
+        routed experts are off the device); the Markov chain samples token by token, eagerly."""
         a = self.args
         b = a.dspark_block_size
         p0 = state.dspark_pos
@@ -107,17 +107,28 @@ class DSpark:
         rows = b + (-b % self.k.row_tile)
         chunk = Chunk(state, torch.arange(p0, p0 + rows, device=dev), b, row_tile=self.k.row_tile, _p0=p0)
         self.stages[0].attn.rope.reserve(p0 + rows, dev)
-        # stages whose experts come from the expert store read their routing on the host: drafted eagerly
-        resident = all(stage.ffn.store is None for stage in self.stages)
-        if (graphs is not None and graphs.begin(rows, tuple(r.rebuilds for r in self.ropes), resident)
+        store = self.stages[0].ffn.store
+        n_experts, topk = a.moe_experts(a.n_layers)
+        fits = store is None or store.holds(min(rows * topk, n_experts))
+        if (graphs is not None and graphs.begin(rows, tuple(r.rebuilds for r in self.ropes), fits)
                 and p0 >= a.window_size):
             rings = [stage.attn.history(state).data for stage in self.stages]
-
-            def fn(positions: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return self._blocks(replace(chunk, positions=positions, _shared={}), ids)
-
             key = ("dspark", b, tuple((t.data_ptr(), t.size(0)) for t in rings))
-            x, logits = (t.clone() for t in graphs.run(key, fn, chunk.positions, ids))
+            # routed experts from the expert store: a graph per stage, each stopping after its routing, the
+            # stage's experts loaded into the store's slots before the next one runs them
+            halts = 0 if store is None else len(self.stages)
+            inputs: tuple[torch.Tensor, ...] = (ids,)
+            for s in range(halts + 1):
+                def fn(positions: torch.Tensor, *t: torch.Tensor, s: int = s) -> tuple[torch.Tensor, ...]:
+                    local = replace(chunk, positions=positions, _shared={})
+                    if s == 0:
+                        return self._blocks(local, t[0], halt=halts > 0)
+                    return self._blocks(local, resume=(s - 1, FfnInput(*t[:5]), t[5], t[6]), halt=s < halts)
+
+                out = graphs.run((*key, s), fn, chunk.positions, *inputs)
+                if s < halts:
+                    inputs = (*out[:6], store.slots_for(a.n_layers + s, out[6]))
+            x, logits = (t.clone() for t in out)
         else:
             x, logits = self._blocks(chunk, ids)
         out, embeds = [anchor], []
@@ -131,14 +142,29 @@ class DSpark:
         confidence = self.k.linear(hidden, self.confidence)[:b, 0]
         return out, logits, confidence
 
-    def _blocks(self, chunk: Chunk, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block rows through the stages, then the final norm (x [rows, D]) and the head (logits [B, V])."""
+    def _blocks(self, chunk: Chunk, ids: torch.Tensor | None = None, *,
+                resume: tuple[int, FfnInput, torch.Tensor, torch.Tensor] | None = None, halt: bool = False
+                ) -> tuple[torch.Tensor, ...]:
+        """The block rows through the stages, then the final norm (x [rows, D]) and the head (logits [B, V]).
+        A draft replayed a stage at a time (routed experts in the expert store): `halt` stops after the next
+        stage's routing and returns its FFN input, routing weights and expert ids; `resume` (the halted stage,
+        its FFN input, weights and the ids remapped to the store's slots) first finishes that stage."""
         a = self.args
-        rows = pad_rows(F.embedding(ids, self.embed), self.k.row_tile)
-        h = rows.unsqueeze(1).repeat(1, a.hc_mult, 1)
-        pre = torch.zeros(rows.size(0), a.hc_mult, device=rows.device)
-        pre[:, 0] = 1.0
-        for block in self.stages:
+        start = 0
+        if resume is None:
+            rows = pad_rows(F.embedding(ids, self.embed), self.k.row_tile)
+            h = rows.unsqueeze(1).repeat(1, a.hc_mult, 1)
+            pre = torch.zeros(rows.size(0), a.hc_mult, device=rows.device)
+            pre[:, 0] = 1.0
+        else:
+            start, ffn_in, weights, slots = resume
+            block = self.stages[start]
+            h, pre = block.finish(block.ffn.from_slots(ffn_in.x, weights, slots), ffn_in)
+            start += 1
+        for block in self.stages[start:]:
+            if halt:
+                ffn_in = block.attend(h, pre, chunk)
+                return (*ffn_in, *block.ffn.route(ffn_in.x, chunk))
             h, pre = block.forward(h, pre, chunk)
         x = self.k.rms_norm(hc_pre(self.k, h, pre), self.norm, a.norm_eps)
         return x, self.k.linear(x.float(), self.head)[: chunk.n]
