@@ -248,20 +248,24 @@ class ExpertStore:
     def slots_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """A short forward's routing ids [rows, k] of `layer` remapped to slots holding its experts, loaded now
         as one group (one host read of the routing). The caller checks `holds(ids.numel())` first."""
+        # one small read-back; the remap is applied on the host, so the step's only device work here is the
+        # slots' upload (and the loads)
+        ids = ids.cpu()
         used = torch.unique(ids).tolist()
         if len(used) > self.slots:
             raise ValueError(f"{len(used)} experts in one group, the cache holds {self.slots}")
-        return self.acquire(layer, used)[ids]
+        return self.acquire(layer, used, on_host=True)[ids].to(self.k.device)
 
     def holds(self, experts: int) -> bool:
         """Whether a forward that routes to up to `experts` distinct experts a layer can load them at once."""
         return experts <= self.slots
 
-    def acquire(self, layer: int, experts: list[int], then: list[int] | None = None, wide: bool = False
-                ) -> torch.Tensor:
+    def acquire(self, layer: int, experts: list[int], then: list[int] | None = None, wide: bool = False,
+                on_host: bool = False) -> torch.Tensor:
         """Make `experts` of `layer` resident and return the remap table, int64 [layer's experts] on the
-        device: the slot of each of them, -1 for the others. `then`: the experts of this layer's next group,
-        read ahead now; a wide call's last group (`then` None) reads the next layer's experts ahead."""
+        device (`on_host`: in host memory): the slot of each of them, -1 for the others. `then`: the experts of
+        this layer's next group, read ahead now; a wide call's last group (`then` None) reads the next layer's
+        experts ahead."""
         t0 = time.perf_counter()
         compute = torch.cuda.current_stream(self.k.device) if self.cuda else None
         need = [(layer, e) for e in experts]
@@ -301,7 +305,7 @@ class ExpertStore:
         remap = torch.full((self.layers[layer].n,), -1, dtype=torch.int64)
         remap[experts] = torch.tensor([self._slot_of[key] for key in need], dtype=torch.int64)
         self.stats.stall_s += time.perf_counter() - t0
-        return remap.to(self.k.device)
+        return remap if on_host else remap.to(self.k.device)
 
     def _victims(self, count: int, keep: set[int]) -> tuple[list[int], bool]:
         """`count` slots to load into: free ones, then the least recently used outside `keep` and the previous
