@@ -94,10 +94,10 @@ def gpu_free(ids: tuple[int, ...]) -> tuple[int, ...]:
 def check_present(ids: tuple[int, ...], why: str = "") -> None:
     """PlacementError naming --gpus when an id is not a CUDA device of this machine."""
     have = _cuda_count()
-    missing = [i for i in ids if i >= have]
+    missing = sorted({i for i in ids if i >= have})
     if missing:
-        raise PlacementError(f"--gpus {','.join(map(str, ids))}: GPU {missing[0]} is not on this machine (it has "
-                             f"{have} CUDA device(s)){' ' + why if why else ''}")
+        raise PlacementError(f"--gpus {','.join(map(str, ids))}: {', '.join(f'GPU {i}' for i in missing)} not on "
+                             f"this machine (it has {have} CUDA device(s)){' ' + why if why else ''}")
 
 
 def gpu_ids(args: argparse.Namespace) -> tuple[int, ...]:
@@ -163,15 +163,18 @@ def checked_plan(command: str, args: argparse.Namespace, model_dir: str | Path, 
     backend = "cuda" if str(getattr(args, "device", "cpu")).startswith("cuda") else "cpu"
     if backend == "cuda":
         ids = gpu_ids(args)
-        check_present(ids)
         if len(ids) != args.pp:
             raise PlacementError(f"--gpus {','.join(map(str, ids))}: {len(ids)} GPU(s) for --pp {args.pp} layer "
                                  f"ranges (one GPU a range; `dsflash plan --gpus {len(ids)}` shows a greedy layout)")
+        check_present(ids)
     placed = plan_from(args, Checkpoint(model_dir), half, backend)
     print(f"dsflash {command}: {placed.table()}", file=sys.stderr)
     problem = placed.problem()
     if problem:
         raise PlacementError(problem)
+    if args.pp != 1 and placed.experts != "gpu":
+        raise PlacementError(f"--pp {args.pp} with the routed experts on {placed.experts}: layer ranges keep the "
+                             "experts on their GPUs in this build (--experts gpu, or --pp 1)")
     return placed
 
 
