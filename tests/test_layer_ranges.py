@@ -1,7 +1,8 @@
 """Layer ranges over devices in one process (`Transformer(ranges=)`, `--pp N --gpus LIST`): each layer's
 weights and state on its range's device, the streams moved at the boundaries, the KV sources read across
 them; bit-identical to one device. On the CPU every range is on `cpu` and the boundaries run the same code
-(copies included); the CUDA tests at the end map the ranges to two GPUs, or to one GPU twice (`--gpus 0,0`)."""
+(copies included); the CUDA tests at the end map the ranges to two GPUs, or to one GPU three times
+(`--gpus 0,0,0`)."""
 
 import json
 import random
@@ -189,6 +190,29 @@ def test_tiny_b_over_four_ranges(tmp_path_factory):
     assert list(decode(y, y.prefill(ids[:30]), 10, SEEDED, stop=set(), dspark=3)) == want
 
 
+def test_split_with_ranges_on_both_sides_equals_one_process(engines):
+    """A real `dsflash box --pp 3` process (the encoder's three layers, one a range) and a back half over two
+    ranges give the single process's logits, steps and DSpark decoding."""
+    from dsflash.split.link import box_half
+    from tests.test_split import BoxProcess, free_port
+
+    box = BoxProcess(free_port(), flags=("--max-context", "4096", "--pp", "3")).start()
+    try:
+        split = Engine.load(CASE, encoder=box_half(f"127.0.0.1:{box.port}"),
+                            ranges=[(range(3, 4), "cpu"), (range(4, 6), "cpu")])
+        assert [len(r.layers) for r in split.decoder.model.ranges] == [1, 2]
+        plain = engines[0]
+        ids = prompt(60, seed=8)
+        a, b = plain.session(), split.session()
+        assert torch.equal(a.prefill(ids, chunk=16), b.prefill(ids, chunk=16))
+        assert torch.equal(a.step(a.pos, [5, 6, 7]), b.step(b.pos, [5, 6, 7]))
+        x, y = plain.session(), split.session()
+        assert list(decode(x, x.prefill(ids), 8, SEEDED, stop=set())) == \
+            list(decode(y, y.prefill(ids), 8, SEEDED, stop=set(), dspark=2))
+    finally:
+        box.kill()
+
+
 def _generate(args: list[str], capsys) -> tuple[int, str, str]:
     code = main(["generate", "--model", str(CASE), "-n", "6", "--json", *args])
     out = capsys.readouterr()
@@ -265,12 +289,12 @@ def test_layer_ranges_on_cuda_are_one_devices_bits(devices):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; run on the GPU machine")
-def test_generate_on_one_gpu_mapped_twice(tmp_path, capsys):
+def test_generate_on_one_gpu_mapped_thrice(tmp_path, capsys):
     prompt_file = Path(tmp_path) / "p.json"
     prompt_file.write_text(json.dumps(prompt(30, seed=9)))
     base = ["--prompt-tokens", str(prompt_file), "--device", "cuda"]
     code, one, _ = _generate(base, capsys)
     assert code == 0
-    code, twice, err = _generate([*base, "--gpus", "0,0", "--pp", "2"], capsys)
-    assert code == 0 and "pp 2 x tp 1 x ep 1" in err
-    assert json.loads(twice)["tokens"] == json.loads(one)["tokens"]
+    code, thrice, err = _generate([*base, "--gpus", "0,0,0", "--pp", "3"], capsys)  # a boundary in each half
+    assert code == 0 and "pp 3 x tp 1 x ep 1" in err
+    assert json.loads(thrice)["tokens"] == json.loads(one)["tokens"]
