@@ -202,10 +202,13 @@ def test_refused_in_a_subprocess_on_garbage_weights(tmp_path):
     assert loaded.returncode == 1 and "holds NaN" in loaded.stderr  # the garbage is found once a tensor is read
 
 
-def test_multi_gpu_run_is_refused_with_the_plan_pointer(tmp_path, capsys):
+def test_runs_this_build_cannot_do_are_refused_with_the_plan_pointer(tmp_path, capsys):
     ckpt = make_checkpoint(TINY_A, 0, tmp_path)
     assert main(["box", "--model", str(ckpt), "--device", "cpu", "--gpus", "2"]) == 2
-    assert "`dsflash plan --gpus 2`" in capsys.readouterr().err
+    assert "--gpus 2: the CPU backend has one device" in capsys.readouterr().err
+    assert main(["box", "--model", str(ckpt), "--device", "cpu", "--tp", "2"]) == 2
+    assert capsys.readouterr().err.strip() == "dsflash box: --tp 2: this build runs one rank per layer range " \
+        "(`dsflash plan --tp 2` shows the per-rank bytes a parallel run would use)"
 
 
 def test_cpu_backend_defaults_to_resident_tiers():
@@ -247,3 +250,119 @@ def test_generate_context_is_the_planned_and_the_engine_limit(tmp_path, capsys):
     # 3 prompt tokens and 4 to generate: 7, refused before any is computed (as the server counts max_tokens)
     assert err.strip().splitlines()[-1] == "dsflash generate: this request needs 7 tokens of context, the model's " \
         "limit is 5"
+
+
+# Parallel layouts: the per-rank bytes are recomputed here from the expected tensors with the rules written out
+# (TP splits these tensors over the ranks; EP gives rank e the experts of ids [e*n/ep, (e+1)*n/ep))
+TP_SPLIT_HERE = (".attn.wq_b.", ".attn.attn_sink", ".attn.wo_a.", ".attn.wo_b.", ".attn.indexer.wq_b.",
+                 ".attn.indexer.weights_proj.", ".shared_experts.", ".experts.")
+GPUS8 = (140 * GiB,) * 8
+
+
+def _routed(name: str) -> bool:
+    return name.startswith("layers.") and ".ffn.experts." in name
+
+
+def test_expert_parallel_gives_each_rank_its_slice_of_experts():
+    stored = _stored(V41)
+    placed = plan(V41, Request(half="all", gpu_memory=GPUS8, host_memory=512 * GiB, ep=8))
+    assert placed.fits and placed.experts == "gpu" and len(placed.gpus) == 8
+    total = sum(n for name, n in stored.items() if _routed(name))
+    per_rank = [g.parts["experts"] for g in placed.gpus]
+    assert per_rank[0] * 8 == total and len(set(per_rank)) == 1
+    for e, g in enumerate(placed.gpus):  # rank e: experts 48e .. 48e+47 of every layer
+        mine = sum(n for name, n in stored.items() if _routed(name) and int(name.split(".")[4]) // 48 == e)
+        assert g.parts["experts"] == mine
+    # the dense weights are replicated: every rank holds all of them (the embedding's second copy apart)
+    dense = sum(n for name, n in stored.items() if name.startswith(("layers.", "norm", "head", "embed"))
+                and not _routed(name) and ".engram.embed." not in name)
+    assert all(g.parts["dense"] == dense for g in placed.gpus)
+
+
+def test_tensor_parallel_splits_heads_columns_and_vocabulary():
+    stored = _stored(V41)
+    box = [name for name in stored if name.startswith("layers.") and int(name.split(".")[1]) < 20]
+    placed = plan(V41, Request(half="box", gpu_memory=(140 * GiB,) * 2, host_memory=512 * GiB, tp=2, engram="host"))
+    g0, g1 = placed.gpus
+    assert g0.parts == g1.parts and placed.fits
+    split = {n for n in box if any(p in n for p in TP_SPLIT_HERE)}
+    routed = sum(stored[n] for n in split if _routed(n))
+    assert g0.parts["experts"] * 2 == routed  # every expert halved along its intermediate columns
+    dense_split = sum(stored[n] for n in split if not _routed(n)) + stored["embed.weight"]  # vocabulary
+    dense_whole = sum(stored[n] for n in box if n not in split and ".engram.embed." not in n)
+    layer20 = sum(stored[n] for n in ("layers.20.attn_norm.weight", "layers.20.attn.indexer.k_norm.weight",
+                                      "layers.20.attn.indexer.wk.weight") if n in stored)
+    layer20 += sum(n for name, n in stored.items() if name.startswith("layers.20.attn.compressor."))
+    # the box's layer-20 cache write is replicated; each rank holds half of every split tensor
+    assert g0.parts["dense"] == dense_split // 2 + dense_whole + layer20
+    one = plan(V41, Request(half="box", gpu_memory=(140 * GiB,), host_memory=512 * GiB, engram="host"))
+    assert g0.parts["dense"] < one.gpus[0].parts["dense"] and g0.parts["state"] == one.gpus[0].parts["state"]
+
+
+def test_layer_ranges_hold_each_stage_once():
+    stored = _stored(V41)
+    placed = plan(V41, Request(half="all", gpu_memory=GPUS8[:4], host_memory=512 * GiB, pp=4, engram="host"))
+    assert [g.layers[0] for g in placed.gpus] == [0, 10, 20, 30] and [len(g.layers) for g in placed.gpus] == [10] * 4
+    totals = placed.totals()
+    assert sum(totals[p] for p in WEIGHT_PARTS) == sum(stored.values())  # nothing replicated with --pp alone
+    for g, first in zip(placed.gpus, (0, 10, 20, 30), strict=True):
+        want = sum(n for name, n in stored.items() if _routed(name) and first <= int(name.split(".")[1]) < first + 10)
+        assert g.parts["experts"] == want
+    assert "vision" in placed.gpus[0].parts and "dspark" in placed.gpus[3].parts
+    assert "dspark" not in placed.gpus[0].parts
+
+
+@pytest.mark.parametrize("flags,line", [
+    ("--pp 3", "--pp 3: the 40 layers 0-39 do not divide into 3 equal ranges"),
+    ("--half back --pp 3", "--pp 3: the 20 layers 20-39 do not divide into 3 equal ranges"),
+    ("--tp 3", "--tp 3: the model's 64 attention heads do not divide by 3"),
+    ("--gpus 16 --tp 16", "--tp 16: the model's 8 output groups (o_groups) do not divide by 16"),
+    ("--gpus 5 --ep 5", "--ep 5: the 384 routed experts of layers.0.ffn.experts do not divide by 5"),
+    ("--gpus 4 --ep 8", "--gpus: 4 GPU(s) for --pp 1 x --tp 1 x --ep 8 = 8 ranks (one GPU a rank)"),
+    ("--gpus 0,0", "--gpus 0,0: a GPU named twice needs a layout (--pp, --tp or --ep) to give each rank its part"),
+])
+def test_layouts_that_do_not_divide_are_refused_naming_the_flag(flags, line, capsys):
+    argv = ["plan", "--preset", "v41-flash", "--gpu-memory", "140GiB", "--host-memory", "512GiB", *flags.split()]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"dsflash plan: {line}"
+
+
+def test_gpus_take_a_count_or_a_list(capsys):
+    base = ["plan", "--preset", "v41-flash", "--gpu-memory", "140GiB", "--host-memory", "512GiB", "--json"]
+    for flags, ids in (("--gpus 3", [0, 1, 2]), ("--gpus 0", [0]), ("--gpus 4,", [4]), ("--gpus 2,5 --pp 2", [2, 5]),
+                       ("--pp 2", [0, 1])):  # without --gpus: one GPU a rank
+        assert main([*base, *flags.split()]) == 0
+        assert [g["name"] for g in json.loads(capsys.readouterr().out)["gpus"]] == [f"GPU {i}" for i in ids]
+    assert main([*base, "--gpus", "2,5,7", "--pp", "4"]) == 2
+    assert "--gpus: 3 GPU(s) for --pp 4 x --tp 1 x --ep 1 = 4 ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--gpus", "0,x"])
+    assert "--gpus: '0,x': expected a GPU count (2) or a list of GPU ids (0,1,2)" in capsys.readouterr().err
+
+
+def test_one_gpu_named_for_two_ranges_holds_both():
+    """`--gpus 0,0 --pp 2`: one GPU column with both stages (its capacity counted once)."""
+    req = dict(half="back", host_memory=512 * GiB, experts="host")
+    twice = plan(V41, Request(gpu_memory=(140 * GiB,) * 2, gpu_ids=(0, 0), pp=2, **req))
+    (g,) = twice.gpus
+    assert g.capacity == 140 * GiB and g.layers == list(range(20, 40))
+    two = plan(V41, Request(gpu_memory=(140 * GiB,) * 2, pp=2, **req))
+    for part in ("dense", "dspark", "state", "workspace", "cache"):
+        assert g.parts[part] == sum(x.parts.get(part, 0) for x in two.gpus)
+
+
+PARALLEL = {
+    "ep8": "--half all --gpus 8 --ep 8 --gpu-memory 140GiB --host-memory 512GiB",
+    "box-tp2": "--half box --gpus 2 --tp 2 --gpu-memory 140GiB --host-memory 256GiB --engram host",
+    "box-ep2": "--half box --gpus 2 --ep 2 --gpu-memory 140GiB --host-memory 256GiB --engram host",
+}
+
+
+@pytest.mark.parametrize("name", list(PARALLEL))
+def test_parallel_layouts_of_the_note_fit(name, capsys):
+    """The layouts docs/placement.md quotes: each fits, every rank holds its stage's layers, the experts on
+    the GPUs."""
+    assert main(["plan", "--preset", "v41-flash", *PARALLEL[name].split(), "--json"]) == 0
+    placed = json.loads(capsys.readouterr().out)
+    assert placed["fits"] and placed["experts"] == "gpu"
+    assert len({json.dumps(g["parts"]) for g in placed["gpus"]}) == 1  # the ranks of one stage alike

@@ -11,7 +11,7 @@ from pathlib import Path
 from dsflash.checkpoint.builtin import builtin_checkpoint
 from dsflash.checkpoint.manifest import verify_weights
 from dsflash.engine.images import ImageSpan
-from dsflash.engine.placement import add_placement_options, checked_plan, tiers_from
+from dsflash.engine.placement import add_placement_options, checked_plan, layer_devices, tiers_from
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.progress import LayerCount, ProgressBar, local_layers
 from dsflash.engine.sampling import SamplingParams
@@ -27,13 +27,15 @@ def run(args: argparse.Namespace) -> int:
         args.model = builtin_checkpoint()
         print(f"dsflash generate: no --model given, using the built-in tiny checkpoint at {args.model}",
               file=sys.stderr)
-    placed = checked_plan("generate", args, args.model, "back" if args.box else "all")
+    half = "back" if args.box else "all"
+    placed = checked_plan("generate", args, args.model, half, runs_ranges=True)
     if args.verify_weights:
         verify_weights(args.model)
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
     loading = LayerCount(local_layers(args.model, args.box is not None), enabled=not args.json)
     engine = Engine.load(args.model, max_context=args.context, encoder=encoder, device=args.device,
-                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed), loaded=loading)
+                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed), loaded=loading,
+                         ranges=layer_devices(args, args.model, half))
     loading.close()
     tokenizer, images = None, []
     if args.image and args.prompt is None:

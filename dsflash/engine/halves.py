@@ -82,7 +82,7 @@ class LocalEncoder:
         types = token_types(len(ids), list(images), keep)
         rows = None
         if images:
-            vision, dev = self.runner.model.vision, self.runner.device
+            vision, dev = self.runner.model.vision, self.runner.model.input_device
             if vision is None:
                 raise ValueError("this model has no vision tower: it takes no images")
             rows = torch.cat([vision.encode(s.image.pixels.to(dev), s.image.n_vit_h, s.image.n_vit_w)[1]

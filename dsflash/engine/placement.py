@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from dsflash.checkpoint.reader import Checkpoint
-from dsflash.config import ModelArgs
-from dsflash.engine.plan import PlacementError, Plan, Request, parse_size, plan
+from dsflash.config import ModelArgs, load_config
+from dsflash.engine.plan import PlacementError, Plan, Request, half_layers, layer_ranges, parse_size, plan
 from dsflash.model.tiers import ENGRAM_CACHE, TIERS, Tiers
 
 MEMINFO = Path("/proc/meminfo")
@@ -24,10 +24,29 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def gpus_arg(text: str) -> int | tuple[int, ...]:
+    """argparse's type for --gpus: a count N (the N GPUs from the command's device on), or a list of GPU ids
+    ("0,1,2"; "3," for one; "0" alone is GPU 0, a count of none being no request). A GPU may be listed twice
+    (`0,0`: two ranks on one GPU)."""
+    parts = [p for p in text.split(",") if p.strip()] if "," in text else [text]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a GPU count (2) or a list of GPU ids (0,1,2)")
+    return tuple(values) if "," in text or values == [0] else values[0]
+
+
 def add_placement_options(parser: argparse.ArgumentParser, context: bool = True) -> None:
     """The shared flags; `context`: also --context (commands with their own --max-context read that)."""
     g = parser.add_argument_group("placement (see `dsflash plan`)")
-    g.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs to place the layers on (default 1)")
+    g.add_argument("--gpus", type=gpus_arg, metavar="N|LIST",
+                   help="the GPUs: a count (the first N from --device's) or ids, e.g. 0,1,2 (default: one a rank)")
+    g.add_argument("--pp", type=int, default=1, metavar="N", help="layer ranges (pipeline stages) over the GPUs")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks per stage (attention by heads, the head by vocabulary)")
+    g.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel ranks per stage (experts by id)")
     g.add_argument("--gpu-memory", type=size_arg, metavar="SIZE",
                    help="memory per GPU, e.g. 140GiB (default: what each device has free)")
     g.add_argument("--host-memory", type=size_arg, metavar="SIZE",
@@ -58,34 +77,56 @@ def host_available() -> int:
     raise PlacementError(f"cannot read MemAvailable from {MEMINFO}: give --host-memory")
 
 
-def gpu_free(n: int, first: int = 0) -> tuple[int, ...]:
-    """Free bytes of CUDA devices first .. first+n-1 (torch.cuda.mem_get_info)."""
+def _cuda_count() -> int:
     import torch
 
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have < first + n:
-        raise PlacementError(f"--gpus {n}: this machine has {have} CUDA device(s) to measure; give --gpu-memory "
-                             "to plan for others")
-    return tuple(torch.cuda.mem_get_info(i)[0] for i in range(first, first + n))
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_free(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Free bytes of the CUDA devices `ids` (torch.cuda.mem_get_info)."""
+    import torch
+
+    check_present(ids, "to measure; give --gpu-memory to plan for others")
+    return tuple(torch.cuda.mem_get_info(i)[0] for i in ids)
+
+
+def check_present(ids: tuple[int, ...], why: str = "") -> None:
+    """PlacementError naming --gpus when an id is not a CUDA device of this machine."""
+    have = _cuda_count()
+    missing = sorted({i for i in ids if i >= have})
+    if missing:
+        raise PlacementError(f"--gpus {','.join(map(str, ids))}: {', '.join(f'GPU {i}' for i in missing)} not on "
+                             f"this machine (it has {have} CUDA device(s)){' ' + why if why else ''}")
+
+
+def gpu_ids(args: argparse.Namespace) -> tuple[int, ...]:
+    """The GPU ids of --gpus: a list as given; a count N the N from the command's device ("cuda:1": from 1 on);
+    not given: one a rank (--pp x --tp x --ep)."""
+    gpus = args.gpus if args.gpus is not None else args.pp * args.tp * args.ep
+    if isinstance(gpus, tuple):
+        return gpus
+    if gpus < 1:
+        raise PlacementError(f"--gpus {gpus}: expected at least 1")
+    first = int(str(getattr(args, "device", None) or "cuda").partition(":")[2] or 0)
+    return tuple(range(first, first + gpus))
 
 
 def request_from(args: argparse.Namespace, model: ModelArgs, half: str, backend: str) -> Request:
     """The plan request of a command's flags (defaults measured on this machine)."""
-    if args.gpus < 1:
-        raise PlacementError(f"--gpus {args.gpus}: expected at least 1")
-    if backend == "cpu" and args.gpus != 1:
+    if backend == "cpu" and args.gpus not in (None, 1):
         raise PlacementError(f"--gpus {args.gpus}: the CPU backend has one device (host memory)")
+    ids = gpu_ids(args) if backend == "cuda" else ()
     host = args.host_memory if args.host_memory is not None else host_available()
     gpus = ()
     if backend == "cuda" and args.gpu_memory is not None:
-        gpus = (args.gpu_memory,) * args.gpus
-    elif backend == "cuda":  # the device the command runs on ("cuda:1": from device 1 on)
-        device = str(getattr(args, "device", None) or "cuda")
-        gpus = gpu_free(args.gpus, int(device.partition(":")[2] or 0))
+        gpus = (args.gpu_memory,) * len(ids)
+    elif backend == "cuda":
+        gpus = gpu_free(ids)
     context = getattr(args, "context", None) or getattr(args, "max_context", None) or model.max_seq_len
     return Request(half=half, backend=backend, gpu_memory=gpus, host_memory=host, engram=args.engram,
                    experts=args.experts, expert_cache=args.expert_cache, engram_cache=args.engram_cache,
-                   context=context, sessions=args.sessions)
+                   context=context, sessions=args.sessions, gpu_ids=ids, pp=args.pp, tp=args.tp, ep=args.ep)
 
 
 def plan_from(args: argparse.Namespace, source: Checkpoint | ModelArgs, half: str = "all",
@@ -105,16 +146,45 @@ def tiers_from(args: argparse.Namespace, placed: Plan | None = None) -> Tiers:
     return Tiers(args.engram or "gpu", args.experts or "gpu", args.expert_cache, args.engram_cache)
 
 
-def checked_plan(command: str, args: argparse.Namespace, model_dir: str | Path, half: str) -> Plan:
+def checked_plan(command: str, args: argparse.Namespace, model_dir: str | Path, half: str,
+                 runs_ranges: bool = False) -> Plan:
     """The plan for a command about to load `half` of the checkpoint at `model_dir`, printed to stderr;
     PlacementError (one line: the shortfall and the flag that fixes it) when it does not fit or when it
-    asks for what this build cannot run yet. Reads headers only."""
-    if args.gpus != 1:
-        raise PlacementError(f"--gpus {args.gpus}: this build runs on one GPU (`dsflash plan --gpus "
-                             f"{args.gpus}` shows the layout a multi-GPU run would use)")
-    placed = plan_from(args, Checkpoint(model_dir), half)
+    asks for what this build cannot run yet (`runs_ranges`: the command runs `--pp` layer ranges in its
+    process; --tp/--ep run in `dsflash plan` only). Reads headers only."""
+    for flag in ("tp", "ep"):
+        n = getattr(args, flag)
+        if n != 1:
+            raise PlacementError(f"--{flag} {n}: this build runs one rank per layer range (`dsflash plan --{flag} "
+                                 f"{n}` shows the per-rank bytes a parallel run would use)")
+    if args.pp != 1 and not runs_ranges:
+        raise PlacementError(f"--pp {args.pp}: dsflash {command} runs its layers on one device (generate and "
+                             "serve run layer ranges)")
+    backend = "cuda" if str(getattr(args, "device", "cpu")).startswith("cuda") else "cpu"
+    if backend == "cuda":
+        ids = gpu_ids(args)
+        if len(ids) != args.pp:
+            raise PlacementError(f"--gpus {','.join(map(str, ids))}: {len(ids)} GPU(s) for --pp {args.pp} layer "
+                                 f"ranges (one GPU a range; `dsflash plan --gpus {len(ids)}` shows a greedy layout)")
+        check_present(ids)
+    placed = plan_from(args, Checkpoint(model_dir), half, backend)
     print(f"dsflash {command}: {placed.table()}", file=sys.stderr)
     problem = placed.problem()
     if problem:
         raise PlacementError(problem)
+    if args.pp != 1 and placed.experts != "gpu":
+        raise PlacementError(f"--pp {args.pp} with the routed experts on {placed.experts}: layer ranges keep the "
+                             "experts on their GPUs in this build (--experts gpu, or --pp 1)")
     return placed
+
+
+def layer_devices(args: argparse.Namespace, model_dir: str | Path, half: str) -> list[tuple[range, str]] | None:
+    """The layer ranges of --pp over the devices of --gpus (model/transformer.py `Transformer(ranges=)`) for
+    `half` of the checkpoint at `model_dir`; None for one range on the command's device. On the CPU backend
+    every range is on `cpu` (the same code, one device)."""
+    if args.pp == 1:
+        return None
+    ranges = layer_ranges(half_layers(load_config(Path(model_dir)), half), args.pp)
+    if not str(getattr(args, "device", "cpu")).startswith("cuda"):
+        return [(r, "cpu") for r in ranges]
+    return [(r, f"cuda:{i}") for r, i in zip(ranges, gpu_ids(args), strict=True)]

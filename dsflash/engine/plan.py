@@ -10,8 +10,15 @@ codes with E8M0 scales; bf16 widened inside its kernels).
 
 The halves of the split (d = args.first_decoder_layer): "box" = embed, Engram, layers [0, d), the vision
 tower and layer d's cache write; "back" = layers [d, n), norm, head, DSpark; "all" = both in one process.
-With several GPUs the layers go to them greedily in order (the plan states the layout; running it is a
-later issue's).
+With several GPUs and no layout flags the layers go to them greedily in order. A parallel layout names
+its ranks: `--pp N` cuts the half's layers into N equal ranges (stages), and each stage runs on `tp x ep`
+ranks (GPUs), rank = (stage * ep + e) * tp + t. Tensor parallelism (`--tp`) splits attention by heads
+(wq_b, the sink, wo_a's groups, wo_b's input rows, the indexer's heads), the shared and routed experts by
+their intermediate columns, and the embedding and head by vocabulary (`TP_SPLIT`); expert parallelism
+(`--ep`) gives rank e the routed experts with ids in its e-th slice; the rest (norms, mHC, routers, the
+LoRA down-projections, compressors, Engram projections, the vision tower) is replicated on every rank of
+its stage, as is the state (MQA: one KV head, which every head's rank reads). Host memory and the disk
+are the machine's: a tier there is counted once, whatever the ranks.
 """
 
 from __future__ import annotations
@@ -89,6 +96,19 @@ class Request:
     engram_cache: int = ENGRAM_CACHE  # host RAM for the disk tier's hot Engram rows
     context: int = 1 << 20
     sessions: int = 1
+    gpu_ids: tuple[int, ...] = ()  # the GPUs' ids, for the table (default 0 .. len(gpu_memory)-1)
+    pp: int = 1  # layer ranges (stages)
+    tp: int = 1  # tensor-parallel ranks per stage
+    ep: int = 1  # expert-parallel ranks per stage
+
+    @property
+    def ranks(self) -> int:
+        return self.pp * self.tp * self.ep
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the request names a layout (else several GPUs are filled greedily in layer order)."""
+        return self.ranks > 1
 
     def __post_init__(self) -> None:
         if self.half not in HALVES:
@@ -96,11 +116,17 @@ class Request:
         for flag, value in (("--engram", self.engram), ("--experts", self.experts)):
             if value is not None and value not in TIERS:
                 raise PlacementError(f"{flag} {value!r}: expected one of {', '.join(TIERS)}")
-        for flag, value in (("--context", self.context), ("--sessions", self.sessions)):
+        for flag, value in (("--context", self.context), ("--sessions", self.sessions), ("--pp", self.pp),
+                            ("--tp", self.tp), ("--ep", self.ep)):
             if value < 1:
                 raise PlacementError(f"{flag} {value}: expected at least 1")
         if self.backend == "cuda" and not self.gpu_memory:
             raise PlacementError("no GPU to plan for: give --gpus and --gpu-memory")
+        if self.gpu_ids and len(self.gpu_ids) != len(self.gpu_memory):
+            raise ValueError(f"{len(self.gpu_ids)} GPU ids for {len(self.gpu_memory)} GPU capacities")
+        if self.backend == "cuda" and self.parallel and len(self.gpu_memory) != self.ranks:
+            raise PlacementError(f"--gpus: {len(self.gpu_memory)} GPU(s) for --pp {self.pp} x --tp {self.tp} x "
+                                 f"--ep {self.ep} = {self.ranks} ranks (one GPU a rank)")
 
 
 @dataclass
@@ -212,6 +238,7 @@ class Plan:
 
         r = self.request
         return {"half": r.half, "backend": r.backend, "context": r.context, "sessions": r.sessions,
+                "pp": r.pp, "tp": r.tp, "ep": r.ep,
                 "engram": self.engram, "experts": self.experts, "fits": self.fits, "problem": self.problem(),
                 "gpus": [dev(g) for g in self.gpus], "host": dev(self.host), "disk": dev(self.disk),
                 "totals": self.totals()}
@@ -223,7 +250,8 @@ class Plan:
         held = self.totals()
         tiers = "; ".join(f"{label} {tier if part in held else '(none in this half)'}" for part, label, tier in
                           (("engram", "engram", self.engram), ("experts", "experts", self.experts)))
-        head = f"plan: half {r.half}, {r.backend}, context {r.context:,} x {r.sessions} session(s); {tiers}"
+        layout = f"pp {r.pp} x tp {r.tp} x ep {r.ep} (per-rank bytes), " if r.parallel else ""
+        head = f"plan: half {r.half}, {r.backend}, {layout}context {r.context:,} x {r.sessions} session(s); {tiers}"
         width = 11
         lines = [head, f"{'':<18}" + "".join(f"{d.name:>{width}}" for d in cols)]
         for part, label in PARTS.items():
@@ -245,13 +273,16 @@ class Plan:
         return "\n".join(lines)
 
 
+def tensor_infos(source: Checkpoint | ModelArgs) -> tuple[ModelArgs, dict[str, tuple[str, tuple[int, ...]]]]:
+    """(config, (dtype, shape) of every tensor), from a checkpoint's headers or a config's expected tensors."""
+    if isinstance(source, Checkpoint):
+        return source.args, {name: source.dtype_shape(name) for name in source.names()}
+    return source, expected_tensors(source)
+
+
 def tensor_sizes(source: Checkpoint | ModelArgs) -> tuple[ModelArgs, dict[str, int]]:
     """(config, stored bytes of every tensor), from a checkpoint's headers or a config's expected tensors."""
-    if isinstance(source, Checkpoint):
-        infos = {name: source.dtype_shape(name) for name in source.names()}
-        args = source.args
-    else:
-        infos, args = expected_tensors(source), source
+    args, infos = tensor_infos(source)
     return args, {name: math.prod(shape) * DTYPE_SIZES[dtype] for name, (dtype, shape) in infos.items()}
 
 
@@ -314,7 +345,7 @@ def state_bytes(args: ModelArgs, half: str, context: int, growth: int = GROWTH) 
     side; the DSpark stages' rings and the session's DSpark input ring on the head side. `growth`: the
     growing buffers' capacity over their rows (1: the rows themselves)."""
     d, ring = args.first_decoder_layer, args.window_size + ROLLBACK_ROWS
-    layers = {"box": range(0, d), "back": range(d, args.n_layers), "all": range(args.n_layers)}[half]
+    layers = half_layers(args, half)
     out: dict[str, int] = {}
 
     def add(key: str, n: int) -> None:
@@ -407,7 +438,8 @@ def _place(args: ModelArgs, sizes: dict[str, int], req: Request, engram: str, ex
     units, host, disk = _units(args, sizes, req, engram, experts)
     cpu = req.backend == "cpu"
     caps = (req.host_memory,) if cpu else req.gpu_memory
-    gpus = [Device("cpu" if cpu else f"GPU {i}", c) for i, c in enumerate(caps)]
+    ids = req.gpu_ids or range(len(caps))
+    gpus = [Device("cpu" if cpu else f"GPU {ids[i]}", c) for i, c in enumerate(caps)]
     cache = 0 if experts == "gpu" else (req.expert_cache or _bank(args, sizes))
     plan = Plan(req, engram, experts, gpus, host, disk, expert_bytes=_largest_expert(sizes))
 
@@ -441,21 +473,163 @@ def _place(args: ModelArgs, sizes: dict[str, int], req: Request, engram: str, ex
 
 
 def plan(source: Checkpoint | ModelArgs, req: Request) -> Plan:
-    """The placement of `req.half` of the model, with its tiers resolved. Defaults: on CUDA, Engram in host
+    """The placement of `req.half` of the model, with its tiers resolved (a parallel layout per rank: the
+    module doc; one that does not divide is refused naming the flag). Defaults: on CUDA, Engram in host
     memory when it fits, else on disk; the routed experts on the GPUs when they fit, else in host memory
     when it fits, else on disk. On the CPU backend both stay resident (in host memory, its device). The
     first choice that fits is returned, the experts' tier chosen before Engram's (a token reads megabytes of
     experts, and a few kilobytes of Engram rows); when none fits, the first one tried (its `problem` says
     which flag to change)."""
-    args, sizes = tensor_sizes(source)
+    args, infos = tensor_infos(source)
+    sizes = {name: math.prod(shape) * DTYPE_SIZES[dtype] for name, (dtype, shape) in infos.items()}
+    if req.parallel:
+        check_layout(args, infos, req)
+    elif len(set(req.gpu_ids)) < len(req.gpu_ids):
+        raise PlacementError(f"--gpus {','.join(map(str, req.gpu_ids))}: a GPU named twice needs a layout "
+                             "(--pp, --tp or --ep) to give each rank its part")
     cpu = req.backend == "cpu"
     engrams = [req.engram] if req.engram else (["gpu"] if cpu else ["host", "disk"])
     experts = [req.experts] if req.experts else (["gpu"] if cpu else ["gpu", "host", "disk"])
     first = None
     for x in experts:
         for e in engrams:
-            tried = _place(args, sizes, req, e, x)
+            tried = (_place_ranks(args, infos, sizes, req, e, x) if req.parallel
+                     else _place(args, sizes, req, e, x))
             if tried.fits:
                 return tried
             first = first or tried
     return first
+
+
+# Tensor parallelism: (the tensors it splits, the dimension split over the --tp ranks). Weights are [out, in]:
+# a split of dim 0 is by output columns (heads, groups, intermediate columns, vocabulary), of dim 1 by input
+# rows; a weight's block scales split with it.
+TP_SPLIT = (
+    (re.compile(r"\.attn\.(wq_b|indexer\.wq_b|indexer\.weights_proj)\.(weight|scale)$"), 0),  # heads
+    (re.compile(r"\.attn\.attn_sink$"), 0),
+    (re.compile(r"\.attn\.wo_a\.weight$"), 0),  # o_groups
+    (re.compile(r"\.attn\.wo_b\.(weight|scale)$"), 1),
+    (re.compile(r"\.(shared_experts|experts\.\d+)\.w[13]\.(weight|scale)$"), 0),
+    (re.compile(r"\.(shared_experts|experts\.\d+)\.w2\.(weight|scale)$"), 1),
+    (re.compile(r"^(embed|head)\.weight$"), 0),  # vocabulary
+    (re.compile(r"\.engram\.embed\.(weight|scale)$"), 1),  # a table on the GPU tier: by row columns
+)
+_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.")
+
+
+def half_layers(args: ModelArgs, half: str) -> range:
+    """The backbone layers a half runs."""
+    d = args.first_decoder_layer
+    return {"box": range(0, d), "back": range(d, args.n_layers), "all": range(args.n_layers)}[half]
+
+
+def layer_ranges(layers: range, pp: int) -> list[range]:
+    """`layers` cut into `pp` equal consecutive ranges (`--pp`); PlacementError when they do not divide."""
+    if pp < 1 or len(layers) % pp:
+        raise PlacementError(f"--pp {pp}: the {len(layers)} layers {layers.start}-{layers.stop - 1} do not divide "
+                             f"into {pp} equal ranges")
+    step = len(layers) // pp
+    return [range(start, start + step) for start in range(layers.start, layers.stop, step)]
+
+
+def _expert_counts(names: list[str]) -> dict[str, int]:
+    """Routed experts per family (a layer's or a DSpark stage's `...ffn.experts`)."""
+    out: dict[str, int] = {}
+    for name in names:
+        m = _EXPERT.match(name)
+        if m:
+            out[m.group(1)] = max(out.get(m.group(1), 0), int(m.group(2)) + 1)
+    return out
+
+
+def check_layout(args: ModelArgs, infos: dict[str, tuple[str, tuple[int, ...]]], req: Request) -> None:
+    """PlacementError naming the flag when the layout does not divide the model: the half's layers by --pp,
+    the attention heads, o_groups, indexer heads, vocabulary and expert columns by --tp, every family of
+    routed experts by --ep."""
+    layer_ranges(half_layers(args, req.half), req.pp)
+    if req.tp > 1:
+        for what, n in (("attention heads", args.n_heads), ("output groups (o_groups)", args.o_groups),
+                        ("indexer heads", args.index_n_heads), ("vocabulary entries", args.vocab_size),
+                        ("expert intermediate columns", args.moe_inter_dim)):
+            if n % req.tp:
+                raise PlacementError(f"--tp {req.tp}: the model's {n} {what} do not divide by {req.tp}")
+    if req.ep > 1:
+        for family, n in _expert_counts(list(infos)).items():
+            if n % req.ep:
+                raise PlacementError(f"--ep {req.ep}: the {n} routed experts of {family} do not divide by {req.ep}")
+
+
+def rank_bytes(name: str, dtype: str, shape: tuple[int, ...], tp: int) -> int:
+    """Stored bytes of the part of tensor `name` one of `tp` tensor-parallel ranks holds (TP_SPLIT; the whole
+    tensor when it is replicated)."""
+    shape = list(shape)
+    for pattern, dim in TP_SPLIT if tp > 1 else ():
+        if pattern.search(name):
+            shape[dim] = -(-shape[dim] // tp)
+            break
+    return math.prod(shape) * DTYPE_SIZES[dtype]
+
+
+def _place_ranks(args: ModelArgs, infos: dict[str, tuple[str, tuple[int, ...]]], sizes: dict[str, int],
+                 req: Request, engram: str, experts: str) -> Plan:
+    """A parallel layout (module doc): each rank's GPU gets its stage's tensors, split or replicated, its
+    stage's state, the workspace and (experts off the GPU) an expert cache for its share of the experts. A
+    GPU named for several ranks (`--gpus 0,0`) holds all of theirs; on the CPU backend every rank is a
+    process of the one host."""
+    cpu = req.backend == "cpu"
+    stages = layer_ranges(half_layers(args, req.half), req.pp)
+    ids = req.gpu_ids or tuple(range(len(req.gpu_memory)))
+    devices: dict[int, Device] = {}
+    if cpu:
+        rank_device = [Device("cpu", req.host_memory)] * req.ranks
+    else:
+        rank_device = [devices.setdefault(ids[r], Device(f"GPU {ids[r]}", req.gpu_memory[r])) for r in range(req.ranks)]
+    gpus = list({id(d): d for d in rank_device}.values())  # each device once, in rank order
+    host, disk = Device("host", req.host_memory), Device("disk", None)
+    tier = {"engram": engram, "experts": experts}
+
+    def stage_of(key: str) -> int:
+        if key == "embed":
+            return 0
+        if key == "head":
+            return req.pp - 1
+        layer = int(key.split(".")[1])
+        return next(s for s, r in enumerate(stages) if layer in r)
+
+    def ranks_of(stage: int, e: int | None = None) -> list[Device]:
+        """The devices of the stage's ranks (of expert slice e only, when given)."""
+        return [rank_device[(stage * req.ep + x) * req.tp + t]
+                for x in (range(req.ep) if e is None else (e,)) for t in range(req.tp)]
+
+    counts = _expert_counts(list(sizes))
+    seen: set[str] = set()
+    for name, key in half_tensors(args, list(sizes), req.half):
+        part = _part_of(name)[0]
+        label = "copies" if name in seen else part
+        seen.add(name)
+        where = tier.get(part, "gpu")
+        if where != "gpu":  # the machine's host memory or disk: the whole tensor, once
+            (host if where == "host" else disk).add(label, sizes[name])
+            continue
+        expert = _EXPERT.match(name)
+        e = int(expert.group(2)) * req.ep // counts[expert.group(1)] if expert else None
+        n = rank_bytes(name, *infos[name], req.tp)
+        for g in ranks_of(stage_of(key), e):
+            g.add(label, n)
+    for key, n in state_bytes(args, req.half, req.context).items():
+        for g in ranks_of(stage_of(key)):
+            g.add("state", n * req.sessions)
+    slot = -(-_largest_expert(sizes) // req.tp)
+    cache = 0 if experts == "gpu" else (req.expert_cache or -(-_bank(args, sizes) // (req.ep * req.tp)))
+    for s, layers in enumerate(stages):
+        for g in ranks_of(s):
+            g.add("workspace", (CPU_WORKSPACE if cpu else GPU_WORKSPACE)
+                  + index_scratch(args, list(layers), req.context, req.backend))
+            g.add("cache", cache)
+            g.layers = sorted({*g.layers, *layers})
+    host.add("reserve", HOST_RESERVE)
+    if "engram" in disk.parts:
+        host.add("rows", req.engram_cache)
+    if cpu:
+        host.capacity = max(0, req.host_memory - gpus[0].used)
+    return Plan(req, engram, experts, gpus, host, disk, expert_bytes=slot)

@@ -44,10 +44,10 @@ class Runner:
             return self.model.forward(state, x, tail_only=tail_only, graphs=self.graphs)
 
     def write_context(self, state: SequenceState, main_hidden: torch.Tensor, positions: torch.Tensor) -> None:
-        with self.lock:
+        with self.lock, self.model.on_head():
             self.model.dspark.write_context(state, main_hidden, positions)
 
     def draft(self, state: SequenceState, anchor: int, sampler: Callable[[torch.Tensor], int] = argmax_sampler
               ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        with self.lock:
+        with self.lock, self.model.on_head():
             return self.model.dspark.draft(state, anchor, sampler, graphs=self.graphs)

@@ -78,15 +78,17 @@ class Engine:
     def load(cls, path: str | Path, max_context: int | None = None,
              encoder: Callable[[Engine], EncoderHalf] | None = None, device: str = "cpu",
              reference: bool = False, cuda_graphs: bool = True, tiers: Tiers = RESIDENT,
-             loaded: Callable[[int], None] | None = None) -> Engine:
+             loaded: Callable[[int], None] | None = None,
+             ranges: Sequence[tuple[range, str]] | None = None) -> Engine:
         """The decoder half from the checkpoint at `path`, and the encoder half from it too, or from
         `encoder(engine)` when given (e.g. `dsflash.split.link.box_half`, a box over TCP). `device`/
         `reference` pick the kernel backend (dsflash.kernels); `cuda_graphs` lets short forwards replay
         captured segments (engine/graphs.py); `tiers` places Engram and the routed experts (model/tiers.py);
-        `loaded(i)` is called after each layer i of either half (a progress bar)."""
+        `loaded(i)` is called after each layer i of either half (a progress bar); `ranges`: layer ranges over
+        devices (model/transformer.py), each half taking its part."""
         def half(name: str) -> Runner:
             return Runner(load_model(path, half=name, device=device, reference=reference, tiers=tiers,
-                                     loaded=loaded), cuda_graphs)
+                                     loaded=loaded, ranges=ranges), cuda_graphs)
 
         decoder = half("decoder")
         engine = cls(decoder, None, max_context or decoder.args.max_seq_len, engine_identity(decoder.model))

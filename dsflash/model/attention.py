@@ -158,7 +158,7 @@ class Indexer:
         a = self.args
         # a graphed forward scores the whole capacity (its shape must not follow the context): the rows past
         # the source's count are past every query's `visible`, so they score -inf and are never picked
-        held = chunk.state.index_keys[source]
+        held = chunk.source(source)[1]
         packed = held.buffer if chunk.graphed else held.rows
         # every index layer reading this source in this chunk scores the same keys: decoded once
         keys = chunk.shared(("index keys", source, packed.size(0)),
@@ -253,10 +253,10 @@ class Attention:
         """An index layer's selection: write this KV source's new compressed entries, pick the chunk's
         compressed rows (chunk.topk) and publish what the attention of this and the following layers reads
         (chunk.picks). A graphed forward reads the sources' whole buffers (shapes fixed by the capacity)."""
-        a, state = self.args, chunk.state
+        a = self.args
         if self.source_writer is not None:
             self.source_writer(x, chunk)
-        if state.compressed[self.kv_source].n == 0:
+        if chunk.source(self.kv_source)[0].n == 0:
             chunk.topk = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64, device=x.device)
         else:
             chunk.topk = self.indexer.select(x, qr, self.kv_source, chunk, self.rope)
@@ -293,7 +293,7 @@ class Attention:
         the picks as indices into those rows). A step picks fewer entries than a long context holds: only
         those are decoded, one row per pick, and a graphed forward always takes this path (its shapes must not
         follow the context). Either way the attention reads the same values in the same order: the same bits."""
-        held, picks = chunk.state.compressed[self.kv_source], chunk.topk
+        held, picks = chunk.source(self.kv_source)[0], chunk.topk
         if held.n == 0 or (picks.numel() >= held.n and not chunk.graphed):
             # the whole source, decoded once for every layer reading it
             rows = chunk.shared(("compressed entries", self.kv_source, held.n),

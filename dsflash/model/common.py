@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from dsflash.model.state import SequenceState
+from dsflash.model.state import GrowingRows, SequenceState
 
 
 def fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -75,8 +75,29 @@ class Chunk:
     picks: tuple[torch.Tensor, torch.Tensor] | None = None
     graphed: bool = False  # the forward replays CUDA graphs: nothing the graphs read may take a context's shape
     row_tile: int = 1  # rows are padded to a multiple of this (see Transformer.forward)
+    # KV sources held on another device than this chunk's (a model over layer ranges): (compressed entries,
+    # index keys) copied to this one when the chunk crossed into its range (`moved`)
+    remote: dict[int, tuple[GrowingRows, GrowingRows]] = field(default_factory=dict)
     _p0: int | None = None
     _shared: dict = field(default_factory=dict)
+
+    def source(self, src: int) -> tuple[GrowingRows, GrowingRows]:
+        """KV source src's (compressed entries, index keys), on this chunk's device."""
+        return self.remote.get(src) or (self.state.compressed[src], self.state.index_keys[src])
+
+    def moved(self, device: torch.device, reads: set[int]) -> Chunk:
+        """The chunk on `device` (the next layer range's): what the layers published so far moved with it,
+        the KV sources in `reads` (written by another range) copied there (exact copies: the same bits; on
+        one device too, so that one GPU, or the CPU, runs the code two devices run). What is made once per
+        chunk is made again there (the same values)."""
+        def to(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        remote = {src: (rows.copy_to(device), self.state.index_keys[src].copy_to(device))
+                  for src in reads if (rows := self.state.compressed.get(src)) is not None}
+        return Chunk(self.state, self.positions.to(device), self.n, self.select, to(self.image_mask), to(self.topk),
+                     to(self.candidates), self.trace, graphed=self.graphed, row_tile=self.row_tile, remote=remote,
+                     _p0=self.p0)
 
     def shared(self, key, make):
         """A value every layer of this chunk would compute alike (ring slots, index layouts), made once."""
@@ -95,7 +116,7 @@ class Chunk:
             return None if t is None else fit_rows(t[k:], rows)
 
         return Chunk(self.state, positions, n, self.select, cut(self.image_mask), cut(self.topk),
-                     cut(self.candidates), self.trace, row_tile=self.row_tile, _p0=start)
+                     cut(self.candidates), self.trace, row_tile=self.row_tile, remote=self.remote, _p0=start)
 
     @property
     def p0(self) -> int:

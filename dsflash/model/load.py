@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dsflash.checkpoint.reader import CheckpointError, open_checkpoint
@@ -50,10 +50,12 @@ def engram_token_map(path: Path, args: ModelArgs) -> list[int]:
 
 
 def load_model(path: str | Path, half: str | None = None, device: str = "cpu", reference: bool = False,
-               tiers: Tiers = RESIDENT, loaded: Callable[[int], None] | None = None) -> Transformer:
+               tiers: Tiers = RESIDENT, loaded: Callable[[int], None] | None = None,
+               ranges: Sequence[tuple[range, str]] | None = None) -> Transformer:
     """The whole model, or one half of the split: "encoder" (embed, Engram, layers [0, d) and layer d's
     cache write) or "decoder" (layers [d, n), head, DSpark), d = the first decoder layer. `loaded(i)`: called
-    after each layer i (a progress bar)."""
+    after each layer i (a progress bar). `ranges`: layer ranges over devices (Transformer), cut to the
+    half's layers."""
     path = Path(path)
     ckpt = open_checkpoint(path)
     args = ckpt.args
@@ -62,5 +64,6 @@ def load_model(path: str | Path, half: str | None = None, device: str = "cpu", r
     token_map = None
     if args.engram_layer_ids and layers.start == 0:
         token_map = engram_token_map(path, args)
+    mine = [(range(max(r.start, layers.start), min(r.stop, layers.stop)), dev) for r, dev in ranges or ()]
     return Transformer(args, ckpt, token_map, layers=layers, device=device, reference=reference, tiers=tiers,
-                       loaded=loaded)
+                       loaded=loaded, ranges=[(r, dev) for r, dev in mine if len(r)] or None)

@@ -57,6 +57,17 @@ class GrowingRows:
     def truncate(self, n: int) -> None:
         self.n = min(self.n, n)
 
+    def move(self, device: torch.device) -> None:
+        """The rows (and spare capacity) onto `device`, when they are elsewhere."""
+        if self._buf.device != device:
+            self._buf = self._buf.to(device)
+
+    def copy_to(self, device: torch.device) -> GrowingRows:
+        """A copy of the n rows on `device` (no spare capacity), for a reader on another device."""
+        out = GrowingRows(tuple(self._buf.shape[1:]), self._buf.dtype, device)
+        out._buf, out.n = self.rows.to(device), self.n
+        return out
+
     @property
     def rows(self) -> torch.Tensor:
         return self._buf[: self.n]
@@ -84,9 +95,16 @@ class PositionRing:
     def read(self, positions: torch.Tensor) -> torch.Tensor:
         return self.data[positions % self.capacity]
 
+    def move(self, device: torch.device) -> None:
+        if self.data.device != device:
+            self.data = self.data.to(device)
+
 
 @dataclass
 class SequenceState:
+    """`device`: where the tables go unless `layers` names another device for their layer (a model over
+    layer ranges on several devices, `SequenceState.place`); the DSpark rings always go there."""
+
     pos: int = 0  # committed tokens
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     window: dict[int, PositionRing] = field(default_factory=dict)
@@ -96,12 +114,29 @@ class SequenceState:
     engram_ids: GrowingRows | None = None
     dspark: dict[int, PositionRing] = field(default_factory=dict)
     dspark_pos: int = 0  # target positions whose DSpark context has been written
+    # the device of each layer's window ring and (a KV source) its compressed rows, index keys and raw ring
+    layers: dict[int, torch.device] = field(default_factory=dict)
 
     def ring(self, table: dict, key: int, window: int, shape: tuple[int, ...], dtype: torch.dtype) -> PositionRing:
         r = table.get(key)
         if r is None:
-            r = table[key] = PositionRing(window + ROLLBACK_ROWS, shape, dtype, self.device)
+            device = self.device if table is self.dspark else self.layers.get(key, self.device)
+            r = table[key] = PositionRing(window + ROLLBACK_ROWS, shape, dtype, device)
         return r
+
+    def place(self, device: torch.device, layers: dict[int, torch.device], tokens: torch.device) -> None:
+        """Each layer's tables on layers[layer] (else `device`), the DSpark rings on `device`, the Engram ids on
+        `tokens`; what is elsewhere (a snapshot decoded onto one device, entries appended before the first
+        forward) moves there. A no-op once placed so."""
+        if self.layers == layers and self.device == device and self.engram_ids.buffer.device == tokens:
+            return
+        self.device, self.layers = device, dict(layers)
+        for table in (self.window, self.raw, self.compressed, self.index_keys):
+            for key, t in table.items():
+                t.move(self.layers.get(key, device))
+        for t in self.dspark.values():
+            t.move(device)
+        self.engram_ids.move(tokens)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -111,7 +146,7 @@ class SequenceState:
     def rows(self, table: dict, key: int, shape: tuple[int, ...], dtype: torch.dtype) -> GrowingRows:
         r = table.get(key)
         if r is None:
-            r = table[key] = GrowingRows(shape, dtype, self.device)
+            r = table[key] = GrowingRows(shape, dtype, self.layers.get(key, self.device))
         return r
 
     def cache_bytes(self) -> int:

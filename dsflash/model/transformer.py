@@ -5,11 +5,19 @@ gives the same bits for a position. The model is built over a layer range so eac
 loads only its part: the encoder (embed, Engram, layers [0, d) and the cache write of layer d, a KV
 source whose input is the hand-off) and the decoder (layers [d, n), head, DSpark), d = the first
 ratio-1 layer (20 in V4.1).
+
+A model can also span several devices in one process (`ranges`: consecutive layer ranges, a device each):
+each layer's weights and its part of the state live on its range's device (`layer_devices`), the streams
+(h, pre, the DSpark taps, what the layers published for the chunk) move at each range boundary, and a KV
+source written in one range is copied to each later range that reads it (sources 2, 8, 14 for the encoder
+layers, 20 for layers 21-39). Copies are exact, so the bits are one device's. A model over several ranges
+runs eagerly (no CUDA graphs): a graph per range is left for when the step time asks for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -17,7 +25,7 @@ import torch.nn.functional as F
 
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ModelArgs
-from dsflash.kernels import load_kernels
+from dsflash.kernels import Kernels, load_kernels
 from dsflash.model.attention import Attention, SourceWriter, source_rows
 from dsflash.model.common import Chunk, Replayer, Selections, fit_rows
 from dsflash.model.dspark import DSpark
@@ -74,42 +82,80 @@ class ForwardOutput:
     first_row: int = 0  # absolute position of row 0 of the outputs (later than the chunk start in tail mode)
 
 
+@dataclass
+class _Range:
+    """Consecutive layers on one device, with that device's kernels and weight loader."""
+
+    layers: range
+    k: Kernels
+    w: WeightLoader
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def on(self) -> contextlib.AbstractContextManager:
+        """The range's CUDA device as the current one (kernels launch on the current device)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+
 class Transformer:
     def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None,
                  device: str | torch.device = "cpu", reference: bool = False, tiers: Tiers = RESIDENT,
-                 loaded: Callable[[int], None] | None = None):
-        """`loaded(i)`, when given, is called after layer i's weights are in place (a command's progress bar)."""
+                 loaded: Callable[[int], None] | None = None,
+                 ranges: Sequence[tuple[range, str | torch.device]] | None = None):
+        """`loaded(i)`, when given, is called after layer i's weights are in place (a command's progress bar).
+        `ranges`: the layers cut into consecutive ranges, each with its device (module doc); they must cover
+        `layers` in order. None: all on `device`. The embedding side (embedding, vision, Engram hashing) sits
+        on the first range's device (`input_device`), the head side (norm, head, DSpark, the next source's
+        cache write) on the last one's (`device`, where the outputs are)."""
         self.args, self.ckpt, self.tiers = args, ckpt, tiers
         self.layers = layers if layers is not None else range(args.n_layers)
-        self.k = load_kernels(device, reference)
-        self.device = self.k.device
+        spans = list(ranges) if ranges else [(self.layers, device)]
+        if [i for r, _ in spans for i in r] != list(self.layers) or not all(len(r) for r, _ in spans):
+            raise ValueError(f"ranges {[(r.start, r.stop) for r, _ in spans]} do not cover layers "
+                             f"{self.layers.start}-{self.layers.stop - 1} in order")
+        if len(spans) > 1 and tiers.experts != "gpu":
+            raise ValueError(f"--experts {tiers.experts} with layer ranges over devices: this build keeps one expert "
+                             "cache per model on one device (--experts gpu, or --pp 1)")
+        kernels = [load_kernels(dev, reference) for _, dev in spans]
+        if len({k.row_tile for k in kernels}) > 1:
+            raise ValueError("layer ranges on backends with different row tiles (CPU and CUDA) in one model")
         # routed experts on the host or disk tier: one store and device cache for every MoE layer here
-        self.expert_store = (ExpertStore(self.k, ckpt, tiers, args) if tiers.experts != "gpu"
+        self.expert_store = (ExpertStore(kernels[0], ckpt, tiers, args) if tiers.experts != "gpu"
                              else None)
-        w = WeightLoader(ckpt, self.k, self.expert_store)
+        self.ranges = [_Range(r, k, WeightLoader(ckpt, k, self.expert_store))
+                       for (r, _), k in zip(spans, kernels, strict=True)]
+        first, last = self.ranges[0], self.ranges[-1]
+        self.k, self.device, self.input_device = last.k, last.device, first.device
+        self.layer_devices = {i: rg.device for rg in self.ranges for i in rg.layers}
+        # RoPE tables are kept per device (model/rope.py): one pair serves every range
         self.ropes = (Rope(args, compressed=False, kernels=self.k), Rope(args, compressed=True, kernels=self.k))
-        self.embed = w.tensor("embed.weight")
+        self.embed = first.w.tensor("embed.weight")
         # the side that embeds tokens (the box in a split) owns the vision tower and the span delimiters
-        self.vision = Vision(args, w) if args.vision_n_layers > 0 and self.layers.start == 0 else None
+        self.vision = Vision(args, first.w) if args.vision_n_layers > 0 and self.layers.start == 0 else None
         self.blocks = {}
         self.engram = {}
         # the disk tier's hot-row cache, shared evenly by this half's tables
         engram_cache = tiers.engram_cache // max(1, sum(i in self.layers for i in args.engram_layer_ids))
-        for i in self.layers:
-            prefix = f"layers.{i}."
-            attn = Attention(args, i, w, prefix + "attn.", self.ropes, writes_source=i != self.layers.start or i == 0)
-            self.blocks[i] = Block(args, i, w, prefix, attn)
-            if i in args.engram_layer_ids:
-                self.engram[i] = Engram(args, w, prefix + "engram.", tiers.engram, engram_cache)
-            if loaded is not None:
-                loaded(i)
+        for rg in self.ranges:
+            for i in rg.layers:
+                prefix = f"layers.{i}."
+                attn = Attention(args, i, rg.w, prefix + "attn.", self.ropes,
+                                 writes_source=i != self.layers.start or i == 0)
+                self.blocks[i] = Block(args, i, rg.w, prefix, attn)
+                if i in args.engram_layer_ids:
+                    self.engram[i] = Engram(args, rg.w, prefix + "engram.", tiers.engram, engram_cache)
+                if loaded is not None:
+                    loaded(i)
+        w = last.w
         # tables off the device: their rows are fetched on the host, so a replayed forward hashes and gathers
         # before its graph (`_replay`), and a prefill fetches the next chunk's rows ahead
         self.engram_staged = any(not e.table.resident for e in self.engram.values())
         self.engram_layout = None
         if self.engram:
             assert token_map is not None, "Engram layers need the compressed token map"
-            self.engram_layout = EngramLayout.build(args, token_map, self.device)
+            self.engram_layout = EngramLayout.build(args, token_map, self.input_device)
         # the encoder side writes the cache of the KV source that starts the next range
         self.next_source = None
         nxt = self.layers.stop
@@ -121,7 +167,17 @@ class Transformer:
         self.head = w.linear("head", widen=True) if self.has_head else None  # fp32 logits
         self.dspark = None
         if self.has_head and args.n_mtp_layers and args.dspark_block_size:
-            self.dspark = DSpark(args, w, self.ropes, self.embed, self.head)
+            # DSpark embeds its drafts on the head's device: a second copy when the first range is elsewhere
+            embed = self.embed if self.input_device == self.device else w.tensor("embed.weight")
+            self.dspark = DSpark(args, w, self.ropes, embed, self.head)
+        # per range: the KV sources its layers read that another range writes (copied in at its entry)
+        self._reads = [{src for i in rg.layers if (src := self.blocks[i].attn.kv_source) is not None
+                        and src not in rg.layers} for rg in self.ranges]
+        # each layer's state on its range's device; the writer of the next range's source (the box's layer d
+        # cache write) and DSpark on the last
+        self._state_devices = dict(self.layer_devices)
+        if self.next_source is not None:
+            self._state_devices[nxt] = self.device
 
     def tier_stats(self) -> dict[str, dict]:
         """What the off-device tiers did so far, by family: "experts" (model/expert_cache.ExpertStats, with its
@@ -136,6 +192,16 @@ class Transformer:
                 total.add(e.table.stats)
             stats["engram"] = asdict(total)
         return stats
+
+    def on_head(self) -> contextlib.AbstractContextManager:
+        """The head side's device as the current CUDA device (DSpark's kernels launch there)."""
+        return self.ranges[-1].on()
+
+    def place(self, state: SequenceState) -> SequenceState:
+        """`state` with this model's devices (SequenceState.place): what a snapshot decoded onto one device, or
+        the hand-off's entries appended before the first forward, moves to its layer's device."""
+        state.place(self.device, self._state_devices, self.input_device)
+        return state
 
     @property
     def rope_epoch(self) -> tuple[int, ...]:
@@ -172,19 +238,23 @@ class Transformer:
         debug = debug or Debug()
         n = x.ids.numel() if isinstance(x, Tokens) else x.h.size(0)
         rows = n + (-n % self.k.row_tile)
-        positions = torch.arange(state.pos, state.pos + rows, device=self.device)
+        self.place(state)
+        positions = torch.arange(state.pos, state.pos + rows, device=self.input_device)
         for rope in self.ropes:  # tail mode re-pads its shrinking row set: at most a tile past the last row
-            rope.reserve(state.pos + n + self.k.row_tile, self.device)
+            for rg in self.ranges:
+                rope.reserve(state.pos + n + self.k.row_tile, rg.device)
         image_mask = self._image_mask(x, n)
         mask = None if image_mask is None else torch.cat([image_mask, image_mask.new_zeros(rows - n)])
         chunk = Chunk(state, positions, n, debug.select, mask, trace=debug.trace, row_tile=self.k.row_tile,
                       _p0=state.pos)
         f = _Pass(chunk, n=n, end=state.pos + n, mask=mask, trace=debug.trace, tail_only=tail_only)
+        dev = self.input_device
         if isinstance(x, Tokens):
-            f.ids, f.token_types, f.image_rows, f.next_ids = x.ids, x.token_types, x.image_rows, x.next_ids
+            f.ids, f.token_types, f.image_rows, f.next_ids = x.ids.to(dev), x.token_types, x.image_rows, x.next_ids
         else:
-            f.h, f.pre = fit_rows(x.h, rows), fit_rows(x.pre_mix, rows)
-        eligible = debug.trace is None and debug.select is None and mask is None and not tail_only
+            f.h, f.pre = fit_rows(x.h.to(dev), rows), fit_rows(x.pre_mix.to(dev), rows)
+        eligible = (debug.trace is None and debug.select is None and mask is None and not tail_only
+                    and len(self.ranges) == 1)
         replayed = graphs is not None and graphs.begin(rows, self.rope_epoch, eligible) and self._replay(f, graphs)
         if not replayed:
             self._layers(f)
@@ -195,14 +265,14 @@ class Transformer:
             handoff = handoff and (handoff[0].clone(), handoff[1].clone())
         taps, chunk, n = f.taps, f.chunk, f.n
         state.pos = end
-        logits = None
-        if self.has_head:
-            y = self.k.rms_norm(hc_pre(self.k, h, pre), self.norm, a.norm_eps)
-            logits = self.k.linear(y.float(), self.head)[:n]
-        entries = None
-        if self.next_source is not None:
-            y = self.k.rms_norm(hc_pre(self.k, h, pre), self.next_attn_norm, a.norm_eps)
-            entries = self.next_source.entries(y, chunk)
+        logits = entries = None
+        with self.on_head():
+            if self.has_head:
+                y = self.k.rms_norm(hc_pre(self.k, h, pre), self.norm, a.norm_eps)
+                logits = self.k.linear(y.float(), self.head)[:n]
+            if self.next_source is not None:
+                y = self.k.rms_norm(hc_pre(self.k, h, pre), self.next_attn_norm, a.norm_eps)
+                entries = self.next_source.entries(y, chunk)
         main_hidden = torch.cat(taps, dim=-1)[:n] if taps else None
         return ForwardOutput(logits, *(handoff or (None, None)), main_hidden, h[:n], pre[:n], entries,
                              chunk.p0)
@@ -212,14 +282,14 @@ class Transformer:
         if isinstance(x, Tokens) != (self.layers.start == 0):
             raise ValueError("the first layer range takes Tokens, a later one the Streams of the range below")
         if isinstance(x, Streams):
-            return None if x.image_mask is None else x.image_mask.to(self.device)
+            return None if x.image_mask is None else x.image_mask.to(self.input_device)
         if x.token_types is None:
             if x.image_rows is not None:
                 raise ValueError("image_rows need token_types")
             return None
         if x.token_types.numel() != n:
             raise ValueError(f"token_types has {x.token_types.numel()} entries for {n} rows")
-        return x.token_types.to(self.device) >= 0
+        return x.token_types.to(self.input_device) >= 0
 
     def _embed(self, f: _Pass) -> None:
         """The first range's input rows: the tokens' embeddings (image spans merged) as `hc_mult` streams,
@@ -230,11 +300,11 @@ class Transformer:
         if f.token_types is not None and bool(chunk.image_mask.any()):
             if self.vision is None:
                 raise ValueError("image spans in the input, but the model has no vision tower")
-            x = torch.cat([self.vision.merge(x[:n], f.token_types.to(self.device), f.image_rows), x[n:]])
+            x = torch.cat([self.vision.merge(x[:n], f.token_types.to(self.input_device), f.image_rows), x[n:]])
         elif f.image_rows is not None and f.image_rows.size(0):
             raise ValueError(f"{f.image_rows.size(0)} image rows given, but the chunk has no IMAGE positions")
         f.h = x.unsqueeze(1).repeat(1, a.hc_mult, 1)
-        f.pre = torch.zeros(chunk.rows, a.hc_mult, device=self.device)
+        f.pre = torch.zeros(chunk.rows, a.hc_mult, device=self.input_device)
         f.pre[:, 0] = 1.0
         if self.engram and f.lookups is None:  # (a graph of staged tables is handed its rows)
             self._engram_lookups(f, ids)
@@ -248,66 +318,84 @@ class Transformer:
         tables also the next chunk's, hashed from the history just committed."""
         a, layout = self.args, self.engram_layout
         f.hashes = layout.hash_ids(f.chunk, ids, a.engram_max_ngram_size)
-        f.lookups = {i: e.table.request(f.hashes[:, a.engram_layer_ids.index(i)]) for i, e in self.engram.items()}
+        # each table gathers on its layer's device
+        f.lookups = {i: e.table.request(f.hashes[:, a.engram_layer_ids.index(i)].to(self.layer_devices[i]))
+                     for i, e in self.engram.items()}
         if f.next_ids is None or not self.engram_staged:
             return
         n = f.next_ids.numel()
         rows = n + (-n % self.k.row_tile)
         start = f.chunk.p0 + f.chunk.n
-        nxt = Chunk(f.chunk.state, torch.arange(start, start + rows, device=self.device), n,
+        nxt = Chunk(f.chunk.state, torch.arange(start, start + rows, device=self.input_device), n,
                     row_tile=self.k.row_tile, _p0=start)
-        hashes = layout.hash_ids(nxt, fit_rows(f.next_ids.to(self.device), rows), a.engram_max_ngram_size,
+        hashes = layout.hash_ids(nxt, fit_rows(f.next_ids.to(self.input_device), rows), a.engram_max_ngram_size,
                                  commit=False)
         for i, e in self.engram.items():
-            e.table.prefetch(hashes[:, a.engram_layer_ids.index(i)])
+            e.table.prefetch(hashes[:, a.engram_layer_ids.index(i)].to(self.layer_devices[i]))
 
     def _layers(self, f: _Pass, halt: bool = False) -> None:
-        """The first range's embedding, then the layers over the pass: Engram before a block, the DSpark
-        taps of its input, the block (mHC around attention and MoE).
+        """The first range's embedding, then the layers over the pass, range by range (each on its device,
+        `_cross` at a boundary): Engram before a block, the DSpark taps of its input, the block (mHC around
+        attention and MoE).
 
-        A forward replayed in segments (`_replay` with the routed experts in the expert store) runs a segment
-        at a time: `halt` stops after the next layer's routing (f.halted, with its expert ids in f.route_ids),
-        and a pass that holds a halted layer first finishes it from the slots its experts were loaded into
-        (f.slots)."""
+        A forward replayed in segments (`_replay` with the routed experts in the expert store; one range) runs
+        a segment at a time: `halt` stops after the next layer's routing (f.halted, with its expert ids in
+        f.route_ids), and a pass that holds a halted layer first finishes it from the slots its experts were
+        loaded into (f.slots)."""
         a = self.args
         start = self.layers.start
-        if f.halted is not None:
-            i, ffn_in, weights = f.halted
-            block = self.blocks[i]
-            f.h, f.pre = block.finish(block.ffn.from_slots(ffn_in.x, weights, f.slots), ffn_in)
-            f.halted = f.slots = None
-            self._block_done(f, i)
-            start = i + 1
-        elif f.h is None:
-            self._embed(f)
-        for i in range(start, self.layers.stop):
-            block = self.blocks[i]
-            if f.tail_only:
-                keep_from = f.end - a.window_size - (self.layers.stop - 1 - i) * (a.window_size - 1)
-                drop = keep_from - f.chunk.p0
-                if drop > 0:
-                    f.chunk = f.chunk.drop_front(drop)
-                    rows = f.chunk.rows
-                    f.h, f.pre = fit_rows(f.h[drop:], rows), fit_rows(f.pre[drop:], rows)
-                    f.taps = [fit_rows(t[drop:], rows) for t in f.taps]
-                    f.n -= drop
-            if i in self.engram:
-                f.h = self.engram[i](f.h, f.lookups[i].wait(), f.mask)
-            if i in a.dspark_target_layer_ids:
-                f.taps.append(self.k.stream_mean(f.h))
-            if halt:
-                ffn_in = block.attend(f.h, f.pre, f.chunk)
-                weights, f.route_ids = block.ffn.route(ffn_in.x, f.chunk)
-                f.halted = (i, ffn_in, weights)
-                return
-            f.h, f.pre = block.forward(f.h, f.pre, f.chunk)
-            self._block_done(f, i)
+        for r, rg in enumerate(self.ranges):
+            with rg.on():
+                if f.halted is not None:
+                    i, ffn_in, weights = f.halted
+                    block = self.blocks[i]
+                    f.h, f.pre = block.finish(block.ffn.from_slots(ffn_in.x, weights, f.slots), ffn_in)
+                    f.halted = f.slots = None
+                    self._block_done(f, i)
+                    start = i + 1
+                elif r:
+                    self._cross(f, r)
+                elif f.h is None:
+                    self._embed(f)
+                for i in rg.layers:
+                    if i < start:
+                        continue
+                    block = self.blocks[i]
+                    if f.tail_only:
+                        keep_from = f.end - a.window_size - (self.layers.stop - 1 - i) * (a.window_size - 1)
+                        drop = keep_from - f.chunk.p0
+                        if drop > 0:
+                            f.chunk = f.chunk.drop_front(drop)
+                            rows = f.chunk.rows
+                            f.h, f.pre = fit_rows(f.h[drop:], rows), fit_rows(f.pre[drop:], rows)
+                            f.taps = [fit_rows(t[drop:], rows) for t in f.taps]
+                            f.n -= drop
+                    if i in self.engram:
+                        f.h = self.engram[i](f.h, f.lookups[i].wait(), f.mask)
+                    if i in a.dspark_target_layer_ids:
+                        f.taps.append(self.k.stream_mean(f.h))
+                    if halt:
+                        ffn_in = block.attend(f.h, f.pre, f.chunk)
+                        weights, f.route_ids = block.ffn.route(ffn_in.x, f.chunk)
+                        f.halted = (i, ffn_in, weights)
+                        return
+                    f.h, f.pre = block.forward(f.h, f.pre, f.chunk)
+                    self._block_done(f, i)
 
     def _block_done(self, f: _Pass, i: int) -> None:
         if f.trace is not None:
             f.trace.setdefault("layer_out", {})[i] = (f.h[:f.n], f.pre[:f.n])
         if i == self.args.first_decoder_layer - 1:
             f.handoff = (f.h[:f.n], f.pre[:f.n])
+
+    def _cross(self, f: _Pass, r: int) -> None:
+        """Into range r: the streams, the DSpark taps so far and the routing mask onto its device, the chunk
+        with the KV sources its layers read from earlier ranges (Chunk.moved)."""
+        dev = self.ranges[r].device
+        f.h, f.pre = f.h.to(dev), f.pre.to(dev)
+        f.taps = [t.to(dev) for t in f.taps]
+        f.mask = None if f.mask is None else f.mask.to(dev)
+        f.chunk = f.chunk.moved(dev, self._reads[r])
 
     def _replay(self, f: _Pass, graphs: Replayer) -> bool:
         """`_layers(f)` as one CUDA graph, when every KV source the layers read holds an entry and the Engram

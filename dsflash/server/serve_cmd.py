@@ -12,7 +12,7 @@ from dsflash.server import MAX_BODY, MAX_QUEUE, REQUEST_TIMEOUT_S, SHUTDOWN_TIME
 
 def run(args: argparse.Namespace) -> int:
     from dsflash.checkpoint.manifest import seeded, verify_weights
-    from dsflash.engine.placement import checked_plan, tiers_from
+    from dsflash.engine.placement import checked_plan, layer_devices, tiers_from
     from dsflash.engine.prefix_cache import PrefixCache
     from dsflash.engine.progress import LayerCount, local_layers
     from dsflash.engine.session import DEFAULT_CHUNK, Engine, default_device
@@ -28,13 +28,15 @@ def run(args: argparse.Namespace) -> int:
         model = builtin_checkpoint()
         print(f"dsflash serve: no --model given, using the built-in tiny checkpoint at {model}", file=sys.stderr)
     args.device = args.device or default_device()
-    placed = checked_plan("serve", args, model, "back" if args.box else "all")  # before any tensor is read
+    half = "back" if args.box else "all"
+    placed = checked_plan("serve", args, model, half, runs_ranges=True)  # before any tensor is read
     if args.verify_weights:
         verify_weights(model)  # damaged or mismatched weights: cli.main says which tensor, serves nothing
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
     loading = LayerCount(local_layers(model, args.box is not None))
     engine = Engine.load(model, max_context=args.max_context, encoder=encoder, device=args.device,
-                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed), loaded=loading)
+                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed), loaded=loading,
+                         ranges=layer_devices(args, model, half))
     loading.close()
     tokenizer = load_tokenizer(model)
     cache = PrefixCache(engine.identity, disk_dir=args.cache_dir) if args.cache_dir else None

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -37,7 +37,7 @@ from dsflash.config import load_config
 from dsflash.engine import snapshot
 from dsflash.engine.halves import LocalEncoder
 from dsflash.engine.images import SpanKey, cache_key, span_keys
-from dsflash.engine.placement import add_placement_options, checked_plan, tiers_from
+from dsflash.engine.placement import add_placement_options, checked_plan, layer_devices, tiers_from
 from dsflash.engine.plan import PlacementError
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.progress import LayerCount
@@ -136,9 +136,11 @@ class Connection:
 class Box:
     def __init__(self, model_path: str | Path, token: str | None = None, cache_dir: str | None = None,
                  max_frame: int = MAX_FRAME, device: str = "cpu", cuda_graphs: bool = True,
-                 limits: Limits = Limits(), tiers: Tiers = RESIDENT, loaded: Callable[[int], None] | None = None):
-        self.model = Runner(load_model(model_path, half="encoder", device=device, tiers=tiers, loaded=loaded),
-                            cuda_graphs)
+                 limits: Limits = Limits(), tiers: Tiers = RESIDENT, loaded: Callable[[int], None] | None = None,
+                 ranges: Sequence[tuple[range, str]] | None = None):
+        """`ranges`: the encoder's layers over devices (model/transformer.py), else all on `device`."""
+        self.model = Runner(load_model(model_path, half="encoder", device=device, tiers=tiers, loaded=loaded,
+                                       ranges=ranges), cuda_graphs)
         self.args = self.model.args
         self.identity = engine_identity(self.model.model)
         self.token = token
@@ -474,12 +476,13 @@ def run(args: argparse.Namespace) -> int:
     limits = Limits(args.max_connections, args.handshake_timeout, args.idle_timeout, args.read_timeout,
                     args.max_sessions, args.max_pending, args.max_context)
     try:
-        placed = checked_plan("box", args, args.model, "box")
+        placed = checked_plan("box", args, args.model, "box", runs_ranges=True)
         if args.verify_weights:
             verify_weights(args.model)
         loading = LayerCount(load_config(Path(args.model)).first_decoder_layer)
         box = Box(args.model, token=args.token, cache_dir=args.cache_dir, device=args.device,
-                  cuda_graphs=not args.eager, limits=limits, tiers=tiers_from(args, placed), loaded=loading)
+                  cuda_graphs=not args.eager, limits=limits, tiers=tiers_from(args, placed), loaded=loading,
+                  ranges=layer_devices(args, args.model, "box"))
         loading.close()
     except (CheckpointError, PlacementError) as e:  # damaged weights or no room: say which, serve nothing
         print(f"dsflash box: {e}", file=sys.stderr)
