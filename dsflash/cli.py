@@ -23,6 +23,7 @@ COMMANDS = [
     "dsflash.checkpoint.make",  # make-checkpoint
     "dsflash.golden.logits_cmd",  # logits
     "dsflash.engine.generate_cmd",  # generate
+    "dsflash.engine.follow_cmd",  # follow (a follower rank of --ep/--tp)
     "dsflash.engine.plan_cmd",  # plan
     "dsflash.server.serve_cmd",  # serve
     "dsflash.server.chat_cmd",  # chat

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dsflash.checkpoint.reader import CheckpointError, open_checkpoint
 from dsflash.config import ModelArgs
+from dsflash.model.parallel import Sharding
 from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.model.transformer import Transformer
 
@@ -50,10 +51,11 @@ def engram_token_map(path: Path, args: ModelArgs) -> list[int]:
 
 
 def load_model(path: str | Path, half: str | None = None, device: str = "cpu", reference: bool = False,
-               tiers: Tiers = RESIDENT, loaded: Callable[[int], None] | None = None) -> Transformer:
+               tiers: Tiers = RESIDENT, loaded: Callable[[int], None] | None = None,
+               parallel: Sharding | None = None) -> Transformer:
     """The whole model, or one half of the split: "encoder" (embed, Engram, layers [0, d) and layer d's
     cache write) or "decoder" (layers [d, n), head, DSpark), d = the first decoder layer. `loaded(i)`: called
-    after each layer i (a progress bar)."""
+    after each layer i (a progress bar). `parallel`: rank 0 of a parallel layout (model/parallel.py)."""
     path = Path(path)
     ckpt = open_checkpoint(path)
     args = ckpt.args
@@ -63,4 +65,4 @@ def load_model(path: str | Path, half: str | None = None, device: str = "cpu", r
     if args.engram_layer_ids and layers.start == 0:
         token_map = engram_token_map(path, args)
     return Transformer(args, ckpt, token_map, layers=layers, device=device, reference=reference, tiers=tiers,
-                       loaded=loaded)
+                       loaded=loaded, parallel=parallel)

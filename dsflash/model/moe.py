@@ -119,9 +119,11 @@ class MoE:
         # disk tier live in the model's expert store instead, run from its device cache of slots
         n = self.n_experts
         self.store = w.experts
+        # expert parallelism: this rank holds a range of the experts, the others theirs (model/parallel.py)
+        self.ep = w.parallel.experts(w, prefix, layer) if w.parallel is not None else None
         if self.store is not None:
             self.store.register(layer, w, f"{prefix}experts.", n)
-        else:
+        elif self.ep is None:
             self.w13 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.{name}") for name in ("w1", "w3")
                                            for e in range(n)])
             self.w2 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.w2") for e in range(n)])
@@ -135,6 +137,8 @@ class MoE:
             traced_weights, traced_ids = self.gate(x, chunk)
             chunk.trace.setdefault("moe_ids", {})[self.layer] = traced_ids[: chunk.n]
             chunk.trace.setdefault("moe_weights", {})[self.layer] = traced_weights[: chunk.n]
+        if self.ep is not None:  # every pair's product from its expert's rank, summed here in ascending id
+            return self.k.moe_sum(self.ep(x, weights, ids), self.shared(x))
         if self.store is not None:
             return self._routed_from_cache(x, weights, ids)
         if x.size(0) <= self.k.slot_moe_rows:

@@ -25,6 +25,7 @@ from dsflash.model.engram import Engram, EngramLayout
 from dsflash.model.engram_tables import Gathered, Lookup, TableStats
 from dsflash.model.expert_cache import ExpertStore
 from dsflash.model.mhc import Block, hc_pre
+from dsflash.model.parallel import Sharding
 from dsflash.model.rope import Rope
 from dsflash.model.state import SequenceState
 from dsflash.model.tiers import RESIDENT, Tiers
@@ -77,16 +78,23 @@ class ForwardOutput:
 class Transformer:
     def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None,
                  device: str | torch.device = "cpu", reference: bool = False, tiers: Tiers = RESIDENT,
-                 loaded: Callable[[int], None] | None = None):
-        """`loaded(i)`, when given, is called after layer i's weights are in place (a command's progress bar)."""
+                 loaded: Callable[[int], None] | None = None, parallel: Sharding | None = None):
+        """`loaded(i)`, when given, is called after layer i's weights are in place (a command's progress bar).
+        `parallel`: rank 0 of an expert or tensor parallel layout (model/parallel.py): this process holds its
+        shards, the group's other ranks theirs."""
         self.args, self.ckpt, self.tiers = args, ckpt, tiers
         self.layers = layers if layers is not None else range(args.n_layers)
         self.k = load_kernels(device, reference)
+        if parallel is not None:
+            if parallel.layout.ep > 1 and tiers.experts != "gpu":
+                raise ValueError(f"--ep {parallel.layout.ep} with --experts {tiers.experts}: expert parallelism "
+                                 "holds each rank's experts resident (--experts gpu)")
+            self.k = parallel.kernels(self.k)
         self.device = self.k.device
         # routed experts on the host or disk tier: one store and device cache for every MoE layer here
         self.expert_store = (ExpertStore(self.k, ckpt, tiers, args) if tiers.experts != "gpu"
                              else None)
-        w = WeightLoader(ckpt, self.k, self.expert_store)
+        w = WeightLoader(ckpt, self.k, self.expert_store, parallel)
         self.ropes = (Rope(args, compressed=False, kernels=self.k), Rope(args, compressed=True, kernels=self.k))
         self.embed = w.tensor("embed.weight")
         # the side that embeds tokens (the box in a split) owns the vision tower and the span delimiters
