@@ -15,7 +15,8 @@ from dsflash.checkpoint.reader import CheckpointError
 from dsflash.config import ConfigError
 from dsflash.engine.plan import PlacementError
 from dsflash.engine.session import ContextLengthError
-from dsflash.split.link import BoxRefused, BoxUnavailable
+from dsflash.parallel.group import Unavailable
+from dsflash.split.link import BoxRefused
 
 # the module of each subcommand, whose `register(subparsers)` adds it
 COMMANDS = [
@@ -80,7 +81,7 @@ def set_threads(n: int | None) -> None:
 
 # what a user can cause (a missing or damaged file, a prompt too long, a box down or refusing, Ctrl-C): said in
 # one line, with a non-zero exit, rather than a traceback
-EXPECTED = (ConfigError, CheckpointError, PlacementError, ContextLengthError, BoxUnavailable, BoxRefused,
+EXPECTED = (ConfigError, CheckpointError, PlacementError, ContextLengthError, Unavailable, BoxRefused,
             FileNotFoundError)
 
 

@@ -14,9 +14,11 @@ from dsflash.engine.images import ImageSpan
 from dsflash.engine.placement import add_placement_options, checked_plan, tiers_from
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.progress import LayerCount, ProgressBar, local_layers
+from dsflash.engine.ranks import follow_torchrun, ranks_from, torchrun_env
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine, default_device
 from dsflash.engine.spec import DecodeStats, decode
+from dsflash.model.parallel import Sharding
 from dsflash.model.vision import preprocess_image
 from dsflash.split.link import box_half
 from dsflash.tokenizer import EOS_ID, load_tokenizer
@@ -27,13 +29,23 @@ def run(args: argparse.Namespace) -> int:
         args.model = builtin_checkpoint()
         print(f"dsflash generate: no --model given, using the built-in tiny checkpoint at {args.model}",
               file=sys.stderr)
+    launched = torchrun_env()
+    if launched is not None and launched.rank > 0:  # torchrun started this rank: it follows rank 0's command
+        return follow_torchrun(args.model, args.device)
+    with ranks_from(args, args.model) as parallel:
+        return generate(args, parallel)
+
+
+def generate(args: argparse.Namespace, parallel: Sharding | None) -> int:
+    """The command on rank 0 (or alone), the model sharded over `parallel` when given."""
     placed = checked_plan("generate", args, args.model, "back" if args.box else "all")
     if args.verify_weights:
         verify_weights(args.model)
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None
     loading = LayerCount(local_layers(args.model, args.box is not None), enabled=not args.json)
     engine = Engine.load(args.model, max_context=args.context, encoder=encoder, device=args.device,
-                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed), loaded=loading)
+                         cuda_graphs=not args.eager, tiers=tiers_from(args, placed), loaded=loading,
+                         parallel=parallel)
     loading.close()
     tokenizer, images = None, []
     if args.image and args.prompt is None:

@@ -6,10 +6,13 @@ torchrun's: rank 0 drives, the others follow, and nothing is started here."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,16 +62,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stopper(procs: list[subprocess.Popen]):
-    def stop() -> None:
-        """The followers this process started: each exits when its control line closes, else is terminated."""
-        for p in procs:
+class Followers:
+    """The follower processes this rank 0 started (none under torchrun); calling it stops them: when `graceful`
+    each exits as its control line closes (terminated if it has not after STOP_WAIT_S), otherwise (a rank was
+    lost: what the others hold is of no use) killed at once -- a stopped process would ignore SIGTERM."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+
+    def __call__(self, graceful: bool = True) -> None:
+        for p in self.procs:
+            if graceful:
+                try:
+                    p.wait(STOP_WAIT_S)
+                    continue
+                except subprocess.TimeoutExpired:
+                    p.terminate()
+            else:
+                p.kill()
             try:
                 p.wait(STOP_WAIT_S)
             except subprocess.TimeoutExpired:
-                p.terminate()
+                p.kill()
                 p.wait()
-    return stop
 
 
 def start_ranks(layout: Layout, model: str | Path, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S
@@ -93,14 +109,12 @@ def start_ranks(layout: Layout, model: str | Path, device: str = "cpu", timeout_
                                    "--port", str(port), "--control-port", str(control_port),
                                    "--device", follower_device(device, r), "--timeout", str(timeout_s)])
                  for r in range(1, layout.world)]
-    stop = _stopper(procs)
+    stop = Followers(procs)
     try:
         group = init_group(0, layout.world, device, timeout_s, *((None, None) if run else (addr, port)))
         controls = accept_controls(listener, layout.world, timeout_s)
     except BaseException:
-        for p in procs:
-            p.terminate()
-        stop()
+        stop(graceful=False)
         raise
     finally:
         listener.close()
@@ -132,3 +146,18 @@ def follow_torchrun(model: str | Path, device: str, timeout_s: float = DEFAULT_T
     local = int(os.environ.get("LOCAL_RANK", run.rank))
     return follow_rank(model, run.rank, run.world, "cpu" if torch.device(device).type == "cpu" else f"cuda:{local}",
                        (run.addr, run.control_port), None, timeout_s)
+
+
+@contextmanager
+def ranks_from(args: argparse.Namespace, model: str | Path) -> Iterator[Sharding | None]:
+    """A command's parallel layout (its --ep/--tp flags): rank 0's Sharding for Engine.load(parallel=), the
+    followers stopped on the way out; None for one rank."""
+    layout = Layout(args.ep, args.tp)
+    if layout.world == 1:
+        yield None
+        return
+    sharding = start_ranks(layout, model, str(getattr(args, "device", "cpu")))
+    try:
+        yield sharding
+    finally:
+        sharding.close()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from dsflash.checkpoint.reader import Checkpoint
+from dsflash.config import ConfigError
 from dsflash.kernels import Kernels
 from dsflash.kernels.cpu import Weight
 from dsflash.model.weights import WeightLoader
@@ -50,9 +51,9 @@ class Layout:
     def __post_init__(self):
         for name in ("ep", "tp"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name} {getattr(self, name)}: expected at least 1")
+                raise ConfigError(f"--{name} {getattr(self, name)}: expected at least 1")
         if self.ep > 1 and self.tp > 1 and self.ep != self.tp:
-            raise ValueError(f"--ep {self.ep} with --tp {self.tp}: both run over the same ranks, give equal counts")
+            raise ConfigError(f"--ep {self.ep} with --tp {self.tp}: both run over the same ranks, give equal counts")
 
     @property
     def world(self) -> int:
@@ -95,7 +96,7 @@ class ExpertShard:
 
     def __init__(self, w: WeightLoader, name: str, n: int, topk: int, limit: float, rank: int, world: int):
         if n < world:
-            raise ValueError(f"{name}: {n} routed experts over {world} ranks; --ep must not exceed the expert count")
+            raise ConfigError(f"--ep {world}: {name} has {n} routed experts; --ep must not exceed the expert count")
         self.k, self.topk, self.limit, self.rank, self.world = w.k, topk, limit, rank, world
         self.experts = expert_range(n, world, rank)
         self.bounds = torch.tensor([expert_range(n, world, r).start for r in range(1, world)], device=w.k.device)
@@ -169,9 +170,9 @@ class Sharding:
     operation over the group. Once a rank is lost every later call raises `RankLost`."""
 
     def __init__(self, layout: Layout, group: Group, controls: Sequence[Control],
-                 stop_followers: Callable[[], None] = lambda: None):
+                 stop_followers: Callable[[bool], None] = lambda graceful: None):
         self.layout, self.group, self.controls = layout, group, list(controls)
-        self.stop_followers = stop_followers
+        self.stop_followers = stop_followers  # (graceful) -> None: the processes rank 0 started, if any
         self.shards: dict[str, Shard] = {}
 
     def _load(self, spec: dict, w: WeightLoader) -> Shard:
@@ -226,6 +227,8 @@ class Sharding:
         return shard.combine(parts, *inputs)
 
     def _send(self, msg: dict) -> None:
+        if self.group.lost is not None:
+            raise RankLost(f"the rank group is down ({self.group.lost})")
         for control in self.controls:
             self._guard(lambda c=control: c.send(msg))
 
@@ -242,13 +245,13 @@ class Sharding:
             self.group.lost = "a rank was lost"
         for control in self.controls:
             control.close()
-        self.stop_followers()
+        self.stop_followers(False)
 
     def close(self) -> None:
         """Followers see their control line close and exit; then the group is taken down."""
         for control in self.controls:
             control.close()
-        self.stop_followers()
+        self.stop_followers(self.group.lost is None)
         self.group.close()
 
 

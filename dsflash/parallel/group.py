@@ -76,6 +76,8 @@ def init_group(rank: int, world: int, device: str | torch.device, timeout_s: flo
     environment); every collective (and the join itself) gives up after `timeout_s`."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank}: expected 0 <= rank < world size {world}")
+    if dist.is_initialized():  # torch.distributed holds one default group a process
+        raise RuntimeError("this process already belongs to a rank group (one parallel layout a process)")
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
