@@ -14,7 +14,7 @@ from dsflash.engine.images import ImageSpan
 from dsflash.engine.placement import add_placement_options, checked_plan, tiers_from
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.progress import LayerCount, ProgressBar, local_layers
-from dsflash.engine.ranks import follow_torchrun, ranks_from, torchrun_env
+from dsflash.engine.ranks import run_ranked
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine, default_device
 from dsflash.engine.spec import DecodeStats, decode
@@ -29,11 +29,7 @@ def run(args: argparse.Namespace) -> int:
         args.model = builtin_checkpoint()
         print(f"dsflash generate: no --model given, using the built-in tiny checkpoint at {args.model}",
               file=sys.stderr)
-    launched = torchrun_env()
-    if launched is not None and launched.rank > 0:  # torchrun started this rank: it follows rank 0's command
-        return follow_torchrun(args.model, args.device)
-    with ranks_from(args, args.model) as parallel:
-        return generate(args, parallel)
+    return run_ranked(args, args.model, lambda parallel: generate(args, parallel))
 
 
 def generate(args: argparse.Namespace, parallel: Sharding | None) -> int:

@@ -11,8 +11,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,16 +147,19 @@ def follow_torchrun(model: str | Path, device: str, timeout_s: float = DEFAULT_T
                        (run.addr, run.control_port), None, timeout_s)
 
 
-@contextmanager
-def ranks_from(args: argparse.Namespace, model: str | Path) -> Iterator[Sharding | None]:
-    """A command's parallel layout (its --ep/--tp flags): rank 0's Sharding for Engine.load(parallel=), the
-    followers stopped on the way out; None for one rank."""
+def run_ranked(args: argparse.Namespace, model: str | Path, command: Callable[[Sharding | None], int]) -> int:
+    """A command under its --ep/--tp flags: `command(parallel)` on rank 0 (or alone: None), the model to be
+    loaded with Engine.load(parallel=...), the followers started before it and stopped after it; a torchrun
+    rank above 0 follows rank 0's command instead."""
+    device = str(getattr(args, "device", None) or "cpu")
+    launched = torchrun_env()
+    if launched is not None and launched.rank > 0:
+        return follow_torchrun(model, device)
     layout = Layout(args.ep, args.tp)
     if layout.world == 1:
-        yield None
-        return
-    sharding = start_ranks(layout, model, str(getattr(args, "device", "cpu")))
+        return command(None)
+    sharding = start_ranks(layout, model, device)
     try:
-        yield sharding
+        return command(sharding)
     finally:
         sharding.close()

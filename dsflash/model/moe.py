@@ -91,6 +91,18 @@ def by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return weights.gather(1, order), ids
 
 
+def pair_products(k: Kernels, x: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor, entries: torch.Tensor,
+                  w13, w2, n: int, topk: int, limit: float) -> torch.Tensor:
+    """The routed products of some (row, pick) pairs, one row per pair: `pairs` index the flattened picks of
+    x's rows (topk a row), `entries` their bank entries (w13 holding w1 at entry i and w3 at n + i), `weights`
+    [N, topk] the routing weights, applied before w2. bf16 [pairs, D]; a pair's bits do not depend on the
+    others in the call (kernels/cpu.py on batch invariance)."""
+    gate_up = k.expert_linear(x[pairs // topk], w13, torch.stack([entries, entries + n], 1), 2)
+    gate_up = gate_up.view(pairs.numel(), 2, -1)
+    h = k.swiglu(gate_up[:, 0], gate_up[:, 1], limit, weights.flatten()[pairs, None])
+    return k.expert_linear(h, w2, entries, 1)
+
+
 class Expert:
     def __init__(self, k: Kernels, w1: Weight, w2: Weight, w3: Weight, swiglu_limit: float):
         self.k = k

@@ -30,6 +30,7 @@ from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ConfigError
 from dsflash.kernels import Kernels
 from dsflash.kernels.cpu import Weight
+from dsflash.model.moe import pair_products
 from dsflash.model.weights import WeightLoader
 from dsflash.numerics import BLOCK
 from dsflash.parallel.group import Control, Group, RankLost
@@ -113,12 +114,9 @@ class ExpertShard:
         width = int(torch.bincount(owners, minlength=self.world).max())
         pairs = torch.nonzero(owners == self.rank).flatten()
         out = x.new_zeros(width, self.dim)
-        if pairs.numel():  # one row per pair, gate and up in one call, the routing weight before w2
-            s = ids.flatten()[pairs] - self.experts.start
-            gate_up = self.k.expert_linear(x[pairs // self.topk], self.w13, torch.stack([s, s + len(self.experts)], 1),
-                                           2).view(pairs.numel(), 2, -1)
-            h = self.k.swiglu(gate_up[:, 0], gate_up[:, 1], self.limit, weights.flatten()[pairs, None])
-            out[: pairs.numel()] = self.k.expert_linear(h, self.w2, s, 1)
+        if pairs.numel():
+            out[: pairs.numel()] = pair_products(self.k, x, weights, pairs, ids.flatten()[pairs] - self.experts.start,
+                                                 self.w13, self.w2, len(self.experts), self.topk, self.limit)
         return out
 
     def combine(self, parts: list[torch.Tensor], x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
