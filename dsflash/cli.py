@@ -15,7 +15,8 @@ from dsflash.checkpoint.reader import CheckpointError
 from dsflash.config import ConfigError
 from dsflash.engine.plan import PlacementError
 from dsflash.engine.session import ContextLengthError
-from dsflash.split.link import BoxRefused, BoxUnavailable
+from dsflash.parallel.group import Unavailable
+from dsflash.split.link import BoxRefused
 
 # the module of each subcommand, whose `register(subparsers)` adds it
 COMMANDS = [
@@ -23,6 +24,7 @@ COMMANDS = [
     "dsflash.checkpoint.make",  # make-checkpoint
     "dsflash.golden.logits_cmd",  # logits
     "dsflash.engine.generate_cmd",  # generate
+    "dsflash.engine.follow_cmd",  # follow (a follower rank of --ep/--tp)
     "dsflash.engine.plan_cmd",  # plan
     "dsflash.server.serve_cmd",  # serve
     "dsflash.server.chat_cmd",  # chat
@@ -79,7 +81,7 @@ def set_threads(n: int | None) -> None:
 
 # what a user can cause (a missing or damaged file, a prompt too long, a box down or refusing, Ctrl-C): said in
 # one line, with a non-zero exit, rather than a traceback
-EXPECTED = (ConfigError, CheckpointError, PlacementError, ContextLengthError, BoxUnavailable, BoxRefused,
+EXPECTED = (ConfigError, CheckpointError, PlacementError, ContextLengthError, Unavailable, BoxRefused,
             FileNotFoundError)
 
 

@@ -12,7 +12,7 @@ LAYERS = (
     ("dsflash.numerics", "dsflash.tokens"),
     ("dsflash.config",),
     ("dsflash.tokenizer", "dsflash.checkpoint"),
-    ("dsflash.kernels",),
+    ("dsflash.kernels", "dsflash.parallel"),  # the process group beside the kernels: the model's collectives
     ("dsflash.model",),
     ("dsflash.engine",),
     ("dsflash.golden",),

@@ -14,9 +14,11 @@ from dsflash.engine.images import ImageSpan
 from dsflash.engine.placement import add_placement_options, checked_plan, layer_devices, tiers_from
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.progress import LayerCount, ProgressBar, local_layers
+from dsflash.engine.ranks import run_ranked
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine, default_device
 from dsflash.engine.spec import DecodeStats, decode
+from dsflash.model.parallel import Sharding
 from dsflash.model.vision import preprocess_image
 from dsflash.split.link import box_half
 from dsflash.tokenizer import EOS_ID, load_tokenizer
@@ -27,6 +29,11 @@ def run(args: argparse.Namespace) -> int:
         args.model = builtin_checkpoint()
         print(f"dsflash generate: no --model given, using the built-in tiny checkpoint at {args.model}",
               file=sys.stderr)
+    return run_ranked(args, args.model, lambda parallel: generate(args, parallel))
+
+
+def generate(args: argparse.Namespace, parallel: Sharding | None) -> int:
+    """The command on rank 0 (or alone), the model sharded over `parallel` when given."""
     half = "back" if args.box else "all"
     placed = checked_plan("generate", args, args.model, half, runs_ranges=True)
     if args.verify_weights:
@@ -35,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     loading = LayerCount(local_layers(args.model, args.box is not None), enabled=not args.json)
     engine = Engine.load(args.model, max_context=args.context, encoder=encoder, device=args.device,
                          cuda_graphs=not args.eager, tiers=tiers_from(args, placed), loaded=loading,
-                         ranges=layer_devices(args, args.model, half))
+                         ranges=layer_devices(args, args.model, half), parallel=parallel)
     loading.close()
     tokenizer, images = None, []
     if args.image and args.prompt is None:

@@ -64,6 +64,10 @@ def add_placement_options(parser: argparse.ArgumentParser, context: bool = True)
     if context:
         g.add_argument("--context", type=int, metavar="N", help="tokens per session to hold (default: the model's)")
     g.add_argument("--sessions", type=int, default=1, metavar="N", help="sessions held at once (default 1)")
+    g.add_argument("--ep", type=int, default=1, metavar="N", help="expert parallelism: N ranks share the routed "
+                   "experts, one process each, started by this command (docs/parallel.md)")
+    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallelism: N ranks share the "
+                   "column-parallel linears and the head (docs/parallel.md)")
 
 
 def host_available() -> int:

@@ -28,6 +28,7 @@ from dsflash.engine.runner import Runner
 from dsflash.model.attention import append_entries
 from dsflash.model.dspark import argmax_sampler
 from dsflash.model.load import load_model
+from dsflash.model.parallel import Sharding
 from dsflash.model.state import ROLLBACK_ROWS, PositionRing, SequenceState
 from dsflash.model.tiers import RESIDENT, Tiers, sum_stats
 from dsflash.model.transformer import Streams, Transformer
@@ -79,20 +80,25 @@ class Engine:
              encoder: Callable[[Engine], EncoderHalf] | None = None, device: str = "cpu",
              reference: bool = False, cuda_graphs: bool = True, tiers: Tiers = RESIDENT,
              loaded: Callable[[int], None] | None = None,
-             ranges: Sequence[tuple[range, str]] | None = None) -> Engine:
+             ranges: Sequence[tuple[range, str]] | None = None, parallel: Sharding | None = None) -> Engine:
         """The decoder half from the checkpoint at `path`, and the encoder half from it too, or from
         `encoder(engine)` when given (e.g. `dsflash.split.link.box_half`, a box over TCP). `device`/
         `reference` pick the kernel backend (dsflash.kernels); `cuda_graphs` lets short forwards replay
         captured segments (engine/graphs.py); `tiers` places Engram and the routed experts (model/tiers.py);
         `loaded(i)` is called after each layer i of either half (a progress bar); `ranges`: layer ranges over
-        devices (model/transformer.py), each half taking its part."""
+        devices (model/transformer.py), each half taking its part. `parallel`: rank 0 of an expert or tensor
+        parallel layout (engine/ranks.start_ranks), over which the halves here are sharded; their forwards run
+        eagerly (the collectives are not captured in graphs)."""
         def half(name: str) -> Runner:
             return Runner(load_model(path, half=name, device=device, reference=reference, tiers=tiers,
-                                     loaded=loaded, ranges=ranges), cuda_graphs)
+                                     loaded=loaded, ranges=ranges, parallel=parallel),
+                          cuda_graphs and parallel is None)
 
         decoder = half("decoder")
         engine = cls(decoder, None, max_context or decoder.args.max_seq_len, engine_identity(decoder.model))
         engine.encoder = encoder(engine) if encoder is not None else LocalHalf(half("encoder"))
+        if parallel is not None:
+            parallel.ready()
         return engine
 
     @property

@@ -59,6 +59,9 @@ class Weight:
     kind: str
     values: torch.Tensor
     scale: torch.Tensor | None = None
+    # the output count whose K ranges (quant.k_range_blocks) an FP8/FP4 GEMM sums by: a tensor-parallel shard
+    # keeps its whole weight's, so each output is the one-device sum (None: this weight's own count)
+    k_range_out = None
 
     @property
     def out_features(self) -> int:
@@ -115,7 +118,7 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, w: Weight) -> torch.T
     )  # [nb, m, n]
     scaled = partial * a_s.t().unsqueeze(-1) * w.scale.t().unsqueeze(1)
     acc = torch.zeros(m, w.out_features, dtype=torch.float32, device=a.device)
-    per = k_range_blocks(w.out_features, nb)
+    per = k_range_blocks(w.k_range_out or w.out_features, nb)
     for start in range(0, nb, per):
         total = torch.zeros_like(acc)
         for kb in range(start, min(start + per, nb)):

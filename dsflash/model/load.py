@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dsflash.checkpoint.reader import CheckpointError, open_checkpoint
 from dsflash.config import ModelArgs
+from dsflash.model.parallel import Sharding
 from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.model.transformer import Transformer
 
@@ -51,11 +52,11 @@ def engram_token_map(path: Path, args: ModelArgs) -> list[int]:
 
 def load_model(path: str | Path, half: str | None = None, device: str = "cpu", reference: bool = False,
                tiers: Tiers = RESIDENT, loaded: Callable[[int], None] | None = None,
-               ranges: Sequence[tuple[range, str]] | None = None) -> Transformer:
+               ranges: Sequence[tuple[range, str]] | None = None, parallel: Sharding | None = None) -> Transformer:
     """The whole model, or one half of the split: "encoder" (embed, Engram, layers [0, d) and layer d's
     cache write) or "decoder" (layers [d, n), head, DSpark), d = the first decoder layer. `loaded(i)`: called
     after each layer i (a progress bar). `ranges`: layer ranges over devices (Transformer), cut to the
-    half's layers."""
+    half's layers. `parallel`: rank 0 of a parallel layout (model/parallel.py)."""
     path = Path(path)
     ckpt = open_checkpoint(path)
     args = ckpt.args
@@ -66,4 +67,4 @@ def load_model(path: str | Path, half: str | None = None, device: str = "cpu", r
         token_map = engram_token_map(path, args)
     mine = [(range(max(r.start, layers.start), min(r.stop, layers.stop)), dev) for r, dev in ranges or ()]
     return Transformer(args, ckpt, token_map, layers=layers, device=device, reference=reference, tiers=tiers,
-                       loaded=loaded, ranges=[(r, dev) for r, dev in mine if len(r)] or None)
+                       loaded=loaded, ranges=[(r, dev) for r, dev in mine if len(r)] or None, parallel=parallel)

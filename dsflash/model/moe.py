@@ -91,6 +91,18 @@ def by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return weights.gather(1, order), ids
 
 
+def pair_products(k: Kernels, x: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor, entries: torch.Tensor,
+                  w13, w2, n: int, topk: int, limit: float) -> torch.Tensor:
+    """The routed products of some (row, pick) pairs, one row per pair: `pairs` index the flattened picks of
+    x's rows (topk a row), `entries` their bank entries (w13 holding w1 at entry i and w3 at n + i), `weights`
+    [N, topk] the routing weights, applied before w2. bf16 [pairs, D]; a pair's bits do not depend on the
+    others in the call (kernels/cpu.py on batch invariance)."""
+    gate_up = k.expert_linear(x[pairs // topk], w13, torch.stack([entries, entries + n], 1), 2)
+    gate_up = gate_up.view(pairs.numel(), 2, -1)
+    h = k.swiglu(gate_up[:, 0], gate_up[:, 1], limit, weights.flatten()[pairs, None])
+    return k.expert_linear(h, w2, entries, 1)
+
+
 class Expert:
     def __init__(self, k: Kernels, w1: Weight, w2: Weight, w3: Weight, swiglu_limit: float):
         self.k = k
@@ -119,9 +131,11 @@ class MoE:
         # disk tier live in the model's expert store instead, run from its device cache of slots
         n = self.n_experts
         self.store = w.experts
+        # expert parallelism: this rank holds a range of the experts, the others theirs (model/parallel.py)
+        self.ep = w.parallel.experts(w, prefix, layer) if w.parallel is not None else None
         if self.store is not None:
             self.store.register(layer, w, f"{prefix}experts.", n)
-        else:
+        elif self.ep is None:
             self.w13 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.{name}") for name in ("w1", "w3")
                                            for e in range(n)])
             self.w2 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.w2") for e in range(n)])
@@ -135,6 +149,8 @@ class MoE:
             traced_weights, traced_ids = self.gate(x, chunk)
             chunk.trace.setdefault("moe_ids", {})[self.layer] = traced_ids[: chunk.n]
             chunk.trace.setdefault("moe_weights", {})[self.layer] = traced_weights[: chunk.n]
+        if self.ep is not None:  # every pair's product from its expert's rank, summed here in ascending id
+            return self.k.moe_sum(self.ep(x, weights, ids), self.shared(x))
         if self.store is not None:
             return self._routed_from_cache(x, weights, ids)
         if x.size(0) <= self.k.slot_moe_rows:

@@ -33,6 +33,7 @@ from dsflash.model.engram import Engram, EngramLayout
 from dsflash.model.engram_tables import Gathered, Lookup, TableStats
 from dsflash.model.expert_cache import ExpertStore
 from dsflash.model.mhc import Block, FfnInput, hc_pre
+from dsflash.model.parallel import Sharding
 from dsflash.model.rope import Rope
 from dsflash.model.state import SequenceState
 from dsflash.model.tiers import RESIDENT, Tiers
@@ -103,12 +104,14 @@ class Transformer:
     def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None,
                  device: str | torch.device = "cpu", reference: bool = False, tiers: Tiers = RESIDENT,
                  loaded: Callable[[int], None] | None = None,
-                 ranges: Sequence[tuple[range, str | torch.device]] | None = None):
+                 ranges: Sequence[tuple[range, str | torch.device]] | None = None, parallel: Sharding | None = None):
         """`loaded(i)`, when given, is called after layer i's weights are in place (a command's progress bar).
         `ranges`: the layers cut into consecutive ranges, each with its device (module doc); they must cover
         `layers` in order. None: all on `device`. The embedding side (embedding, vision, Engram hashing) sits
         on the first range's device (`input_device`), the head side (norm, head, DSpark, the next source's
-        cache write) on the last one's (`device`, where the outputs are)."""
+        cache write) on the last one's (`device`, where the outputs are). `parallel`: rank 0 of an expert or
+        tensor parallel layout (model/parallel.py): this process holds its shards, the group's other ranks
+        theirs."""
         self.args, self.ckpt, self.tiers = args, ckpt, tiers
         self.layers = layers if layers is not None else range(args.n_layers)
         spans = list(ranges) if ranges else [(self.layers, device)]
@@ -121,10 +124,18 @@ class Transformer:
         kernels = [load_kernels(dev, reference) for _, dev in spans]
         if len({k.row_tile for k in kernels}) > 1:
             raise ValueError("layer ranges on backends with different row tiles (CPU and CUDA) in one model")
+        if parallel is not None:
+            if len(spans) > 1:
+                raise ValueError("--pp with --ep or --tp: layer ranges and a parallel layout in one half are not "
+                                 "combined in this build")
+            if parallel.layout.ep > 1 and tiers.experts != "gpu":
+                raise ValueError(f"--ep {parallel.layout.ep} with --experts {tiers.experts}: expert parallelism "
+                                 "holds each rank's experts resident (--experts gpu)")
+            kernels = [parallel.kernels(k) for k in kernels]
         # routed experts on the host or disk tier: one store and device cache for every MoE layer here
         self.expert_store = (ExpertStore(kernels[0], ckpt, tiers, args) if tiers.experts != "gpu"
                              else None)
-        self.ranges = [_Range(r, k, WeightLoader(ckpt, k, self.expert_store))
+        self.ranges = [_Range(r, k, WeightLoader(ckpt, k, self.expert_store, parallel))
                        for (r, _), k in zip(spans, kernels, strict=True)]
         first, last = self.ranges[0], self.ranges[-1]
         self.k, self.device, self.input_device = last.k, last.device, first.device

@@ -5,21 +5,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from dsflash.engine.placement import add_placement_options, size_arg
 from dsflash.server import MAX_BODY, MAX_QUEUE, REQUEST_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
 
+if TYPE_CHECKING:
+    from dsflash.model.parallel import Sharding
+
 
 def run(args: argparse.Namespace) -> int:
-    from dsflash.checkpoint.manifest import seeded, verify_weights
-    from dsflash.engine.placement import checked_plan, layer_devices, tiers_from
-    from dsflash.engine.prefix_cache import PrefixCache
-    from dsflash.engine.progress import LayerCount, local_layers
-    from dsflash.engine.session import DEFAULT_CHUNK, Engine, default_device
-    from dsflash.server.app import create_app
-    from dsflash.server.limits import serve
-    from dsflash.split.link import box_half
-    from dsflash.tokenizer import load_tokenizer
+    from dsflash.engine.ranks import run_ranked
+    from dsflash.engine.session import default_device
 
     model = args.model
     if model is None:
@@ -28,6 +25,21 @@ def run(args: argparse.Namespace) -> int:
         model = builtin_checkpoint()
         print(f"dsflash serve: no --model given, using the built-in tiny checkpoint at {model}", file=sys.stderr)
     args.device = args.device or default_device()
+    return run_ranked(args, model, lambda parallel: _serve(args, model, parallel))
+
+
+def _serve(args: argparse.Namespace, model: str, parallel: Sharding | None) -> int:
+    """The server on rank 0 (or alone), the model sharded over `parallel` when given."""
+    from dsflash.checkpoint.manifest import seeded, verify_weights
+    from dsflash.engine.placement import checked_plan, layer_devices, tiers_from
+    from dsflash.engine.prefix_cache import PrefixCache
+    from dsflash.engine.progress import LayerCount, local_layers
+    from dsflash.engine.session import DEFAULT_CHUNK, Engine
+    from dsflash.server.app import create_app
+    from dsflash.server.limits import serve
+    from dsflash.split.link import box_half
+    from dsflash.tokenizer import load_tokenizer
+
     half = "back" if args.box else "all"
     placed = checked_plan("serve", args, model, half, runs_ranges=True)  # before any tensor is read
     if args.verify_weights:
@@ -36,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     loading = LayerCount(local_layers(model, args.box is not None))
     engine = Engine.load(model, max_context=args.max_context, encoder=encoder, device=args.device,
                          cuda_graphs=not args.eager, tiers=tiers_from(args, placed), loaded=loading,
-                         ranges=layer_devices(args, model, half))
+                         ranges=layer_devices(args, model, half), parallel=parallel)
     loading.close()
     tokenizer = load_tokenizer(model)
     cache = PrefixCache(engine.identity, disk_dir=args.cache_dir) if args.cache_dir else None

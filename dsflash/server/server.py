@@ -17,6 +17,7 @@ from fastapi import Request
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import DEFAULT_CHUNK, ContextLengthError, Engine
+from dsflash.parallel.group import Unavailable
 from dsflash.server.dsml import Collected, DsmlParser
 from dsflash.server.encoding import EncodingError, encode_messages
 from dsflash.server.errors import ApiError
@@ -206,9 +207,10 @@ class Server:
                 if isinstance(ev, Failed):
                     if isinstance(ev.error, ContextLengthError):
                         raise ApiError(400, str(ev.error), job.prompt_field, "context_length_exceeded")
-                    if isinstance(ev.error, BoxUnavailable):  # retryable; never another model's answer
-                        raise ApiError(503, str(ev.error), code="box_unavailable", kind="server_error",
-                                       headers={"Retry-After": str(BoxUnavailable.retry_after)})
+                    if isinstance(ev.error, Unavailable):  # box or rank down: retryable; never another model's answer
+                        code = "box_unavailable" if isinstance(ev.error, BoxUnavailable) else "rank_unavailable"
+                        raise ApiError(503, str(ev.error), code=code, kind="server_error",
+                                       headers={"Retry-After": str(ev.error.retry_after)})
                     raise ev.error
                 yield ev
                 if isinstance(ev, Done):

@@ -41,9 +41,11 @@ from dsflash.engine.placement import add_placement_options, checked_plan, layer_
 from dsflash.engine.plan import PlacementError
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.progress import LayerCount
+from dsflash.engine.ranks import run_ranked
 from dsflash.engine.runner import Runner
 from dsflash.engine.session import MAX_STEP_ROWS, default_device, engine_identity
 from dsflash.model.load import load_model
+from dsflash.model.parallel import Sharding
 from dsflash.model.state import ROLLBACK_ROWS
 from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.numerics import NUMERICS_VERSION
@@ -137,10 +139,13 @@ class Box:
     def __init__(self, model_path: str | Path, token: str | None = None, cache_dir: str | None = None,
                  max_frame: int = MAX_FRAME, device: str = "cpu", cuda_graphs: bool = True,
                  limits: Limits = Limits(), tiers: Tiers = RESIDENT, loaded: Callable[[int], None] | None = None,
-                 ranges: Sequence[tuple[range, str]] | None = None):
-        """`ranges`: the encoder's layers over devices (model/transformer.py), else all on `device`."""
+                 ranges: Sequence[tuple[range, str]] | None = None, parallel: Sharding | None = None):
+        """`ranges`: the encoder's layers over devices (model/transformer.py), else all on `device`.
+        `parallel`: rank 0 of an --ep/--tp layout (engine/ranks.py) the encoder half is sharded over."""
         self.model = Runner(load_model(model_path, half="encoder", device=device, tiers=tiers, loaded=loaded,
-                                       ranges=ranges), cuda_graphs)
+                                       ranges=ranges, parallel=parallel), cuda_graphs and parallel is None)
+        if parallel is not None:
+            parallel.ready()
         self.args = self.model.args
         self.identity = engine_identity(self.model.model)
         self.token = token
@@ -469,6 +474,11 @@ def is_loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    return run_ranked(args, args.model, lambda parallel: _run(args, parallel))
+
+
+def _run(args: argparse.Namespace, parallel: Sharding | None) -> int:
+    """The box on rank 0 (or alone), the encoder half sharded over `parallel` when given."""
     host, port = parse_addr(args.listen)
     if not is_loopback(host) and not args.token:
         print(f"dsflash box: listening on non-loopback {host} needs --token", file=sys.stderr)
@@ -482,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
         loading = LayerCount(load_config(Path(args.model)).first_decoder_layer)
         box = Box(args.model, token=args.token, cache_dir=args.cache_dir, device=args.device,
                   cuda_graphs=not args.eager, limits=limits, tiers=tiers_from(args, placed), loaded=loading,
-                  ranges=layer_devices(args, args.model, "box"))
+                  ranges=layer_devices(args, args.model, "box"), parallel=parallel)
         loading.close()
     except (CheckpointError, PlacementError) as e:  # damaged weights or no room: say which, serve nothing
         print(f"dsflash box: {e}", file=sys.stderr)

@@ -28,6 +28,7 @@ from dsflash.engine.snapshot import SnapshotError
 from dsflash.model.state import SequenceState
 from dsflash.numerics import NUMERICS_VERSION
 from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
+from dsflash.parallel.group import Unavailable
 from dsflash.split.protocol import (
     MAX_FRAME,
     VERSION,
@@ -41,10 +42,8 @@ from dsflash.split.protocol import (
 )
 
 
-class BoxUnavailable(RuntimeError):
+class BoxUnavailable(Unavailable):
     """The box could not be reached within the deadline. Retryable: the request may succeed later."""
-
-    retry_after = 5
 
 
 class BoxRefused(RuntimeError):

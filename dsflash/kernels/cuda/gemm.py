@@ -333,7 +333,8 @@ def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: W
     to BM of them, only those of `experts` (lo, hi) when given, the bank then holding experts lo .. hi - 1."""
     n, k = y.size(1), a.size(1)
     kb = k // BLOCK
-    cps = k_range_blocks(n, kb) // K_RANGE_GROUP
+    # a tensor-parallel shard sums by its whole weight's K ranges (an expert bank has no such field)
+    cps = k_range_blocks(getattr(w, "k_range_out", None) or n, kb) // K_RANGE_GROUP
     splits = triton.cdiv(triton.cdiv(kb, K_RANGE_GROUP), cps)
     rows = y.size(0)
     stacked = slots is not None and tiles is None

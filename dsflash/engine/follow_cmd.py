@@ -1,0 +1,27 @@
+"""`dsflash follow`: a follower rank of a parallel layout, as engine/ranks.py starts them. It loads the shards
+rank 0 names and computes its part of each sharded operation until rank 0 closes its control line."""
+
+from __future__ import annotations
+
+import argparse
+
+from dsflash.engine.ranks import follow_rank
+from dsflash.parallel.group import DEFAULT_TIMEOUT_S
+
+
+def run(args: argparse.Namespace) -> int:
+    return follow_rank(args.model, args.rank, args.world, args.device, (args.addr, args.control_port),
+                       (args.addr, args.port), args.timeout)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("follow", help="a follower rank of an --ep/--tp layout (rank 0 starts these itself)")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--rank", type=int, required=True, help="this rank (1 .. world-1)")
+    p.add_argument("--world", type=int, required=True, help="the group's rank count")
+    p.add_argument("--addr", required=True, help="rank 0's host")
+    p.add_argument("--port", type=int, required=True, help="the group's store port")
+    p.add_argument("--control-port", type=int, required=True, help="rank 0's control port")
+    p.add_argument("--device", default="cpu", help="this rank's device (cpu: gloo; cuda:N: NCCL)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a collective gives up")
+    p.set_defaults(func=run)

@@ -1,0 +1,161 @@
+"""Expert and tensor parallelism over gloo (docs/parallel.md): two real ranks, the follower a `dsflash follow`
+process that rank 0 (this test process) starts, give one process's bits on tiny-b (prefill logits, random step
+and rollback sequences, DSpark decoding), and `dsflash generate --ep 2` the one-process tokens. Lost ranks:
+tests/test_parallel_faults.py (a process belongs to one group at a time)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsflash.config import ConfigError
+from dsflash.engine.ranks import start_ranks
+from dsflash.engine.sampling import SamplingParams
+from dsflash.engine.session import Engine
+from dsflash.engine.spec import DecodeStats, decode
+from dsflash.kernels import load_kernels
+from dsflash.kernels.cpu import linear
+from dsflash.model.load import load_model
+from dsflash.model.parallel import Layout, expert_range, shard_rows
+from dsflash.model.state import SequenceState
+from tests.conftest import partly_right_drafter
+
+LAYOUTS = {"ep2": Layout(ep=2), "tp2": Layout(tp=2)}
+
+
+@pytest.fixture(scope="module")
+def tiny_b_dir(tmp_path_factory):
+    from dsflash.checkpoint.make import make_checkpoint
+    from dsflash.config import PRESETS
+
+    return make_checkpoint(PRESETS["tiny-b"], 11, tmp_path_factory.mktemp("tinyb"))
+
+
+@pytest.fixture(scope="module")
+def one(tiny_b_dir):
+    return Engine.load(tiny_b_dir, max_context=4096), load_model(tiny_b_dir)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def parallel(request, tiny_b_dir):
+    """An engine whose halves are sharded over two gloo ranks (the follower a process of its own)."""
+    sharding = start_ranks(LAYOUTS[request.param], tiny_b_dir, "cpu", timeout_s=30)
+    try:
+        yield Engine.load(tiny_b_dir, max_context=4096, parallel=sharding), sharding
+    finally:
+        sharding.close()
+
+
+def test_each_rank_holds_only_its_shards(parallel, tiny_b_dir):
+    engine, sharding = parallel
+    a = engine.args
+    names = set(sharding.shards)
+    if sharding.layout.ep > 1:  # every MoE layer of both halves and the DSpark stages, rank 0's experts only
+        assert {f"layers.{i}.ffn." for i in range(a.n_layers)} <= names
+        moe = engine.decoder.model.blocks[a.n_layers - 1].ffn
+        assert not hasattr(moe, "w13") and len(sharding.shards[f"layers.{a.n_layers - 1}.ffn."].w2) == 4
+    else:  # the column-parallel linears and the head, half the rows each
+        assert {"head", "layers.0.attn.wq_b", "layers.5.ffn.shared_experts.w2"} <= names
+        head = sharding.shards["head"]
+        assert head.weight.out_features == a.vocab_size // 2 and head.out == a.vocab_size
+    assert expert_range(8, 2, 1) == range(4, 8) and shard_rows(512, 2, 1) == slice(256, 512)
+    assert shard_rows(96, 2, 0) is None  # not whole 32-row blocks per rank: kept whole on rank 0
+
+
+def test_prefill_logits_equal_one_process(parallel, one):
+    """Chunks over one 64-row tile (the by-expert MoE path on one device) and under it (the by-slot path)."""
+    engine, _ = parallel
+    rng = random.Random(3)
+    ids = [rng.randrange(3, 500) for _ in range(150)]
+    whole = one[1].forward(SequenceState(), torch.tensor(ids)).logits
+    for chunk in (150, 37):
+        s = engine.session()
+        assert torch.equal(s.prefill(ids[:-3], chunk=chunk), whole[-4])
+        assert torch.equal(s.step(len(ids) - 3, ids[-3:]), whole[-3:])  # each of the last rows' logits
+
+
+@pytest.mark.parametrize("parallel", ["ep2", pytest.param("tp2", marks=pytest.mark.slow)], indirect=True)
+def test_random_step_and_rollback_sequences_equal_one_process(parallel, one):
+    """Steps of 1-8 rows with junk rolled back, some sessions resumed from a snapshot, against one process's
+    whole-prompt logits (window 8: the rings wrap; ratio-2 sources: rollbacks land mid-group)."""
+    engine, _ = parallel
+    whole_model = one[1]
+    rng = random.Random(5)
+    for _ in range(3):
+        n = rng.randint(30, 60)
+        ids = [rng.randint(3, 500) for _ in range(n)]
+        whole = whole_model.forward(SequenceState(), torch.tensor(ids)).logits
+        s = engine.session()
+        first = rng.randint(1, 20)
+        assert torch.equal(s.prefill(ids[:first], chunk=rng.randint(1, 16)), whole[first - 1])
+        while s.pos < n:
+            real = ids[s.pos:s.pos + rng.randint(1, 4)]
+            junk = [rng.randint(3, 500) for _ in range(rng.randint(0, 8 - len(real)))]
+            p = s.pos
+            assert torch.equal(s.step(p, real + junk)[: len(real)], whole[p:p + len(real)])
+            s.rollback(p + len(real))
+            if rng.random() < 0.3 and s.pos < n:
+                s = type(s).restore(engine, s.snapshot())
+        assert s.tokens == ids
+
+
+# tp2 runs ~110 sharded linears a forward, each a round trip over the group: ~25 s a decoding on 2 cores
+@pytest.mark.parametrize("parallel", ["ep2", pytest.param("tp2", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.parametrize("params", [SamplingParams(), pytest.param(SamplingParams(temperature=0.7, seed=5),
+                                                                   marks=pytest.mark.slow)], ids=["greedy", "seeded"])
+def test_dspark_decoding_equals_one_process(parallel, one, params):
+    engine, ref = parallel[0], one[0]
+    rng = random.Random(9)
+    ids = [rng.randrange(3, 500) for _ in range(25)]
+    s = ref.session()
+    plain = list(decode(s, s.prefill(ids), 16, params, stop=set()))
+    for drafter in (False, True):  # the tiny drafter (almost never right), then one mostly right
+        s = engine.session()
+        if drafter:
+            s.draft = partly_right_drafter(s, len(ids), plain)
+        stats = DecodeStats()
+        assert list(decode(s, s.prefill(ids), 16, params, stop=set(), dspark=3, stats=stats)) == plain
+        assert stats.drafted > 0 and (stats.accepted > 0 or not drafter)
+
+
+def test_a_shard_sums_by_its_whole_weights_k_ranges():
+    """A column shard of an FP8 weight whose K ranges follow the output count (8192 outputs over 128 K blocks:
+    4 ranges; a 4096-row shard would take 8): with `k_range_out` each output is the whole weight's bits, and
+    without it they differ -- the field is what keeps tensor parallelism identical at the released widths."""
+    k = load_kernels("cpu")
+    g = torch.Generator().manual_seed(0)
+    codes = (torch.randn(8192, 4096, generator=g) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(8192 // 32, 4096 // 32, generator=g) + 0.5
+    x = torch.randn(3, 4096, generator=g).to(torch.bfloat16)
+    whole = linear(x, k.weight("fp8", codes, scale))
+    shard = k.weight("fp8", codes[4096:], scale[128:])
+    assert not torch.equal(linear(x, shard), whole[:, 4096:])
+    shard.k_range_out = 8192
+    assert torch.equal(linear(x, shard), whole[:, 4096:])
+
+
+def test_bad_layouts_are_refused_naming_the_flag():
+    with pytest.raises(ConfigError, match="--ep 0"):
+        Layout(ep=0)
+    with pytest.raises(ConfigError, match="--ep 2 with --tp 4"):
+        Layout(ep=2, tp=4)
+
+
+@pytest.mark.slow  # three processes loading tiny-b on 2 cores: ~80 s
+def test_generate_with_ep_gives_the_one_process_tokens(tiny_b_dir, tmp_path):
+    """The command starts its follower itself (a `dsflash follow` process) and stops it on the way out."""
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps([0, 5, 6, 7, 8, 9, 10, 11, 12]))
+
+    def tokens(*flags: str) -> list[int]:
+        out = subprocess.run([sys.executable, "-m", "dsflash.cli", "generate", "--model", str(tiny_b_dir),
+                              "--prompt-tokens", str(prompt), "-n", "10", "--device", "cpu", "--json", "--dspark", "2",
+                              *flags], capture_output=True, text=True, timeout=300, env=os.environ)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.splitlines()[-1])["tokens"]
+
+    assert tokens("--ep", "2") == tokens()
