@@ -452,6 +452,7 @@ def test_linear_batch_invariant(kind, n, k):
             if kind == "fp4":
                 for pre in (False, True):
                     assert torch.equal(kc.linear(x[rows], wc, preconvert=pre), full[rows]), f"pre={pre} M={m}"
+            assert torch.equal(kc.linear(x[rows], wc, dequantise=True), full[rows]), f"dequantised M={m}"
     for r in (0, 123, 299):
         assert torch.equal(kc.linear(x[r:r + 1], wc), full[r:r + 1]), f"single row {r}"
 
@@ -723,11 +724,13 @@ def test_narrow_and_large_tiles_give_the_wide_tiles_bits(kind, n, k):
 def test_a_rows_bits_are_the_same_at_every_m(kind, n, k):
     """The FP8/FP4 GEMM's K order and K ranges are fixed by the weight's shape: a row gives the same bits at
     M = 1, 5, 8, 16 (16-row tiles, fused quantisation, K ranges as programs), 512 (64-row tiles) and 8,192
-    (FP8: 128x128 tiles; FP4: widened to E4M3), wherever it sits in the call."""
+    (FP8: 128x128 tiles; the weight dequantised to bf16 first, or in the tiles' load path), wherever it sits
+    in the call."""
     g = gen(n * 13 + k)
     wc = kc.to_cuda_weight(rand_weight(kind, n, k, g))
     x = rand_act(8192, k, g).to(DEV)
     full = kc.linear(x, wc)
+    assert torch.equal(kc.linear(x, wc, dequantise=False), full)
     for m in (1, 5, 8, 16, 512):
         for first in (0, 4097):
             rows = slice(first, first + m)

@@ -71,6 +71,8 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
         assert torch.equal(cuda.linear(x[:m], wc, fuse_quant=True), full[:m]), (kind, m)
         if kind == "fp4":
             assert torch.equal(cuda.linear(x[:m], wc, preconvert=True), full[:m]), (kind, m)
+        assert torch.equal(cuda.linear(x[:m], wc, dequantise=True), full[:m]), (kind, m)
+    assert torch.equal(cuda.dequant_weight(wc), (w.values * w.scale.repeat_interleave(BLOCK, 1)).bfloat16())
     assert torch.equal(cuda.linear(x[3:4], wc), full[3:4])
     wide = configs.linear_config(kind, n, k)  # the 64-row tiles of large M, on a decode-sized call
     assert wide != configs.linear_config(kind, n, k, 5) and torch.equal(cuda.linear(x, wc, config=wide), full)
@@ -405,17 +407,23 @@ def test_new_kernels_compile_for_sm90():
         assert compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
 
     # the block-scaled GEMM's routes: prefill tiles of FP4 experts and of FP8 (128x128, two warpgroups), decode
-    # tiles with the quantisation fused and the K ranges spread
-    for fp4, fuse, spread, slots, grouped, (bm, bn, warps) in ((True, False, False, False, True, (64, 64, 4)),
-                                                                (False, False, False, False, False, (128, 128, 8)),
-                                                                (False, True, True, False, False, (16, 64, 2)),
-                                                                (True, True, True, True, False, (16, 64, 2))):
-        pointers = {"x_ptr": "*bf16", "w_ptr": "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32", "y_ptr": "*bf16",
-                    "part_ptr": "*fp32", "slot_ptr": "*i32", "tile_ptr": "*i32", "stride_we": "i64",
+    # tiles with the quantisation fused and the K ranges spread; a large call's weight dequantised first
+    for fp4, deq, fuse, spread, slots, grouped, (bm, bn, warps) in (
+            (True, False, False, False, False, True, (64, 64, 4)),
+            (False, False, False, False, False, False, (128, 128, 8)),
+            (False, True, False, False, False, False, (128, 128, 8)),
+            (False, False, True, True, False, False, (16, 64, 2)),
+            (True, False, True, True, True, False, (16, 64, 2))):
+        pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16" if deq else "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32",
+                    "y_ptr": "*bf16", "part_ptr": "*fp32", "slot_ptr": "*i32", "tile_ptr": "*i32", "stride_we": "i64",
                     "stride_wse": "i64"}
-        check(gemm._bs_gemm_kernel, pointers, {"FP4": fp4, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else 32,
+        check(gemm._bs_gemm_kernel, pointers, {"FP4": fp4, "DEQUANTISED": deq, "FUSE_QUANT": fuse,
+                                               "SCALE_ROWS": 1 if fp4 else 32,
                                                "SPREAD": spread, "SLOTS": slots, "GROUPED": grouped, "BM": bm,
                                                "BN": bn, "GROUP_M": 8, "RANGES": not spread}, warps)
+    for fp4 in (False, True):
+        check(gemm._dequant_weight_kernel, {"w_ptr": "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32", "o_ptr": "*bf16"},
+              {"FP4": fp4, "SCALE_ROWS": 1 if fp4 else 32, "BN": configs.DEQUANT_WEIGHT_BN})
     for cand, group in ((False, 1), (True, 8)):
         check(indexer._topk_kernel, {"s_ptr": "*bf16", "vis_ptr": "*i64", "o_ptr": "*i8" if cand else "*i64"},
               {"GROUP": group, "CAND": cand, "BLOCK": configs.TOPK_BLOCK // group})

@@ -69,7 +69,7 @@ def compile_variant(fp4: bool, spread: bool, slots: bool, ranges: bool, fuse: bo
     if codes_in:
         sig["xs_ptr"] = "*bf16" if fuse else "*i32"
     sig.update({name: "*i32" for name in ("cnt_ptr",) if name in names})  # a variant's tile counters
-    constexprs = {"FP4": fp4, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else BLOCK, "SCALE_E8M0": True,
+    constexprs = {"FP4": fp4, "DEQUANTISED": False, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else BLOCK, "SCALE_E8M0": True,
                   "SPREAD": spread, "SLOTS": slots, "GROUPED": False, "BM": cfg.BM, "BN": cfg.BN,
                   "GROUP_M": cfg.GROUP_M,
                   "RANGES": ranges, "EVEN": True}

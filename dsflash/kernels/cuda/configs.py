@@ -9,7 +9,8 @@ fusing the activation quantisation into the GEMM (the quantisation is exact bit 
 fp32 accumulator alike, which the GPU tests check on every layer shape), and running the K ranges as separate
 programs whose sums a second kernel adds in range order (one program adds them in the same order); for M <=
 64, the attention's output channels over several programs (each computes the same scores); for M >= 128,
-widening FP4 weights to E4M3 once per call instead of per tile; for plain GEMMs of M >= 512, N-wide tiles (the
+widening FP4 weights to E4M3 once per call instead of per tile; for FP8/FP4 linears of M >= 4096, the weight
+dequantised to bf16 once per call (the tiles' own operands); for plain GEMMs of M >= 512, N-wide tiles (the
 same MMA per output element) with the shape-fixed K ranges added in one program.
 """
 
@@ -27,6 +28,11 @@ NARROW_TILE_MAX_M = 16  # up to this many rows FP8/FP4 GEMMs use 16-row tiles (s
 LARGE_TILE_MIN_M = 4096  # from this many rows FP8 GEMMs use 128x128 tiles (same bits as 64-row ones)
 SPREAD_MAX_M = 16  # up to this many rows a GEMM's K ranges run as separate programs (sums added in order)
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
+# from this many rows an FP8/FP4 linear dequantises its weight to bf16 once per call (dequant_weight; writing and
+# reading 2 bytes a weight costs ~4 % of the GEMM at 8,192 rows, predicted, not yet measured) instead of in every
+# row tile's load path: the same operands, so the same bits (tested)
+DEQUANT_WEIGHT_MIN_M = 4096
+DEQUANT_WEIGHT_BN = 64  # weight rows per program of that dequantisation
 FP4_WIDEN_WORDS = 1024  # FP4 weight words per program of the widening to E4M3
 ORDERED_SUM_SMALL = 1 << 17  # outputs up to which the in-order sum of K-range partials takes small programs
 

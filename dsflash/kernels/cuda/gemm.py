@@ -27,6 +27,8 @@ from dsflash.numerics.quant import K_RANGE_GROUP, k_range_blocks
 
 from .common import FP_FUSION, TL_BLOCK, quant_tile
 from .configs import (
+    DEQUANT_WEIGHT_BN,
+    DEQUANT_WEIGHT_MIN_M,
     FP4_PRECONVERT_M,
     FUSE_QUANT_MAX_M,
     PLAIN_WIDE_MIN_M,
@@ -78,15 +80,23 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4: tl.constexpr):
-    """K block kb's activation and weight tiles as stored (zeros past the KB blocks of K)."""
-    kin = kb < KB
-    a = tl.load(x_rows + kb * TL_BLOCK, mask=mmask[:, None] & kin, other=0.0)
+def _weight_rows(w_ptr, rn, stride_wn, FP4: tl.constexpr):
+    """Pointers to K block 0 of the weight rows rn: FP4 [BN, 4] words, else [32, BN] elements (K down)."""
     if FP4:
-        w = tl.load(w_rows + kb * 4, mask=nmask[:, None] & kin, other=0)
+        rows = (w_ptr + rn[:, None].to(tl.int64) * stride_wn).to(tl.pointer_type(tl.int32)) + tl.arange(0, 4)[None, :]
     else:
-        w = tl.load(w_rows + kb * TL_BLOCK, mask=nmask[None, :] & kin, other=0.0)
-    return a, w
+        rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn + tl.arange(0, TL_BLOCK)[:, None]
+    return rows
+
+
+@triton.jit
+def _load_weight(w_rows, kb, KB, nmask, FP4: tl.constexpr):
+    """K block kb's weight tile as stored (zeros past the KB blocks of K)."""
+    if FP4:
+        w = tl.load(w_rows + kb * 4, mask=nmask[:, None] & (kb < KB), other=0)
+    else:
+        w = tl.load(w_rows + kb * TL_BLOCK, mask=nmask[None, :] & (kb < KB), other=0.0)
+    return w
 
 
 @triton.jit
@@ -101,25 +111,29 @@ def _act_operand(a, FUSE_QUANT: tl.constexpr):
 
 
 @triton.jit
-def _weight_operand(w, bw, j: tl.constexpr, FP4: tl.constexpr, BN: tl.constexpr):
+def _weight_operand(w, bw, j: tl.constexpr, FP4: tl.constexpr, DEQUANTISED: tl.constexpr, BN: tl.constexpr):
     """A K block's weight tile as stored, with its chunk's scale words [BN] (the block's E8M0 byte j) ->
     the dequantised weight in bf16 [32, BN], exactly: an E4M3 / E2M1 code times a power of two within
-    bf16's normal range (to_cuda_weight checks the scales' range)."""
-    s = _word_scale(bw, j)
-    if FP4:  # the f16 values are value / 2^14 (exact); the 2^14 joins the scale
-        b = _fp4_word_values(w, BN).to(tl.float32)
-        s = s * 16384.0
+    bf16's normal range (to_cuda_weight checks the scales' range). DEQUANTISED: stored so already."""
+    if DEQUANTISED:
+        b = w
     else:
-        b = w.to(tl.float32)
-    return (b * s[None, :]).to(tl.bfloat16)
+        s = _word_scale(bw, j)
+        if FP4:  # the f16 values are value / 2^14 (exact); the 2^14 joins the scale
+            v = _fp4_word_values(w, BN).to(tl.float32)
+            s = s * 16384.0
+        else:
+            v = w.to(tl.float32)
+        b = (v * s[None, :]).to(tl.bfloat16)
+    return b
 
 
 @triton.jit(do_not_specialize=["M", "expert_lo", "expert_hi"])
 def _bs_gemm_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, KB, chunks_per_split,
                     stride_xm, stride_wn, stride_wsk, stride_ym, stride_pk, stride_we, stride_wse,
                     slots_per_row, expert_lo, expert_hi,
-                    FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                    SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
+                    FP4: tl.constexpr, DEQUANTISED: tl.constexpr, FUSE_QUANT: tl.constexpr,
+                    SCALE_ROWS: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
     """y[M, N] = Q8(x) @ deq(W)^T (see linear), rounded once to bf16. Both operands are dequantised exactly
     to bf16 in the load path and every K block's bf16 tensor-core dot accumulates into one fp32
@@ -129,6 +143,7 @@ def _bs_gemm_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M
     and tile shape (the MMA of one output element does not depend on the tile's other rows or columns).
     The loads are plain, so that Triton's pipeliner streams them through shared memory (cp.async,
     num_stages deep).
+    DEQUANTISED: w_ptr holds the weight's bf16 operands (dequant_weight: the same values, so the same bits).
     SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
     adds in range order -- the bits of one program looping over the ranges (RANGES).
     SLOTS (routed experts): program_id(2) is slot s, one output row computed as a one-row call would
@@ -166,18 +181,15 @@ def _bs_gemm_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M
         in_rows = out_rows // slots_per_row
         KC = tl.where(count > 0, KC, 0)  # the table's spare tiles and other experts' tiles do no work
     x_rows = x_ptr + in_rows[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    if FP4:  # the block's 4 words per weight row
-        w_rows = ((w_ptr + rn[:, None].to(tl.int64) * stride_wn).to(tl.pointer_type(tl.int32))
-                  + tl.arange(0, 4)[None, :])
-    else:
-        w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    w_rows = _weight_rows(w_ptr, rn, stride_wn, FP4)
     ws_cols = ws_ptr + rn // SCALE_ROWS
     c_lo = 0
     c_hi = KC
     if SPREAD:
         c_lo = tl.program_id(1) * chunks_per_split
         c_hi = tl.minimum(c_lo + chunks_per_split, KC)
-    bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
+    if not DEQUANTISED:
+        bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
     # one loop over the chunks (a loop per range would drain Triton's load pipeline at every range end).
     # `acc` is the current range's accumulator, the dots' own; RANGES (the program crosses range ends):
     # `total` takes each range's sum where the range ends
@@ -185,12 +197,16 @@ def _bs_gemm_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M
     if RANGES:
         total = tl.zeros([BM, BN], dtype=tl.float32)
     for c in range(c_lo, c_hi):
-        bw = bw_next
-        bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & (c + 1 < c_hi), other=_ONE_WORD)
+        bw = 0
+        if not DEQUANTISED:
+            bw = bw_next
+            bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & (c + 1 < c_hi), other=_ONE_WORD)
         for j in tl.static_range(4):
-            a, w = _load_block(x_rows, w_rows, c * 4 + j, KB, mmask, nmask, FP4)
+            kb = c * 4 + j
+            a = tl.load(x_rows + kb * TL_BLOCK, mask=mmask[:, None] & (kb < KB), other=0.0)
+            w = _load_weight(w_rows, kb, KB, nmask, FP4)
             # a block past K adds exact zeros
-            acc = tl.dot(_act_operand(a, FUSE_QUANT), _weight_operand(w, bw, j, FP4, BN), acc)
+            acc = tl.dot(_act_operand(a, FUSE_QUANT), _weight_operand(w, bw, j, FP4, DEQUANTISED, BN), acc)
         if RANGES:
             if ((c + 1) % chunks_per_split == 0) | (c + 1 == KC):  # the range ends
                 total += acc
@@ -204,6 +220,34 @@ def _bs_gemm_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M
         tl.store(part, acc, mask=mask)
     else:
         tl.store(y_ptr + out_rows[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _dequant_weight_kernel(w_ptr, ws_ptr, o_ptr, N, K, KB, stride_wn, stride_wsk, FP4: tl.constexpr,
+                           SCALE_ROWS: tl.constexpr, BN: tl.constexpr):
+    """o [N, K] bf16 = the GEMM's weight operands (_weight_operand) for BN rows and one chunk of 4 K blocks."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    nmask = rn < N
+    c = tl.program_id(1)
+    w_rows = _weight_rows(w_ptr, rn, stride_wn, FP4)
+    bw = tl.load(ws_ptr + rn // SCALE_ROWS + c * stride_wsk, mask=nmask, other=_ONE_WORD)
+    for j in tl.static_range(4):
+        kb = c * 4 + j
+        b = _weight_operand(_load_weight(w_rows, kb, KB, nmask, FP4), bw, j, FP4, False, BN)
+        o = o_ptr + rn[None, :].to(tl.int64) * K + kb * TL_BLOCK + tl.arange(0, TL_BLOCK)[:, None]
+        tl.store(o, b, mask=nmask[None, :] & (kb < KB))
+
+
+def dequant_weight(w: CudaWeight) -> torch.Tensor:
+    """An FP8/FP4 weight's exact bf16 values [N, K]: for large calls, whose row tiles would each dequantise
+    the same weight tiles again (DEQUANT_WEIGHT_MIN_M); the GEMM then reads them as they are."""
+    n, k = w.out_features, w.in_features
+    out = torch.empty((n, k), dtype=torch.bfloat16, device=w.values.device)
+    grid = (triton.cdiv(n, DEQUANT_WEIGHT_BN), triton.cdiv(k // BLOCK, K_RANGE_GROUP))
+    _dequant_weight_kernel[grid](w.values, w.scale, out, n, k, k // BLOCK, w.values.stride(0), w.scale.stride(0),
+                                 FP4=w.kind == "fp4", SCALE_ROWS=w.scale_rows, BN=DEQUANT_WEIGHT_BN, num_warps=4,
+                                 enable_fp_fusion=FP_FUSION)
+    return out
 
 
 @triton.jit
@@ -259,11 +303,12 @@ def _ordered_sum(part: torch.Tensor, y: torch.Tensor, terms: int) -> None:
 
 
 def block_scaled_gemm(a: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
-                      fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
+                      fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None, dequantised: bool = False,
                       slots: torch.Tensor | None = None, slots_per_row: int = 1,
                       tiles: torch.Tensor | None = None, experts: tuple[int, int] | None = None) -> None:
     """Launch the block-scaled GEMM into y (and the sum of the K ranges when they run as separate programs).
-    `a`: the bf16 activation, raw (`fuse`: the kernel quantises it) or Q8(x) (act_operand). With `slots`,
+    `a`: the bf16 activation, raw (`fuse`: the kernel quantises it) or Q8(x) (act_operand); `wv`: the
+    weight's stored values, or (`dequantised`) dequant_weight's bf16 operands. With `slots`,
     y's row s is activation row s // slots_per_row times the bank's expert slots[s]; with `tiles` too
     (experts.py's expert tiles), `slots` is the slot order grouped by expert and tile t takes up to BM of
     them, only those of `experts` (lo, hi) when given, the bank then holding experts lo .. hi - 1."""
@@ -286,7 +331,8 @@ def block_scaled_gemm(a: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Ten
                           tiles if tiles is not None else y, m, n, kb, cps,
                           a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0), rows * n,
                           wv.stride(0) if slots is not None else 0, w.scale.stride(0) if slots is not None else 0,
-                          slots_per_row, lo, hi, FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
+                          slots_per_row, lo, hi, FP4=fp4 and not dequantised, DEQUANTISED=dequantised,
+                          FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
                           SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM, BN=cfg.BN,
                           GROUP_M=cfg.GROUP_M,
                           RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -384,14 +430,15 @@ def _plain_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, kind: str, gr
 
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
            config: LinearConfig | None = None, fuse_quant: bool | None = None,
-           spread: bool | None = None, preconvert: bool | None = None,
+           spread: bool | None = None, preconvert: bool | None = None, dequantise: bool | None = None,
            fp32_precision: str = "tf32x3") -> torch.Tensor:
     """y = x @ W^T by the weight's storage kind (see cpu.linear). x: [M, in] on CUDA. fp8/fp4 take a
     bf16 activation and give bf16; bf16/fp32 weights give their own dtype. A non-CUDA-layout Weight
     is converted on the fly (convert once with to_cuda_weight instead).
-    Keyword overrides are for tests and benchmarks: `config` (tile config), and three choices that
-    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs) and `preconvert`
-    (widen FP4 to E4M3 before the GEMM); `fp32_precision` for fp32 weights: "tf32x3" (default: three
+    Keyword overrides are for tests and benchmarks: `config` (tile config), and four choices that
+    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs), `preconvert`
+    (widen FP4 to E4M3 before the GEMM) and `dequantise` (the weight's bf16 operands made once before the
+    GEMM, which then reads them); `fp32_precision` for fp32 weights: "tf32x3" (default: three
     TF32 tensor-core products, measured closer to the CPU's fp32 than the alternative and 3-4.5x
     faster) or "ieee" (fp32 FMA dots, one long K chain per output)."""
     if not isinstance(w, CudaWeight) or w.values.device != x.device:
@@ -408,9 +455,13 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
             return y
         fuse = m <= FUSE_QUANT_MAX_M if fuse_quant is None else fuse_quant
         wv, fp4 = w.values, w.kind == "fp4"
-        if fp4 and (m >= FP4_PRECONVERT_M if preconvert is None else preconvert):
+        dequantised = m >= DEQUANT_WEIGHT_MIN_M if dequantise is None else dequantise
+        if dequantised:
+            wv = dequant_weight(w)
+        elif fp4 and (m >= FP4_PRECONVERT_M if preconvert is None else preconvert):
             wv, fp4 = fp4_to_fp8(wv), False
-        block_scaled_gemm(act_operand(x, fuse), wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, spread=spread)
+        block_scaled_gemm(act_operand(x, fuse), wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, spread=spread,
+                          dequantised=dequantised)
         return y
     dtype = torch.float32 if w.kind == "fp32" else torch.bfloat16
     # a bf16 activation of an fp32 weight is widened here: widened in the kernel, 3xTF32 gives other bits
