@@ -128,7 +128,7 @@ def _weight_operand(w, bw, j: tl.constexpr, FP4: tl.constexpr, DEQUANTISED: tl.c
     return b
 
 
-@triton.jit(do_not_specialize=["M", "expert_lo", "expert_hi"])
+@triton.jit(do_not_specialize=["M", "stride_pk", "expert_lo", "expert_hi"])
 def _bs_gemm_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, KB, chunks_per_split,
                     stride_xm, stride_wn, stride_wsk, stride_ym, stride_pk, stride_we, stride_wse,
                     slots_per_row, expert_lo, expert_hi,
