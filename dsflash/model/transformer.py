@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ModelArgs
-from dsflash.kernels import load_kernels
+from dsflash.kernels import Kernels, load_kernels
 from dsflash.model.attention import Attention, SourceWriter, source_rows
 from dsflash.model.common import Chunk, Replayer, Selections, fit_rows
 from dsflash.model.dspark import DSpark
@@ -77,11 +77,13 @@ class ForwardOutput:
 class Transformer:
     def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None,
                  device: str | torch.device = "cpu", reference: bool = False, tiers: Tiers = RESIDENT,
-                 loaded: Callable[[int], None] | None = None):
-        """`loaded(i)`, when given, is called after layer i's weights are in place (a command's progress bar)."""
+                 loaded: Callable[[int], None] | None = None, kernels: Kernels | None = None):
+        """`loaded(i)`, when given, is called after layer i's weights are in place (a command's progress bar).
+        `kernels`: a backend record of the caller's instead of the device's (the training mode's,
+        dsflash/train/backend.py), its `weight` reading `ckpt`."""
         self.args, self.ckpt, self.tiers = args, ckpt, tiers
         self.layers = layers if layers is not None else range(args.n_layers)
-        self.k = load_kernels(device, reference)
+        self.k = kernels or load_kernels(device, reference)
         self.device = self.k.device
         # routed experts on the host or disk tier: one store and device cache for every MoE layer here
         self.expert_store = (ExpertStore(self.k, ckpt, tiers, args) if tiers.experts != "gpu"
