@@ -12,8 +12,8 @@ What the reference ops (kernels/cpu.py) give autograd, and what this backend cha
   them (numerics/codecs.py), so the forward sees the bits the saved checkpoint will hold.
 - The packed FP4 caches (compressed KV, index keys): the state holds their fake-quantised values instead of
   packed bytes (`TrainState`), so the gradient reaches the compressors through the entries.
-- Sparse attention: one softmax over a row's gathered indices (the reference's online softmax over blocks of
-  64 is the same function), probabilities rounded to bf16 before the value product as there.
+- Sparse attention is the reference's: autograd follows its online softmax, and a softmax of our own (the
+  same function, other roundings) moved the logits far more than its rounding (a small model amplifies it).
 - The indexer's scores, top-k and candidate blocks choose indices only: computed without autograd.
 Everything else (norms, mHC, RoPE in place, the router, SwiGLU, the compressor's pooling, the state's ring
 writes) is the reference's own torch code, which autograd follows.
@@ -45,8 +45,9 @@ FP8, FP4, ENGRAM, PLAIN = "fp8", "fp4", "engram", "plain"
 
 
 def ste(x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
-    """`quantised`'s values with x's gradient (the straight-through estimator)."""
-    return x + (quantised - x).detach()
+    """`quantised`'s values exactly with x's gradient (the straight-through estimator). Not x + (q - x): in
+    bf16 that sum rounds twice and misses q."""
+    return quantised.detach() + (x - x.detach())
 
 
 def quantised(kind: str, master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,20 +187,6 @@ class TrainState(SequenceState):
         return r
 
 
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float
-                ) -> torch.Tensor:
-    """cpu.sparse_attn's function as one softmax per row (q [N, H, D], kv [R, D], sink [H], idx [N, K])."""
-    valid = idx >= 0
-    rows = kv[idx.clamp_min(0)].float()  # [N, K, D]
-    s = torch.einsum("nhd,nkd->nhk", q.float(), rows) * scale
-    s = s.masked_fill(~valid.unsqueeze(1), -torch.inf)
-    top = torch.maximum(s.amax(dim=-1), sink.float()).detach()  # any shift gives the same softmax
-    p = torch.exp(s - top.unsqueeze(-1))
-    total = p.sum(dim=-1) + torch.exp(sink.float() - top)
-    o = torch.einsum("nhk,nkd->nhd", ste(p, p.to(torch.bfloat16).float()), rows)
-    return (o / total.unsqueeze(-1)).to(torch.bfloat16)
-
-
 def training_kernels(masters: Masters) -> Kernels:
     """The reference record with the training ops above, on the masters' device."""
     base = load_kernels(masters.device, reference=True)
@@ -224,7 +211,7 @@ def training_kernels(masters: Masters) -> Kernels:
 
     return dataclasses.replace(
         base, name="training", row_tile=1, slot_moe_rows=0, weight=weight, linear=linear,
-        sparse_attn=sparse_attn, engram_rows=engram_rows,
+        engram_rows=engram_rows,
         fp8_fake_quant=lambda x: ste(x, fp8_fake_quant(x.detach())), fp4_fake_quant=fp4_values,
         fp4_quant_packed=fp4_values, fp4_dequant_packed=lambda values, d, block, e4m3: values,
         index_scores=torch.no_grad()(cpu.index_scores))
