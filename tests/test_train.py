@@ -20,7 +20,7 @@ from dsflash.tokenizer import BOS_ID, EOS_ID, TINY_CORPUS, build_tiny_tokenizer,
 from dsflash.train import data
 from dsflash.train.backend import TrainState
 from dsflash.train.export import export_weights
-from dsflash.train.loop import Plan, Trainer, smoke_args
+from dsflash.train.loop import Plan, Trainer, draft_logits, smoke_args
 from dsflash.train.train_cmd import main as train_main
 
 VOCAB = 512
@@ -117,3 +117,26 @@ def test_the_saved_checkpoint_decodes_and_drafts_like_plain_decoding(data_dir, t
         stats = DecodeStats()
         outputs.append(list(decode(s, s.prefill(ids), 16, SamplingParams(), stop=set(), dspark=k, stats=stats)))
     assert outputs[0] == outputs[1] and stats.drafted > 0
+
+
+def test_side_by_side_blocks_draft_as_decoding_drafts(data_dir):
+    """The training layout of many anchors' blocks gives each block's first draft the logits DSpark.draft gives
+    after a prefill of the text before its anchor (rows attend to their own block and its anchor's window)."""
+    t = trainer(data_dir, seq_len=96)
+    x = t.validation[:90]
+    anchors = torch.tensor([5, 17, 40, 63])  # within, at and past the first window of 16
+    with torch.no_grad():
+        model = t.model()
+        out = model.forward(TrainState(), Tokens(x))
+        greedy = out.logits.argmax(-1)
+        trained = draft_logits(model, t.masters, out.main_hidden, x, greedy, anchors)[0]
+        b = t.args.dspark_block_size
+        for m, q in enumerate(anchors.tolist()):
+            plain = t.model()
+            state = TrainState()
+            prefix = plain.forward(state, Tokens(x[:q]))
+            plain.dspark.write_context(state, prefix.main_hidden, torch.arange(q))
+            _, logits, _ = plain.dspark.draft(state, int(x[q]))
+            first = trained[m * b]
+            assert int(first.argmax()) == int(logits[0].argmax())
+            assert float((first - logits[0]).abs().max()) < 1e-2 * float(logits[0].abs().max()), q

@@ -220,11 +220,12 @@ class Trainer:
         return step
 
 
-def dspark_loss(model: Transformer, masters: Masters, main_hidden: torch.Tensor, x: torch.Tensor,
-                greedy: torch.Tensor, anchors: torch.Tensor, trace: dict) -> tuple[torch.Tensor, float]:
-    """Cross-entropy of the drafts of every anchor's block against the backbone's greedy tokens (the Markov
-    head fed the previous greedy token, as decoding feeds it the previous draft) plus the confidence head's
-    BCE on whether each draft is right; and the mean number of drafts a block would get accepted."""
+def draft_logits(model: Transformer, masters: Masters, main_hidden: torch.Tensor, x: torch.Tensor,
+                 greedy: torch.Tensor, anchors: torch.Tensor, trace: dict | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The drafts of every anchor's block side by side (blocks.py): (logits [M * B, V] with the Markov bias of
+    the previous greedy token, as decoding adds the previous draft's; the final hidden rows; the Markov
+    embeddings; the labels, the backbone's greedy tokens)."""
     a, k, dspark = model.args, model.k, model.dspark
     b, n = a.dspark_block_size, x.numel()
     w = WeightLoader(masters, k)
@@ -245,10 +246,18 @@ def dspark_loss(model: Transformer, masters: Masters, main_hidden: torch.Tensor,
     y = k.rms_norm(hc_pre(k, h, pre), dspark.norm, a.norm_eps)
     embeds = dspark.markov_embed[previous]
     logits = k.linear(y.float(), dspark.head) + k.linear(embeds.float(), dspark.markov_head)
-    loss = F.cross_entropy(logits, labels)
+    return logits, y, embeds, labels
+
+
+def dspark_loss(model: Transformer, masters: Masters, main_hidden: torch.Tensor, x: torch.Tensor,
+                greedy: torch.Tensor, anchors: torch.Tensor, trace: dict) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the drafts against the backbone's greedy tokens plus the confidence head's BCE on
+    whether each draft is right; and the mean number of drafts a block would get accepted."""
+    b = model.args.dspark_block_size
+    logits, y, embeds, labels = draft_logits(model, masters, main_hidden, x, greedy, anchors, trace)
     right = (logits.argmax(-1) == labels).float()
-    confidence = k.linear(torch.cat([y, embeds], dim=-1).float(), dspark.confidence)[:, 0]
-    loss = loss + 0.1 * F.binary_cross_entropy_with_logits(confidence, right)
+    confidence = model.k.linear(torch.cat([y, embeds], dim=-1).float(), model.dspark.confidence)[:, 0]
+    loss = F.cross_entropy(logits, labels) + 0.1 * F.binary_cross_entropy_with_logits(confidence, right)
     accepted = float(right.view(-1, b).cumprod(dim=1).sum(dim=1).mean())
     return loss, accepted
 

@@ -5,6 +5,7 @@ loads (on the H200: `python3 -m dsflash.train.train_cmd --data DIR --out DIR`, n
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -32,6 +33,11 @@ def export_dir(masters: Masters, args, data_dir: Path, out: Path) -> Path:
 def run(ns: argparse.Namespace) -> int:
     t0 = time.monotonic()
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda":
+        # reproducible from the seed: cuBLAS's fixed workspace, and deterministic kernels where torch has them
+        # (it warns for the ones it lacks rather than stopping a budgeted run)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     token_map, classes = data.load_engram_map(ns.data)
     make_args = smoke_args if ns.smoke else trained_args
     args = make_args(len(token_map), classes)
