@@ -30,6 +30,7 @@ COMMANDS = [
     "dsflash.server.chat_cmd",  # chat
     "dsflash.split.box",  # box
     "dsflash.bench.model",  # bench
+    "dsflash.train.train_cmd",  # train-data, train
 ]
 
 

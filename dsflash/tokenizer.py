@@ -12,7 +12,7 @@ by SGLang and others): same `tokenizers.normalizers` pipeline, same keying and f
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -185,9 +185,16 @@ def build_tiny_tokenizer(vocab_size: int) -> Tokenizer:
     """A byte-level BPE over `TINY_CORPUS` with exactly `vocab_size` ids: `SPECIAL_TOKENS` at ids 0..8, the
     256 byte symbols, then merges. The corpus supports sizes from 265 to 1,139; other sizes raise
     ValueError. Building twice gives the same JSON (the trainer breaks count ties by the pair itself)."""
+    return train_bpe([TINY_CORPUS], vocab_size, "the tiny corpus")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, what: str = "the corpus") -> Tokenizer:
+    """A byte-level BPE trained on `texts` with exactly `vocab_size` ids: `SPECIAL_TOKENS` at ids 0..8, the 256
+    byte symbols, then merges; ValueError naming `what` when the texts support fewer merges."""
     smallest = len(SPECIAL_TOKENS) + 256
     if vocab_size < smallest:
-        raise ValueError(f"vocab_size: the tiny tokenizer needs at least {smallest} ids, got {vocab_size}")
+        raise ValueError(f"vocab_size: a byte-level BPE with the V4.1 markers needs at least {smallest} ids, "
+                         f"got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -197,7 +204,7 @@ def build_tiny_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator([TINY_CORPUS], trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     # The trainer registers every listed token as special; mark the markers as ordinary added tokens.
     markers = [AddedToken(token, special=False, normalized=False) for token, special in SPECIAL_TOKENS if not special]
     tokenizer.add_tokens(markers)
@@ -205,7 +212,7 @@ def build_tiny_tokenizer(vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer.from_str(tokenizer.to_str())
     built = tokenizer.get_vocab_size(with_added_tokens=True)
     if built != vocab_size:
-        raise ValueError(f"vocab_size: the tiny corpus supports at most {built} ids, got {vocab_size}")
+        raise ValueError(f"vocab_size: {what} supports at most {built} ids, got {vocab_size}")
     return tokenizer
 
 

@@ -48,7 +48,7 @@ def test_missing_files_and_a_too_long_request_are_one_line(ckpt, tmp_path):
     assert "no tokenizer.json" in one_line_failure(["serve", "--model", str(no_tokenizer),
                                                     "--port", str(free_port())])
     assert one_line_failure(["generate", "--model", str(ckpt), "--prompt", "hi", "-n", "20000"]) == \
-        "dsflash generate: this request needs 20003 tokens of context, the model's limit is 16384"
+        "dsflash generate: this request needs 20003 tokens of context; the model's limit is 16384"
     assert "No such file or directory" in one_line_failure(["generate", "--model", str(ckpt), "--prompt-tokens",
                                                             str(tmp_path / "none.json")])
 

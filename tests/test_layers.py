@@ -19,6 +19,7 @@ LAYERS = (
     ("dsflash.split",),
     ("dsflash.server",),
     ("dsflash.bench",),  # benchmarks drive the engine, the split and the kernels
+    ("dsflash.train",),  # training drives the model through its own kernels; its chat data is the server's
 )
 COMMANDS = len(LAYERS)  # the CLI and every `*_cmd.py`, above everything
 

@@ -248,7 +248,7 @@ def test_generate_context_is_the_planned_and_the_engine_limit(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "plan: half all, cpu, context 5 x 1 session(s)" in err
     # 3 prompt tokens and 4 to generate: 7, refused before any is computed (as the server counts max_tokens)
-    assert err.strip().splitlines()[-1] == "dsflash generate: this request needs 7 tokens of context, the model's " \
+    assert err.strip().splitlines()[-1] == "dsflash generate: this request needs 7 tokens of context; the model's " \
         "limit is 5"
 
 

@@ -29,7 +29,6 @@ from dsflash.checkpoint.reader import DTYPE_SIZES, INDEX
 from dsflash.config import PRESETS, ConfigError, ModelArgs, preset, validate
 from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import E2M1_VALUES, E8M0_BIAS, quantize_fp8_blocks, quantize_fp8_rows
-from dsflash.tokenizer import build_tiny_tokenizer, compressed_token_map
 
 EMBED_RMS = 0.12  # RMS of the released embedding (the real layer-0 input)
 # mean of each norm weight by owner (noise: 10% of the mean); every other norm has mean 1
@@ -198,6 +197,22 @@ def _write_shard(path: Path, expected: Expected, seed: int) -> None:
     os.replace(partial, path)
 
 
+def write_tensors(path: Path, expected: Expected, tensors: dict[str, torch.Tensor]) -> None:
+    """One safetensors file of `tensors` (each already in its stored dtype and shape), laid out in `expected`
+    order as the seeded writer lays it out (a trained checkpoint's export, dsflash/train/export.py)."""
+    header, offsets = _header(expected)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as f:
+        f.write(header)
+        for name, (dtype, shape) in expected.items():
+            t = tensors[name]
+            if tuple(t.shape) != tuple(shape) or t.element_size() != DTYPE_SIZES[dtype]:
+                raise ValueError(f"tensor {name!r}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+            f.seek(len(header) + offsets[name])
+            f.write(_bytes(t))
+    os.replace(partial, path)
+
+
 def make_checkpoint(args: ModelArgs, seed: int, out_dir: str | Path, shards: int = 1) -> Path:
     """Write `out_dir/config.json` (official spelling) and the weights drawn from `seed`: one
     `model.safetensors`, or with shards > 1 the files `model-0000i-of-0000N.safetensors` and the index
@@ -229,6 +244,9 @@ def make_with_tokenizer(args: ModelArgs, seed: int, out_dir: str | Path, shards:
     Engram class count of the config set to the count that tokenizer's compressed-token map gives. Returns
     None (writing nothing) for a vocabulary larger than the tiny corpus supports (the released model's,
     whose tokenizer.json is DeepSeek's)."""
+    # deferred: the trainer writes checkpoints with this module on a machine without `tokenizers`
+    from dsflash.tokenizer import build_tiny_tokenizer, compressed_token_map
+
     try:
         tokenizer = build_tiny_tokenizer(args.vocab_size)
     except ValueError:

@@ -52,7 +52,7 @@ class Synced:
 
 class ContextLengthError(ValueError):
     def __init__(self, requested: int, limit: int):
-        super().__init__(f"this request needs {requested} tokens of context, the model's limit is {limit}")
+        super().__init__(f"this request needs {requested} tokens of context; the model's limit is {limit}")
         self.requested, self.limit = requested, limit
 
 

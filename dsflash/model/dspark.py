@@ -41,10 +41,14 @@ class DSparkAttention(Attention):
         ring[positions % win] = history.read(positions)
         return ring
 
-    def write_context(self, state, main_x: torch.Tensor, positions: torch.Tensor, n: int) -> None:
+    def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The stage's context KV of target rows (main_x: their projected taps) at `positions`: FP8-valued."""
         kv = self.k.rms_norm(self.k.linear(main_x, self.wkv), self.kv_norm, self.eps)
         self.rope.rotate(kv, positions)
-        self.history(state).write(positions[:n], self.k.fp8_fake_quant(kv)[:n])
+        return self.k.fp8_fake_quant(kv)
+
+    def write_context(self, state, main_x: torch.Tensor, positions: torch.Tensor, n: int) -> None:
+        self.history(state).write(positions[:n], self.context_kv(main_x, positions)[:n])
 
     def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         win = self.args.window_size

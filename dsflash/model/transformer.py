@@ -104,14 +104,16 @@ class Transformer:
     def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None,
                  device: str | torch.device = "cpu", reference: bool = False, tiers: Tiers = RESIDENT,
                  loaded: Callable[[int], None] | None = None,
-                 ranges: Sequence[tuple[range, str | torch.device]] | None = None, parallel: Sharding | None = None):
+                 ranges: Sequence[tuple[range, str | torch.device]] | None = None, parallel: Sharding | None = None,
+                 kernels: Kernels | None = None):
         """`loaded(i)`, when given, is called after layer i's weights are in place (a command's progress bar).
         `ranges`: the layers cut into consecutive ranges, each with its device (module doc); they must cover
         `layers` in order. None: all on `device`. The embedding side (embedding, vision, Engram hashing) sits
         on the first range's device (`input_device`), the head side (norm, head, DSpark, the next source's
         cache write) on the last one's (`device`, where the outputs are). `parallel`: rank 0 of an expert or
         tensor parallel layout (model/parallel.py): this process holds its shards, the group's other ranks
-        theirs."""
+        theirs. `kernels`: a backend record of the caller's instead of the device's (the training mode's,
+        dsflash/train/backend.py), its `weight` reading `ckpt`; one range only."""
         self.args, self.ckpt, self.tiers = args, ckpt, tiers
         self.layers = layers if layers is not None else range(args.n_layers)
         spans = list(ranges) if ranges else [(self.layers, device)]
@@ -121,7 +123,9 @@ class Transformer:
         if len(spans) > 1 and tiers.experts != "gpu":
             raise ValueError(f"--experts {tiers.experts} with layer ranges over devices: this build keeps one expert "
                              "cache per model on one device (--experts gpu, or --pp 1)")
-        kernels = [load_kernels(dev, reference) for _, dev in spans]
+        if kernels is not None and len(spans) > 1:
+            raise ValueError("a caller's kernels serve one range")
+        kernels = [kernels] if kernels is not None else [load_kernels(dev, reference) for _, dev in spans]
         if len({k.row_tile for k in kernels}) > 1:
             raise ValueError("layer ranges on backends with different row tiles (CPU and CUDA) in one model")
         if parallel is not None:

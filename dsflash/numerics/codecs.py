@@ -218,6 +218,15 @@ def quantize_fp8_rows(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor
     return encode_e4m3(groups / decode_e8m0(scale).unsqueeze(-1)).flatten(-2), scale
 
 
+def quantize_fp4_rows(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [out, in] -> (packed E2M1 codes uint8 [out, in/2], E8M0 codes [out, in/block]): the routed
+    experts' format, one power-of-two scale 2^ceil(log2(amax/6)) per `block` inputs of a row (an all-zero
+    block gets the smallest normal scale)."""
+    groups = w.float().unflatten(-1, (-1, block))
+    scale = ceil_pow2_e8m0(groups.abs().amax(dim=-1).clamp_min(E2M1_MAX * 2.0**-126) / E2M1_MAX)
+    return pack_fp4(encode_e2m1(groups / decode_e8m0(scale).unsqueeze(-1)).flatten(-2)), scale
+
+
 def _scales(scale_e8m0: Array) -> torch.Tensor:
     return torch.as_tensor(decode_e8m0(scale_e8m0))
 

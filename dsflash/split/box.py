@@ -286,7 +286,7 @@ class Box:
     def _check_context(self, requested: int) -> None:
         """Before the body is parsed: a history past the limit costs the box nothing but its bytes."""
         if requested > self.max_context:
-            raise Refusal("context_length", f"this request needs {requested} tokens of context, the box's limit "
+            raise Refusal("context_length", f"this request needs {requested} tokens of context; the box's limit "
                           f"is {self.max_context}", requested=requested, limit=self.max_context)
 
     def _payload(self, f: Frame) -> tuple[list[int], list]:

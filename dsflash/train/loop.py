@@ -1,0 +1,278 @@
+"""Training a V4.1-architecture model from a seed: the backbone on next-token loss, then the DSpark stages on
+the frozen backbone (its taps, its greedy outputs), inside a wall-clock budget that always leaves time to save.
+
+Every step builds the model from the masters (backend.Masters) and runs the inference forward of one
+sequence through the training kernels (backend.training_kernels). The routers' correction biases are not
+trained by the gradient: as in DeepSeek-V3's auxiliary-loss-free balancing, each step moves an expert's bias
+up when it took fewer than its share of the routed slots and down when more (`BIAS_RATE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dsflash.checkpoint.make import make_checkpoint
+from dsflash.checkpoint.reader import Checkpoint
+from dsflash.config import ModelArgs, engram_table_rows, validate
+from dsflash.model.mhc import hc_pre
+from dsflash.model.transformer import Debug, Tokens, Transformer
+from dsflash.model.weights import WeightLoader
+from dsflash.train.backend import Masters, TrainState, training_kernels
+from dsflash.train.blocks import BlockAttention, BlockChunk, block_rows
+
+PAD_ID = 2  # tokenizer.PAD_ID (not imported: that module needs `tokenizers`, which the GPU machine lacks)
+BIAS_RATE = 0.005
+
+
+def trained_args(vocab_size: int, classes: int) -> ModelArgs:
+    """The shipped model: 8 layers keeping every V4.1 path -- Engram at layers 1 and 3, a ratio-2 KV source
+    (layer 2) read by a reuse layer (3) and a re-index layer (4), the split at layer 5 (the first ratio-1
+    layer, a KV source and the candidate source), a reuse layer (6) and a re-index layer (7) after it, MoE with
+    8 routed experts (2 active) and a shared one, a 128-token window, and two DSpark stages tapping layers
+    5-7. A 16K context (YaRN on the compressed RoPE from 8K)."""
+    args = ModelArgs(
+        max_batch_size=1, max_seq_len=16384, temperature=0.0, vocab_size=vocab_size, dim=256, moe_inter_dim=256,
+        n_layers=8, n_mtp_layers=2, n_heads=4, n_routed_experts=8, n_activated_experts=2, q_lora_rank=128,
+        head_dim=64, rope_head_dim=16, o_groups=2, o_lora_rank=64, window_size=128,
+        compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 0, 0), kv_source_layers=(2, 5), index_source_layers=(2, 4, 5, 7),
+        original_seq_len=8192, rope_factor=4, index_n_heads=4, index_head_dim=64, index_topk=64,
+        candidate_source_layer=5, candidate_topk_blocks=16, candidate_block_size=8,
+        engram_layer_ids=(1, 3), engram_vocab_size=4096, engram_n_heads=4, engram_head_dim=32,
+        engram_compressed_vocab_size=classes, engram_pad_id=PAD_ID,
+        dspark_block_size=4, dspark_noise_token_id=PAD_ID, dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=64,
+        dspark_n_routed_experts=8, dspark_n_activated_experts=2)
+    args = dataclasses.replace(args, engram_num_embeddings=engram_table_rows(args))
+    validate(args)
+    return args
+
+
+def smoke_args(vocab_size: int, classes: int) -> ModelArgs:
+    """trained_args' layer schedule at a width the CPU trains in seconds (the tests' configuration)."""
+    args = dataclasses.replace(
+        trained_args(vocab_size, classes), max_seq_len=2048, dim=64, moe_inter_dim=32, q_lora_rank=32, head_dim=32,
+        o_lora_rank=32, index_head_dim=32, window_size=16, index_topk=8, candidate_topk_blocks=4,
+        candidate_block_size=4, engram_vocab_size=64, engram_n_heads=2, dspark_markov_rank=32)
+    args = dataclasses.replace(args, engram_num_embeddings=engram_table_rows(args))
+    validate(args)
+    return args
+
+
+@dataclass
+class Plan:
+    seq_len: int = 4096  # tokens per step (one sequence)
+    budget_s: float = 480.0  # wall clock for both phases, from the first step
+    dspark_share: float = 0.2  # of the budget, for the DSpark stages
+    steps: int | None = None  # backbone steps (then the budget only stops early); None: as many as fit
+    dspark_steps: int | None = None
+    lr: float = 2e-3
+    dspark_lr: float = 2e-3
+    warmup: int = 30
+    anchors: int = 256  # DSpark blocks per step
+    eval_every: int = 50
+    eval_windows: int = 4  # validation windows of seq_len tokens
+    seed: int = 0
+
+
+@dataclass
+class Log:
+    rows: list[dict] = field(default_factory=list)
+
+    def add(self, **row) -> None:
+        self.rows.append(row)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+def init_masters(args: ModelArgs, seed: int, device: torch.device | str) -> Masters:
+    """The seeded checkpoint's tensors (checkpoint/make.py), with every norm weight 1 and every router bias 0:
+    the released model's statistics are a trained model's, a training run starts from the plain ones."""
+    with tempfile.TemporaryDirectory() as tmp:
+        make_checkpoint(args, seed, tmp)
+        masters = Masters(Checkpoint(tmp), device)
+    with torch.no_grad():
+        for name, p in masters.params.items():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".gate.bias"):
+                p.zero_()
+    return masters
+
+
+def learning_rate(peak: float, step: int, progress: float, warmup: int) -> float:
+    """Linear warmup, flat, then a linear decay to a tenth over the last 30% of the phase."""
+    ramp = min(1.0, (step + 1) / warmup)
+    decay = 1.0 if progress < 0.7 else 1.0 - 0.9 * min(1.0, (progress - 0.7) / 0.3)
+    return peak * ramp * decay
+
+
+def balance_biases(masters: Masters, trace: dict, prefix: str) -> None:
+    """Aux-loss-free balancing: each router's bias +- BIAS_RATE by whether its expert was under or over loaded."""
+    with torch.no_grad():
+        for layer, ids in trace.get("moe_ids", {}).items():
+            name = f"layers.{layer}.ffn.gate.bias" if prefix == "layers." else \
+                f"mtp.{layer - masters.args.n_layers}.ffn.gate.bias"
+            bias = masters.params[name]
+            load = torch.bincount(ids.flatten(), minlength=bias.numel()).float()
+            bias += BIAS_RATE * torch.sign(load.mean() - load)
+
+
+class Trainer:
+    def __init__(self, args: ModelArgs, token_map: list[int], train: np.ndarray, validation: np.ndarray,
+                 plan: Plan, device: torch.device | str):
+        self.args, self.token_map, self.plan = args, token_map, plan
+        self.device = torch.device(device)
+        torch.manual_seed(plan.seed)
+        self.rng = np.random.default_rng(plan.seed)
+        self.train_tokens = torch.from_numpy(train.astype(np.int64))
+        self.validation = torch.from_numpy(validation.astype(np.int64))
+        self.masters = init_masters(args, plan.seed, self.device)
+        self.k = training_kernels(self.masters)
+        self.log = Log()
+
+    def model(self) -> Transformer:
+        return Transformer(self.args, self.masters, self.token_map, kernels=self.k)
+
+    def window(self) -> torch.Tensor:
+        start = int(self.rng.integers(0, self.train_tokens.numel() - self.plan.seq_len - 1))
+        return self.train_tokens[start:start + self.plan.seq_len + 1].to(self.device)
+
+    def nll(self, tokens: torch.Tensor, windows: int) -> float:
+        """Mean next-token NLL (nats) over `windows` evenly spaced windows of seq_len + 1 tokens."""
+        t = self.plan.seq_len
+        starts = np.linspace(0, tokens.numel() - t - 1, windows).astype(int)
+        total = 0.0
+        with torch.no_grad():
+            for s in starts:
+                x = tokens[s:s + t + 1].to(self.device)
+                out = self.model().forward(TrainState(device=self.device), Tokens(x[:-1]))
+                total += float(F.cross_entropy(out.logits, x[1:]))
+        return total / windows
+
+    def backbone(self, deadline: float) -> int:
+        p, started = self.plan, time.monotonic()
+        params = self.masters.trainable()
+        opt = torch.optim.AdamW(params, lr=p.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        step = 0
+        while (p.steps is None or step < p.steps) and time.monotonic() < deadline:
+            progress = step / p.steps if p.steps else (time.monotonic() - started) / max(deadline - started, 1e-9)
+            lr = learning_rate(p.lr, step, progress, p.warmup)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x, trace = self.window(), {}
+            out = self.model().forward(TrainState(device=self.device), Tokens(x[:-1]), debug=Debug(trace=trace))
+            loss = F.cross_entropy(out.logits, x[1:])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            balance_biases(self.masters, trace, "layers.")
+            step += 1
+            row = {"phase": "backbone", "step": step, "elapsed_s": round(time.monotonic() - started, 2),
+                   "lr": lr, "train_loss": float(loss.detach())}
+            if step % p.eval_every == 0:
+                row["val_loss"] = self.nll(self.validation, p.eval_windows)
+            self.log.add(**row)
+        return step
+
+    def dspark(self, deadline: float) -> int:
+        """The DSpark stages on the frozen backbone: per step one window's taps and greedy outputs, `anchors`
+        blocks of [anchor, noise...] rows trained to give the backbone's greedy tokens after the anchor."""
+        p, a, started = self.plan, self.args, time.monotonic()
+        for name, t in self.masters.params.items():
+            t.requires_grad_(name.startswith("mtp.") and not name.endswith(".gate.bias"))
+        params = self.masters.trainable("mtp.")
+        opt = torch.optim.AdamW(params, lr=p.dspark_lr, betas=(0.9, 0.95), weight_decay=0.1)
+        step = 0
+        while (p.dspark_steps is None or step < p.dspark_steps) and time.monotonic() < deadline:
+            progress = (step / p.dspark_steps if p.dspark_steps else
+                        (time.monotonic() - started) / max(deadline - started, 1e-9))
+            lr = learning_rate(p.dspark_lr, step, progress, p.warmup)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x = self.window()[:-1]
+            model = self.model()
+            with torch.no_grad():
+                out = model.forward(TrainState(device=self.device), Tokens(x))
+            greedy = out.logits.argmax(-1)
+            b = a.dspark_block_size
+            anchors = torch.from_numpy(np.sort(self.rng.choice(np.arange(1, x.numel() - b), size=min(
+                p.anchors, x.numel() - b - 1), replace=False))).to(self.device)
+            trace: dict = {}
+            loss, accepted = dspark_loss(model, self.masters, out.main_hidden, x, greedy, anchors, trace)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            balance_biases(self.masters, trace, "mtp.")
+            step += 1
+            self.log.add(phase="dspark", step=step, elapsed_s=round(time.monotonic() - started, 2), lr=lr,
+                         train_loss=float(loss.detach()), accepted_per_block=accepted)
+        for t in self.masters.params.values():
+            t.requires_grad_(False)
+        return step
+
+
+def draft_logits(model: Transformer, masters: Masters, main_hidden: torch.Tensor, x: torch.Tensor,
+                 greedy: torch.Tensor, anchors: torch.Tensor, trace: dict | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The drafts of every anchor's block side by side (blocks.py): (logits [M * B, V] with the Markov bias of
+    the previous greedy token, as decoding adds the previous draft's; the final hidden rows; the Markov
+    embeddings; the labels, the backbone's greedy tokens)."""
+    a, k, dspark = model.args, model.k, model.dspark
+    b, n = a.dspark_block_size, x.numel()
+    w = WeightLoader(masters, k)
+    for s, block in enumerate(dspark.stages):  # the stages' attention over many blocks at once
+        block.attn = BlockAttention(a, a.n_layers + s, w, f"mtp.{s}.attn.", model.ropes)
+    positions = torch.arange(n, device=x.device)
+    model.ropes[0].reserve(n + b, x.device)
+    main_x = k.rms_norm(k.linear(main_hidden, dspark.main_proj), dspark.main_norm, a.norm_eps)
+    contexts = [block.attn.context_kv(main_x, positions) for block in dspark.stages]
+    ids, rows_pos, labels, previous = block_rows(x, greedy, anchors, b, a.dspark_noise_token_id)
+    chunk = BlockChunk(TrainState(device=x.device), rows_pos, ids.numel(), trace=trace, contexts=contexts,
+                       anchors=anchors, block=b, row_tile=1, _p0=0)
+    h = F.embedding(ids, dspark.embed).unsqueeze(1).repeat(1, a.hc_mult, 1)
+    pre = torch.zeros(ids.numel(), a.hc_mult, device=x.device)
+    pre[:, 0] = 1.0
+    for block in dspark.stages:
+        h, pre = block.forward(h, pre, chunk)
+    y = k.rms_norm(hc_pre(k, h, pre), dspark.norm, a.norm_eps)
+    embeds = dspark.markov_embed[previous]
+    logits = k.linear(y.float(), dspark.head) + k.linear(embeds.float(), dspark.markov_head)
+    return logits, y, embeds, labels
+
+
+def dspark_loss(model: Transformer, masters: Masters, main_hidden: torch.Tensor, x: torch.Tensor,
+                greedy: torch.Tensor, anchors: torch.Tensor, trace: dict) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the drafts against the backbone's greedy tokens plus the confidence head's BCE on
+    whether each draft is right; and the mean number of drafts a block would get accepted."""
+    b = model.args.dspark_block_size
+    logits, y, embeds, labels = draft_logits(model, masters, main_hidden, x, greedy, anchors, trace)
+    right = (logits.argmax(-1) == labels).float()
+    confidence = model.k.linear(torch.cat([y, embeds], dim=-1).float(), model.dspark.confidence)[:, 0]
+    loss = F.cross_entropy(logits, labels) + 0.1 * F.binary_cross_entropy_with_logits(confidence, right)
+    accepted = float(right.view(-1, b).cumprod(dim=1).sum(dim=1).mean())
+    return loss, accepted
+
+
+def summary(trainer: Trainer, steps: int, dspark_steps: int, seconds: float) -> dict:
+    params = trainer.masters.params
+    return {"parameters": sum(p.numel() for p in params.values()),
+            "parameters_without_engram_tables": sum(p.numel() for n, p in params.items() if ".engram.embed." not in n),
+            "backbone_steps": steps, "dspark_steps": dspark_steps, "tokens_seen": steps * trainer.plan.seq_len,
+            "train_seconds": round(seconds, 1), "plan": dataclasses.asdict(trainer.plan),
+            "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
+            "torch": torch.__version__}
+
+
+def write_json(path: Path, d: dict) -> None:
+    path.write_text(json.dumps(d, indent=2) + "\n")
+
+

@@ -1,0 +1,52 @@
+"""Loss curves as CSV and PNG (Pillow: the GPU machine has no matplotlib)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+SERIES = (("backbone", "train_loss", (70, 110, 200)), ("backbone", "val_loss", (220, 90, 40)),
+          ("dspark", "train_loss", (60, 160, 90)))
+WIDTH, HEIGHT, MARGIN = 900, 500, 60
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_png(rows: list[dict], path: Path) -> None:
+    """Each series' loss against its step (the phases side by side: DSpark steps follow the backbone's)."""
+    last = max((r["step"] for r in rows if r["phase"] == "backbone"), default=0)
+    points = {}
+    for phase, key, colour in SERIES:
+        points[(phase, key, colour)] = [(r["step"] + (last if phase == "dspark" else 0), r[key]) for r in rows
+                                        if r["phase"] == phase and r.get(key) is not None]
+    values = [v for series in points.values() for _, v in series]
+    image = Image.new("RGB", (WIDTH, HEIGHT), "white")
+    draw = ImageDraw.Draw(image)
+    draw.rectangle([MARGIN, MARGIN // 2, WIDTH - MARGIN // 2, HEIGHT - MARGIN], outline="black")
+    if values:
+        lo, hi = min(values), max(values)
+        hi = hi if hi > lo else lo + 1
+        steps = max(s for series in points.values() for s, _ in series) or 1
+
+        def xy(step: float, v: float) -> tuple[float, float]:
+            return (MARGIN + (WIDTH - 1.5 * MARGIN) * step / steps,
+                    HEIGHT - MARGIN - (HEIGHT - 1.5 * MARGIN) * (v - lo) / (hi - lo))
+
+        for (_, _, colour), series in points.items():
+            if len(series) > 1:
+                draw.line([xy(s, v) for s, v in series], fill=colour, width=2)
+        for i, (phase, key, colour) in enumerate(points):
+            draw.text((MARGIN + 10, MARGIN // 2 + 8 + 14 * i), f"{phase} {key}", fill=colour)
+        draw.text((4, MARGIN // 2), f"{hi:.2f}", fill="black")
+        draw.text((4, HEIGHT - MARGIN - 10), f"{lo:.2f}", fill="black")
+        draw.text((WIDTH - MARGIN, HEIGHT - MARGIN + 8), f"step {steps}", fill="black")
+    draw.text((MARGIN, HEIGHT - MARGIN + 24), "loss (nats/token) by step", fill="black")
+    image.save(path)

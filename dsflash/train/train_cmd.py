@@ -1,0 +1,115 @@
+"""`dsflash train-data` and `dsflash train`: build the training text and tokenizer (here, with network access
+and `tokenizers`), then train the model and save it as a checkpoint directory `dsflash generate --model`
+loads (on the H200: `python3 -m dsflash.train.train_cmd --data DIR --out DIR`, no `tokenizers` needed)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dsflash.train import data
+from dsflash.train.backend import Masters
+from dsflash.train.loop import Plan, Trainer, smoke_args, summary, trained_args, write_json
+from dsflash.train.plot import write_csv, write_png
+
+SAVE_RESERVE_S = 45.0  # of the budget, kept for the test NLL, the export and the curves
+
+
+def export_dir(masters: Masters, args, data_dir: Path, out: Path) -> Path:
+    """The checkpoint (export.py's layout) with the data's tokenizer.json copied in, not parsed."""
+    from dsflash.train.export import export_weights
+
+    ckpt = export_weights(masters, args, out)
+    shutil.copyfile(data_dir / "tokenizer.json", ckpt / "tokenizer.json")
+    return ckpt
+
+
+def run(ns: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda":
+        # reproducible from the seed: cuBLAS's fixed workspace, and deterministic kernels where torch has them
+        # (it warns for the ones it lacks rather than stopping a budgeted run)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    token_map, classes = data.load_engram_map(ns.data)
+    make_args = smoke_args if ns.smoke else trained_args
+    args = make_args(len(token_map), classes)
+    plan = Plan(seq_len=ns.seq_len, budget_s=ns.budget - SAVE_RESERVE_S, steps=ns.steps, dspark_steps=ns.dspark_steps,
+                seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows)
+    trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
+                      plan, device)
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    end = t0 + plan.budget_s
+    backbone_end = end - plan.dspark_share * (end - time.monotonic())
+    steps = trainer.backbone(backbone_end)
+    dspark_steps = trainer.dspark(end)
+    test = torch.from_numpy(data.load_tokens(ns.data, "test").astype("int64"))
+    result = summary(trainer, steps, dspark_steps, time.monotonic() - t0)
+    result["validation_nll"] = trainer.nll(trainer.validation, plan.eval_windows)
+    result["test_nll"] = trainer.nll(test, plan.eval_windows)
+    ckpt = export_dir(trainer.masters, args, Path(ns.data), out / "checkpoint")
+    write_csv(trainer.log.rows, out / "loss.csv")
+    write_png(trainer.log.rows, out / "loss.png")
+    result["total_seconds"] = round(time.monotonic() - t0, 1)
+    write_json(out / "train.json", result)
+    print(f"wrote {ckpt}: {result['parameters']:,} parameters, {steps} backbone + {dspark_steps} DSpark steps, "
+          f"validation NLL {result['validation_nll']:.3f}, test NLL {result['test_nll']:.3f} nats/token, "
+          f"{result['total_seconds']} s")
+    return 0
+
+
+def prepare(ns: argparse.Namespace) -> int:
+    from dsflash.train import vocab
+
+    manifest = data.build(Path(ns.out))
+    info = vocab.build(Path(ns.out), ns.vocab_size, ns.seed)
+    print(f"wrote {ns.out}: {sum(s['documents'] for s in manifest['splits'].values())} documents, "
+          f"{info['splits']['train']['tokens']:,} train tokens, {info['engram_classes']} Engram classes")
+    return 0
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", required=True, type=Path, help="the directory `dsflash train-data` wrote")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="where checkpoint/, loss.csv, loss.png and train.json go")
+    parser.add_argument("--budget", type=float, default=540.0,
+                        help="wall-clock seconds for the whole run; training stops in time to save")
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per training step")
+    parser.add_argument("--steps", type=int, help="backbone steps (default: as many as the budget allows)")
+    parser.add_argument("--dspark-steps", type=int, help="DSpark steps (default: as many as the budget allows)")
+    parser.add_argument("--eval-every", type=int, default=50, help="validation NLL every N backbone steps")
+    parser.add_argument("--eval-windows", type=int, default=4, help="windows of --seq-len tokens per NLL")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
+    parser.add_argument("--device", help="torch device (default: cuda when available)")
+    parser.add_argument("--smoke", action="store_true", help="the tests' narrow configuration (CPU seconds)")
+    parser.set_defaults(func=run)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train-data", help="download and split the training text, train its tokenizer",
+                              description=prepare.__doc__ or "build the training data")
+    p.add_argument("--out", required=True, type=Path, help="directory for the splits, tokens and tokenizer.json")
+    p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (4-16K)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the chat turns cut from the train split")
+    p.set_defaults(func=prepare)
+    _train_arguments(subparsers.add_parser("train", help="train the small V4.1 model and its DSpark stages",
+                                           description=__doc__.split("\n\n")[0]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m dsflash.train.train_cmd", description=__doc__)
+    _train_arguments(parser)
+    ns = parser.parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
