@@ -45,8 +45,10 @@ def add_placement_options(parser: argparse.ArgumentParser, context: bool = True)
                    help="the GPUs: a count (the first N from --device's) or ids, e.g. 0,1,2 (default: one a rank)")
     g.add_argument("--pp", type=int, default=1, metavar="N", help="layer ranges (pipeline stages) over the GPUs")
     g.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor-parallel ranks per stage (attention by heads, the head by vocabulary)")
-    g.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel ranks per stage (experts by id)")
+                   help="tensor parallelism: N ranks share the column-parallel linears and the head, one process "
+                   "each, started by this command (docs/parallel.md)")
+    g.add_argument("--ep", type=int, default=1, metavar="N", help="expert parallelism: N ranks share the routed "
+                   "experts by id, one process each, started by this command (docs/parallel.md)")
     g.add_argument("--gpu-memory", type=size_arg, metavar="SIZE",
                    help="memory per GPU, e.g. 140GiB (default: what each device has free)")
     g.add_argument("--host-memory", type=size_arg, metavar="SIZE",
@@ -64,10 +66,6 @@ def add_placement_options(parser: argparse.ArgumentParser, context: bool = True)
     if context:
         g.add_argument("--context", type=int, metavar="N", help="tokens per session to hold (default: the model's)")
     g.add_argument("--sessions", type=int, default=1, metavar="N", help="sessions held at once (default 1)")
-    g.add_argument("--ep", type=int, default=1, metavar="N", help="expert parallelism: N ranks share the routed "
-                   "experts, one process each, started by this command (docs/parallel.md)")
-    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallelism: N ranks share the "
-                   "column-parallel linears and the head (docs/parallel.md)")
 
 
 def host_available() -> int:
