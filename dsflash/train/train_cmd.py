@@ -5,6 +5,7 @@ loads (on the H200: `python3 -m dsflash.train.train_cmd --data DIR --out DIR`, n
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -76,6 +77,14 @@ def prepare(ns: argparse.Namespace) -> int:
     return 0
 
 
+def quality(ns: argparse.Namespace) -> int:
+    from dsflash.train.quality import report
+
+    result = report(ns.model, ns.data, ns.device or "cpu", ns.seq_len, ns.windows, ns.needle_distance)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, type=Path, help="the directory `dsflash train-data` wrote")
     parser.add_argument("--out", required=True, type=Path,
@@ -100,6 +109,15 @@ def register(subparsers) -> None:
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (4-16K)")
     p.add_argument("--seed", type=int, default=0, help="seed of the chat turns cut from the train split")
     p.set_defaults(func=prepare)
+    q = subparsers.add_parser("quality", help="measure a trained checkpoint's quality gates (NLL, needle, DSpark)",
+                              description="test NLL, needle recall and DSpark acceptance of a trained checkpoint")
+    q.add_argument("--model", required=True, type=Path, help="the checkpoint directory")
+    q.add_argument("--data", required=True, type=Path, help="the directory `dsflash train-data` wrote")
+    q.add_argument("--device", help="torch device (default: cpu, the reference backend)")
+    q.add_argument("--seq-len", type=int, default=2048, help="tokens per NLL window")
+    q.add_argument("--windows", type=int, default=4, help="NLL windows")
+    q.add_argument("--needle-distance", type=int, default=1500, help="tokens between the needle and its cue")
+    q.set_defaults(func=quality)
     _train_arguments(subparsers.add_parser("train", help="train the small V4.1 model and its DSpark stages",
                                            description=__doc__.split("\n\n")[0]))
 

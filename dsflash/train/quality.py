@@ -1,0 +1,118 @@
+"""The trained model's quality gates, measured through the engine's own loading and decoding (issue 21
+item 5): test-split NLL per token, a needle recalled from several windows and compression groups back, and
+DSpark acceptance on held-out Python with the output checked token-identical to plain decoding.
+`dsflash quality` prints them; tests/test_quality.py holds them to bounds."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dsflash.engine.sampling import SamplingParams
+from dsflash.engine.session import Engine
+from dsflash.engine.spec import DecodeStats, decode
+from dsflash.model.load import load_model
+from dsflash.model.state import SequenceState
+from dsflash.model.transformer import Tokens
+
+NEEDLE = "The secret password of the old lighthouse keeper is {word}."
+NEEDLE_CUE = "\nThe secret password of the old lighthouse keeper is"
+NEEDLE_WORDS = ("marigold", "Tuesday", "copper", "Jonathan", "seventeen")
+
+
+def nll(model_dir: Path, tokens: np.ndarray, windows: int, seq_len: int, device: str = "cpu") -> float:
+    """Mean next-token NLL (nats per token) of `windows` evenly spaced windows of seq_len + 1 tokens, each a
+    fresh sequence prefilled in one chunk by the checkpoint's model on `device`'s backend."""
+    model = load_model(model_dir, device=device)
+    ids = torch.from_numpy(tokens.astype(np.int64))
+    total = 0.0
+    for s in np.linspace(0, ids.numel() - seq_len - 1, windows).astype(int):
+        x = ids[s:s + seq_len + 1].to(model.device)
+        with torch.no_grad():
+            logits = model.forward(SequenceState(device=model.device), Tokens(x[:-1])).logits
+        total += float(F.cross_entropy(logits.float(), x[1:]))
+    return total / windows
+
+
+@dataclass
+class Needle:
+    word: str
+    distance: int  # tokens between the needle and the cue
+    answer: str  # the greedy continuation of the cue
+    recalled: bool
+
+
+def needles(engine: Engine, tokenizer, filler: str, distance: int, n: int = 8) -> list[Needle]:
+    """Each of NEEDLE_WORDS stated once, then about `distance` tokens of `filler` text, then the cue: whether
+    greedy decoding names the word."""
+    fill = tokenizer.encode(filler, add_special_tokens=False).ids[:distance]
+    out = []
+    for word in NEEDLE_WORDS:
+        ids = [0, *tokenizer.encode(NEEDLE.format(word=word) + "\n", add_special_tokens=False).ids, *fill,
+               *tokenizer.encode(NEEDLE_CUE, add_special_tokens=False).ids]
+        s = engine.session()
+        answer = tokenizer.decode(list(decode(s, s.prefill(ids), n, SamplingParams(), stop=set())))
+        out.append(Needle(word, len(fill), answer, answer.strip().lower().startswith(word.lower())))
+    return out
+
+
+@dataclass
+class Drafting:
+    prompts: int
+    generated: int
+    accept_rate: float
+    tokens_per_cycle: float
+    plain_s: float
+    dspark_s: float
+    identical: bool  # every prompt's drafted output equals its plain decoding
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_s / self.dspark_s if self.dspark_s else 0.0
+
+
+def drafting(engine: Engine, prompts: list[list[int]], n: int, depth: int) -> Drafting:
+    """Greedy decoding of each prompt plainly and with DSpark drafts of up to `depth`: acceptance, tokens per
+    verify cycle, both decode times, and whether the outputs are token-identical."""
+    stats, identical, times = DecodeStats(), True, [0.0, 0.0]
+    for ids in prompts:
+        outputs = []
+        for i, k in enumerate((0, depth)):
+            s = engine.session()
+            first = s.prefill(ids)
+            t0 = time.perf_counter()
+            outputs.append(list(decode(s, first, n, SamplingParams(), stop=set(), dspark=k,
+                                       stats=stats if k else None)))
+            times[i] += time.perf_counter() - t0
+        identical &= outputs[0] == outputs[1]
+    return Drafting(len(prompts), stats.generated, stats.accept_rate, stats.tokens_per_cycle, times[0], times[1],
+                    identical)
+
+
+def python_prompts(tokens: np.ndarray, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens, evenly spaced through a split's tokens."""
+    starts = np.linspace(0, tokens.size - length - 1, count).astype(int)
+    return [tokens[s:s + length].astype(np.int64).tolist() for s in starts]
+
+
+def report(model_dir: Path, data_dir: Path, device: str = "cpu", seq_len: int = 2048, windows: int = 4,
+           needle_distance: int = 1500, prompts: int = 4, n: int = 64, depth: int = 4) -> dict:
+    """Every gate's measurement of the checkpoint at model_dir against the data of `dsflash train-data`."""
+    from dsflash.tokenizer import load_tokenizer
+    from dsflash.train.data import load_tokens, read_split
+
+    engine = Engine.load(model_dir, device=device)
+    tokenizer = load_tokenizer(model_dir)
+    test_docs = read_split(data_dir, "test")
+    filler = "\n".join(d.text for d in test_docs if d.source == "shakespeare")
+    code = tokenizer.encode("\n".join(d.text for d in test_docs if d.source == "python"), add_special_tokens=False)
+    found = needles(engine, tokenizer, filler, needle_distance)
+    d = drafting(engine, python_prompts(np.asarray(code.ids), prompts, 256), n, depth)
+    return {"test_nll": nll(model_dir, load_tokens(data_dir, "test"), windows, seq_len, device),
+            "needles": [asdict(x) for x in found], "needles_recalled": sum(x.recalled for x in found),
+            "drafting": {**asdict(d), "speedup": d.speedup}}
