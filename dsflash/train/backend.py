@@ -167,14 +167,6 @@ class _LazyRows(GrowingRows):
             self._buf = rows.new_zeros(0, *rows.shape[1:])
         super().put(first, rows, end)
 
-    @property
-    def rows(self) -> torch.Tensor:
-        return self._buf[: self.n]
-
-    @property
-    def buffer(self) -> torch.Tensor:
-        return self._buf
-
 
 class TrainState(SequenceState):
     """A sequence's state in training: the compressed KV and index keys as their fake-quantised bf16 values

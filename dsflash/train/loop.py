@@ -156,6 +156,15 @@ class Trainer:
                 total += float(F.cross_entropy(out.logits, x[1:]))
         return total / windows
 
+    def _update(self, opt: torch.optim.Optimizer, params: list, loss: torch.Tensor, trace: dict, prefix: str) -> None:
+        """One optimiser step on `loss` (gradients clipped to norm 1), then the routers' bias balance of the
+        MoE layers under `prefix` from the step's routing trace."""
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        balance_biases(self.masters, trace, prefix)
+
     def backbone(self, deadline: float) -> int:
         p, started = self.plan, time.monotonic()
         params = self.masters.trainable()
@@ -169,11 +178,7 @@ class Trainer:
             x, trace = self.window(), {}
             out = self.model().forward(TrainState(device=self.device), Tokens(x[:-1]), debug=Debug(trace=trace))
             loss = F.cross_entropy(out.logits, x[1:])
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            balance_biases(self.masters, trace, "layers.")
+            self._update(opt, params, loss, trace, "layers.")
             step += 1
             row = {"phase": "backbone", "step": step, "elapsed_s": round(time.monotonic() - started, 2),
                    "lr": lr, "train_loss": float(loss.detach())}
@@ -207,11 +212,7 @@ class Trainer:
                 p.anchors, x.numel() - b - 1), replace=False))).to(self.device)
             trace: dict = {}
             loss, accepted = dspark_loss(model, self.masters, out.main_hidden, x, greedy, anchors, trace)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            balance_biases(self.masters, trace, "mtp.")
+            self._update(opt, params, loss, trace, "mtp.")
             step += 1
             self.log.add(phase="dspark", step=step, elapsed_s=round(time.monotonic() - started, 2), lr=lr,
                          train_loss=float(loss.detach()), accepted_per_block=accepted)
