@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 def generate(args: argparse.Namespace, parallel: Sharding | None) -> int:
     """The command on rank 0 (or alone), the model sharded over `parallel` when given."""
     half = "back" if args.box else "all"
-    placed = checked_plan("generate", args, args.model, half, runs_ranges=True)
+    placed = checked_plan("generate", args, args.model, half)
     if args.verify_weights:
         verify_weights(args.model)
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None

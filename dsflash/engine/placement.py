@@ -148,26 +148,34 @@ def tiers_from(args: argparse.Namespace, placed: Plan | None = None) -> Tiers:
     return Tiers(args.engram or "gpu", args.experts or "gpu", args.expert_cache, args.engram_cache)
 
 
-def checked_plan(command: str, args: argparse.Namespace, model_dir: str | Path, half: str,
-                 runs_ranges: bool = False) -> Plan:
+def check_layout(args: argparse.Namespace) -> int:
+    """The number of ranks of --ep x --tp; PlacementError when they come with --pp layer ranges (a half runs
+    one or the other in this build)."""
+    ranks = args.tp * args.ep
+    if args.pp != 1 and ranks != 1:
+        raise PlacementError(f"--pp {args.pp} with --ep {args.ep} --tp {args.tp}: a half runs either layer ranges "
+                             "in one process or ranks of the whole layer stack (drop --pp, or --ep/--tp)")
+    return ranks
+
+
+def checked_plan(command: str, args: argparse.Namespace, model_dir: str | Path, half: str) -> Plan:
     """The plan for a command about to load `half` of the checkpoint at `model_dir`, printed to stderr;
-    PlacementError (one line: the shortfall and the flag that fixes it) when it does not fit or when it
-    asks for what this build cannot run yet (`runs_ranges`: the command runs `--pp` layer ranges in its
-    process; --tp/--ep run in `dsflash plan` only). Reads headers only."""
-    for flag in ("tp", "ep"):
-        n = getattr(args, flag)
-        if n != 1:
-            raise PlacementError(f"--{flag} {n}: this build runs one rank per layer range (`dsflash plan --{flag} "
-                                 f"{n}` shows the per-rank bytes a parallel run would use)")
-    if args.pp != 1 and not runs_ranges:
-        raise PlacementError(f"--pp {args.pp}: dsflash {command} runs its layers on one device (generate and "
-                             "serve run layer ranges)")
+    PlacementError (one line: the shortfall and the flag that fixes it) when it does not fit or when it asks
+    for a layout this build cannot run (layer ranges together with ranks: one or the other per half).
+    Reads headers only."""
+    ranks = check_layout(args)
     backend = "cuda" if str(getattr(args, "device", "cpu")).startswith("cuda") else "cpu"
     if backend == "cuda":
         ids = gpu_ids(args)
-        if len(ids) != args.pp:
-            raise PlacementError(f"--gpus {','.join(map(str, ids))}: {len(ids)} GPU(s) for --pp {args.pp} layer "
-                                 f"ranges (one GPU a range; `dsflash plan --gpus {len(ids)}` shows a greedy layout)")
+        # the ranks' processes take consecutive GPUs from the command's device (ranks.follower_device)
+        want, what = (args.pp, "layer range") if ranks == 1 else (ranks, "rank")
+        if len(ids) != want:
+            raise PlacementError(f"--gpus {','.join(map(str, ids))}: {len(ids)} GPU(s) for {want} {what}(s) "
+                                 f"(one GPU a {what}; `dsflash plan --gpus {len(ids)}` shows a greedy layout)")
+        first = int(str(args.device).partition(":")[2] or 0)
+        if ranks != 1 and ids != tuple(range(first, first + ranks)):
+            raise PlacementError(f"--gpus {','.join(map(str, ids))}: ranks run on consecutive GPUs from --device "
+                                 f"{args.device} (--device cuda:{ids[0]} --gpus {ranks} for these)")
         check_present(ids)
     placed = plan_from(args, Checkpoint(model_dir), half, backend)
     print(f"dsflash {command}: {placed.table()}", file=sys.stderr)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dsflash.checkpoint.reader import open_checkpoint
+from dsflash.engine.placement import check_layout
 from dsflash.kernels import load_kernels
 from dsflash.model.parallel import Layout, Sharding, follow
 from dsflash.parallel.group import DEFAULT_TIMEOUT_S, RankLost, accept_controls, connect_control, init_group
@@ -155,6 +156,7 @@ def run_ranked(args: argparse.Namespace, model: str | Path, command: Callable[[S
     launched = torchrun_env()
     if launched is not None and launched.rank > 0:
         return follow_torchrun(model, device)
+    check_layout(args)  # before any follower starts
     layout = Layout(args.ep, args.tp)
     if layout.world == 1:
         return command(None)

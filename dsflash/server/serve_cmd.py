@@ -41,7 +41,7 @@ def _serve(args: argparse.Namespace, model: str, parallel: Sharding | None) -> i
     from dsflash.tokenizer import load_tokenizer
 
     half = "back" if args.box else "all"
-    placed = checked_plan("serve", args, model, half, runs_ranges=True)  # before any tensor is read
+    placed = checked_plan("serve", args, model, half)  # before any tensor is read
     if args.verify_weights:
         verify_weights(model)  # damaged or mismatched weights: cli.main says which tensor, serves nothing
     encoder = box_half(args.box, args.box_token, args.box_deadline) if args.box else None

@@ -486,7 +486,7 @@ def _run(args: argparse.Namespace, parallel: Sharding | None) -> int:
     limits = Limits(args.max_connections, args.handshake_timeout, args.idle_timeout, args.read_timeout,
                     args.max_sessions, args.max_pending, args.max_context)
     try:
-        placed = checked_plan("box", args, args.model, "box", runs_ranges=True)
+        placed = checked_plan("box", args, args.model, "box")
         if args.verify_weights:
             verify_weights(args.model)
         loading = LayerCount(load_config(Path(args.model)).first_decoder_layer)
