@@ -168,10 +168,11 @@ def checked_plan(command: str, args: argparse.Namespace, model_dir: str | Path, 
     if backend == "cuda":
         ids = gpu_ids(args)
         # the ranks' processes take consecutive GPUs from the command's device (ranks.follower_device)
-        want, what = (args.pp, "layer range") if ranks == 1 else (ranks, "rank")
+        want, what = ((args.pp, f"--pp {args.pp} layer ranges") if ranks == 1 else
+                      (ranks, f"--ep {args.ep} --tp {args.tp} ranks"))
         if len(ids) != want:
-            raise PlacementError(f"--gpus {','.join(map(str, ids))}: {len(ids)} GPU(s) for {want} {what}(s) "
-                                 f"(one GPU a {what}; `dsflash plan --gpus {len(ids)}` shows a greedy layout)")
+            raise PlacementError(f"--gpus {','.join(map(str, ids))}: {len(ids)} GPU(s) for {what} (one GPU "
+                                 f"each; `dsflash plan --gpus {len(ids)}` shows a greedy layout)")
         first = int(str(args.device).partition(":")[2] or 0)
         if ranks != 1 and ids != tuple(range(first, first + ranks)):
             raise PlacementError(f"--gpus {','.join(map(str, ids))}: ranks run on consecutive GPUs from --device "
