@@ -76,8 +76,10 @@ def test_rollback_beyond_the_rings_is_refused(engine):
 
 
 PENALISED = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.5)
+SLOW = pytest.mark.slow  # ~7 s each on 2 cores: the default run keeps greedy, seeded nucleus and min_tokens
 DECODING = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=3),
-            PENALISED, dataclasses.replace(PENALISED, temperature=0.7, seed=5),
+            pytest.param(PENALISED, marks=SLOW), pytest.param(dataclasses.replace(PENALISED, temperature=0.7, seed=5),
+                                                                marks=SLOW),
             SamplingParams(min_tokens=10, end_ids=tuple(range(0, 512, 2)))]  # odd tokens only, at first
 
 

@@ -89,6 +89,7 @@ def test_the_map_is_honoured(whole):
         load_model(CASE, ranges=[(range(0, 2), "cpu"), (range(3, 6), "cpu")])
 
 
+@pytest.mark.slow  # ~14 s on 2 cores
 def test_logits_are_one_devices_in_any_chunking(whole, monkeypatch):
     ids = prompt(90, seed=1)
     ref = whole.forward(SequenceState(), torch.tensor(ids))
@@ -134,7 +135,7 @@ def test_steps_and_rollbacks_equal_the_unsplit_engine(engines, whole):
     assert s.tokens == ids
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [GREEDY, pytest.param(SEEDED, marks=pytest.mark.slow)], ids=["greedy", "seeded"])
 def test_dspark_decoding_equals_the_unsplit_plain_decoding(engines, params):
     plain, ranged = engines
     for seed in range(3):

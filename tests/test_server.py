@@ -443,6 +443,7 @@ def test_tool_choice(oai, claude, server):
     assert r.status_code == 400 and "tool_choice" in r.text, r.text
 
 
+@pytest.mark.slow  # ~16 s on 2 cores; tests/test_json_mode.py covers the decoding in the default set
 def test_json_mode(oai, server):
     """response_format json_object (chat, completions) and text.format json_object (Responses): the answer
     is a JSON object text, whole once the model ends it, cut by max_tokens otherwise."""
