@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from dsflash.config import preset
@@ -75,6 +76,7 @@ def test_make_checkpoint_then_check_golden_refuses_a_non_case(tmp_path):
     assert r.returncode != 0 and "unreadable case" in (r.stdout + r.stderr)
 
 
+@pytest.mark.slow  # ~13 s on 2 cores: every bench command once
 def test_bench_commands_write_results(tmp_path):
     r = dsflash("bench", "all", "--preset", "tiny-a", "--device", "cpu", "--context", "80", "--rows", "1,3",
                 "--lengths", "100", "--reps", "1", "--compare-full", "--reference-layers", "1", "--out", str(tmp_path))
