@@ -4,6 +4,7 @@ them; bit-identical to one device. On the CPU every range is on `cpu` and the bo
 (copies included); the CUDA tests at the end map the ranges to two GPUs, or to one GPU three times
 (`--gpus 0,0,0`)."""
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -11,7 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsflash.bench.model import build_engine
 from dsflash.cli import main
+from dsflash.config import preset
+from dsflash.engine.placement import layer_devices
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine, Session
 from dsflash.engine.spec import decode
@@ -299,3 +303,22 @@ def test_generate_on_one_gpu_mapped_thrice(tmp_path, capsys):
     code, thrice, err = _generate([*base, "--gpus", "0,0,0", "--pp", "3"], capsys)  # a boundary in each half
     assert code == 0 and "pp 3 x tp 1 x ep 1" in err
     assert json.loads(thrice)["tokens"] == json.loads(one)["tokens"]
+
+
+def test_bench_runs_layer_ranges(tmp_path):
+    """`dsflash bench --pp N` times the halves over N layer ranges: each half cut where the ranges cut it, the
+    logits those of one range, the layout in the results."""
+    args = preset("tiny-a")
+    ns = argparse.Namespace(pp=3, tp=1, ep=1, gpus=None, device="cpu")
+    ranged = build_engine(args, "cpu", cuda_graphs=False, ranges=layer_devices(ns, args, "all"))
+    d = args.first_decoder_layer
+    cuts = [[(rg.layers.start, rg.layers.stop) for rg in runner.model.ranges]
+            for runner in (ranged.encoder.runner, ranged.decoder)]
+    assert cuts == [[(0, 2), (2, d)], [(d, 4), (4, 6)]]
+    ids = list(range(3, 40))
+    want = build_engine(args, "cpu", cuda_graphs=False).session().prefill(ids)
+    assert torch.equal(ranged.session().prefill(ids), want)
+    assert main(["bench", "step", "--preset", "tiny-a", "--device", "cpu", "--context", "40", "--rows", "1",
+                     "--reps", "1", "--warmup-s", "0", "--pp", "3", "--out", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("engine-step-*.json")).read_text())
+    assert result["layout"] == {"pp": 3, "devices": ["cpu"]} and result["box_step_ms"]

@@ -29,21 +29,28 @@ from dsflash.bench.common import commit, machine, prompt, sync, timed_rounds
 from dsflash.bench.tiers import add_parser as add_tiers
 from dsflash.config import V41_FLASH, ModelArgs, preset
 from dsflash.engine.halves import LocalEncoder, LocalHalf
+from dsflash.engine.placement import add_layout_options, check_gpus, layer_devices
 from dsflash.engine.runner import Runner
 from dsflash.engine.session import Engine, Session, engine_identity
+from dsflash.model.load import ranges_within
 from dsflash.model.state import SequenceState
 from dsflash.model.transformer import Transformer
 
 
-def build_engine(args: ModelArgs, device: str, reference: bool = False, cuda_graphs: bool = True) -> Engine:
+def build_engine(args: ModelArgs, device: str, reference: bool = False, cuda_graphs: bool = True,
+                 ranges: list[tuple[range, str]] | None = None) -> Engine:
+    """Both halves over a synthetic checkpoint; `ranges`: layer ranges over devices (--pp), as Engine.load."""
     from dsflash.bench.synthetic import SyntheticCheckpoint
 
     ckpt = SyntheticCheckpoint(args, device)
     token_map = [i % args.engram_compressed_vocab_size for i in range(args.vocab_size)]
     d = args.first_decoder_layer
-    enc = Runner(Transformer(args, ckpt, token_map, range(0, d), device=device, reference=reference), cuda_graphs)
-    dec = Runner(Transformer(args, ckpt, None, range(d, args.n_layers), device=device, reference=reference),
-                 cuda_graphs)
+
+    def half(layers: range, tokens: list[int] | None) -> Runner:
+        return Runner(Transformer(args, ckpt, tokens, layers, device=device, reference=reference,
+                                  ranges=ranges_within(ranges, layers)), cuda_graphs)
+
+    enc, dec = half(range(0, d), token_map), half(range(d, args.n_layers), None)
     return Engine(dec, LocalHalf(enc), 1 << 21, engine_identity(dec.model))
 
 
@@ -284,9 +291,16 @@ def _expert_caveat(r: dict) -> str:
             "so prefill and multi-row steps read faster than the released model's")
 
 
+def _layout(r: dict) -> str:
+    """The header's note on layer ranges (--pp), when the run had them."""
+    layout = r.get("layout") or {}
+    return f"; --pp {layout['pp']} over {', '.join(layout['devices'])}" if layout.get("pp", 1) > 1 else ""
+
+
 def to_markdown(r: dict) -> str:
     lines = [f"# Engine benchmark {r['date']}", "", f"GPU/machine: {r['gpu']}; commit {r['commit']}; torch "
-             f"{r['torch']}; CUDA graphs {'on' if r.get('cuda_graphs', True) else 'off'}", f"Command: `{r['command']}`",
+             f"{r['torch']}; CUDA graphs {'on' if r.get('cuda_graphs', True) else 'off'}" + _layout(r),
+             f"Command: `{r['command']}`",
              f"Checkpoint: {r['checkpoint']} (top-{r['top_k']} routing{_expert_caveat(r)})", ""]
     if r.get("box_step_ms"):
         rows = sorted({n for v in r["box_step_ms"].values() for n in v}, key=int)
@@ -328,7 +342,10 @@ def run(ns: argparse.Namespace) -> int:
         (out / f"engine-link-{r['date']}.json").write_text(json.dumps(r, indent=1))
         print(json.dumps(r["link"], indent=1))
         return 0
-    engine = build_engine(args, ns.device, cuda_graphs=not ns.eager)
+    check_gpus(ns)
+    ranges = layer_devices(ns, args, "all")
+    r["layout"] = {"pp": ns.pp, "devices": sorted({dev for _, dev in ranges or [(None, ns.device)]})}
+    engine = build_engine(args, ns.device, cuda_graphs=not ns.eager, ranges=ranges)
     if ns.what == "profile":
         table = profile_step(engine, ns.context[0], ns.rows[0], ns.prefill, by_op=ns.eager)
         out = Path(ns.out)
@@ -387,6 +404,8 @@ def add_parser(sub: argparse._SubParsersAction, what: str) -> None:
     if what in ("step", "prefill", "all"):
         p.add_argument("--reference-layers", type=int, default=0,
                        help="also time the reference code path on an encoder slice of this many layers")
+    if what != "link":
+        add_layout_options(p, ranks=False)
     if what == "profile":
         p.add_argument("--prefill", action="store_true", help="the prefill of --context tokens, not a step")
     if what == "link":

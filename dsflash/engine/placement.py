@@ -38,17 +38,25 @@ def gpus_arg(text: str) -> int | tuple[int, ...]:
     return tuple(values) if "," in text or values == [0] else values[0]
 
 
-def add_placement_options(parser: argparse.ArgumentParser, context: bool = True) -> None:
-    """The shared flags; `context`: also --context (commands with their own --max-context read that)."""
-    g = parser.add_argument_group("placement (see `dsflash plan`)")
+def add_layout_options(g: argparse._ActionsContainer, ranks: bool = True) -> None:
+    """--gpus and --pp (layer ranges), and with `ranks` --tp/--ep (processes this command starts)."""
     g.add_argument("--gpus", type=gpus_arg, metavar="N|LIST",
                    help="the GPUs: a count (the first N from --device's) or ids, e.g. 0,1,2 (default: one a rank)")
     g.add_argument("--pp", type=int, default=1, metavar="N", help="layer ranges (pipeline stages) over the GPUs")
+    if not ranks:
+        g.set_defaults(tp=1, ep=1)
+        return
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism: N ranks share the column-parallel linears and the head, one process "
                    "each, started by this command (docs/parallel.md)")
     g.add_argument("--ep", type=int, default=1, metavar="N", help="expert parallelism: N ranks share the routed "
                    "experts by id, one process each, started by this command (docs/parallel.md)")
+
+
+def add_placement_options(parser: argparse.ArgumentParser, context: bool = True) -> None:
+    """The shared flags; `context`: also --context (commands with their own --max-context read that)."""
+    g = parser.add_argument_group("placement (see `dsflash plan`)")
+    add_layout_options(g)
     g.add_argument("--gpu-memory", type=size_arg, metavar="SIZE",
                    help="memory per GPU, e.g. 140GiB (default: what each device has free)")
     g.add_argument("--host-memory", type=size_arg, metavar="SIZE",
@@ -158,26 +166,33 @@ def check_layout(args: argparse.Namespace) -> int:
     return ranks
 
 
+def check_gpus(args: argparse.Namespace) -> None:
+    """PlacementError naming the flag when the layout (check_layout) and --gpus disagree on a CUDA backend:
+    one GPU a layer range or a rank, the ranks' GPUs consecutive from --device, every GPU present."""
+    ranks = check_layout(args)
+    if not str(getattr(args, "device", "cpu")).startswith("cuda"):
+        return
+    ids = gpu_ids(args)
+    # the ranks' processes take consecutive GPUs from the command's device (ranks.follower_device)
+    want, what = ((args.pp, f"--pp {args.pp} layer ranges") if ranks == 1 else
+                  (ranks, f"--ep {args.ep} --tp {args.tp} ranks"))
+    if len(ids) != want:
+        raise PlacementError(f"--gpus {','.join(map(str, ids))}: {len(ids)} GPU(s) for {what} (one GPU "
+                             f"each; `dsflash plan --gpus {len(ids)}` shows a greedy layout)")
+    first = int(str(args.device).partition(":")[2] or 0)
+    if ranks != 1 and ids != tuple(range(first, first + ranks)):
+        raise PlacementError(f"--gpus {','.join(map(str, ids))}: ranks run on consecutive GPUs from --device "
+                             f"{args.device} (--device cuda:{ids[0]} --gpus {ranks} for these)")
+    check_present(ids)
+
+
 def checked_plan(command: str, args: argparse.Namespace, model_dir: str | Path, half: str) -> Plan:
     """The plan for a command about to load `half` of the checkpoint at `model_dir`, printed to stderr;
     PlacementError (one line: the shortfall and the flag that fixes it) when it does not fit or when it asks
     for a layout this build cannot run (layer ranges together with ranks: one or the other per half).
     Reads headers only."""
-    ranks = check_layout(args)
+    check_gpus(args)
     backend = "cuda" if str(getattr(args, "device", "cpu")).startswith("cuda") else "cpu"
-    if backend == "cuda":
-        ids = gpu_ids(args)
-        # the ranks' processes take consecutive GPUs from the command's device (ranks.follower_device)
-        want, what = ((args.pp, f"--pp {args.pp} layer ranges") if ranks == 1 else
-                      (ranks, f"--ep {args.ep} --tp {args.tp} ranks"))
-        if len(ids) != want:
-            raise PlacementError(f"--gpus {','.join(map(str, ids))}: {len(ids)} GPU(s) for {what} (one GPU "
-                                 f"each; `dsflash plan --gpus {len(ids)}` shows a greedy layout)")
-        first = int(str(args.device).partition(":")[2] or 0)
-        if ranks != 1 and ids != tuple(range(first, first + ranks)):
-            raise PlacementError(f"--gpus {','.join(map(str, ids))}: ranks run on consecutive GPUs from --device "
-                                 f"{args.device} (--device cuda:{ids[0]} --gpus {ranks} for these)")
-        check_present(ids)
     placed = plan_from(args, Checkpoint(model_dir), half, backend)
     print(f"dsflash {command}: {placed.table()}", file=sys.stderr)
     problem = placed.problem()
@@ -189,13 +204,15 @@ def checked_plan(command: str, args: argparse.Namespace, model_dir: str | Path, 
     return placed
 
 
-def layer_devices(args: argparse.Namespace, model_dir: str | Path, half: str) -> list[tuple[range, str]] | None:
+def layer_devices(args: argparse.Namespace, model: str | Path | ModelArgs, half: str
+                  ) -> list[tuple[range, str]] | None:
     """The layer ranges of --pp over the devices of --gpus (model/transformer.py `Transformer(ranges=)`) for
-    `half` of the checkpoint at `model_dir`; None for one range on the command's device. On the CPU backend
-    every range is on `cpu` (the same code, one device)."""
+    `half` of the model (a checkpoint directory or its config); None for one range on the command's device.
+    On the CPU backend every range is on `cpu` (the same code, one device)."""
     if args.pp == 1:
         return None
-    ranges = layer_ranges(half_layers(load_config(Path(model_dir)), half), args.pp)
+    config = model if isinstance(model, ModelArgs) else load_config(Path(model))
+    ranges = layer_ranges(half_layers(config, half), args.pp)
     if not str(getattr(args, "device", "cpu")).startswith("cuda"):
         return [(r, "cpu") for r in ranges]
     return [(r, f"cuda:{i}") for r, i in zip(ranges, gpu_ids(args), strict=True)]

@@ -65,6 +65,11 @@ def load_model(path: str | Path, half: str | None = None, device: str = "cpu", r
     token_map = None
     if args.engram_layer_ids and layers.start == 0:
         token_map = engram_token_map(path, args)
-    mine = [(range(max(r.start, layers.start), min(r.stop, layers.stop)), dev) for r, dev in ranges or ()]
     return Transformer(args, ckpt, token_map, layers=layers, device=device, reference=reference, tiers=tiers,
-                       loaded=loaded, ranges=[(r, dev) for r, dev in mine if len(r)] or None, parallel=parallel)
+                       loaded=loaded, ranges=ranges_within(ranges, layers), parallel=parallel)
+
+
+def ranges_within(ranges: Sequence[tuple[range, str]] | None, layers: range) -> list[tuple[range, str]] | None:
+    """The whole model's layer ranges over devices cut to `layers` (a half's): None when no range is left."""
+    mine = [(range(max(r.start, layers.start), min(r.stop, layers.stop)), dev) for r, dev in ranges or ()]
+    return [(r, dev) for r, dev in mine if len(r)] or None
