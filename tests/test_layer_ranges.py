@@ -320,5 +320,5 @@ def test_bench_runs_layer_ranges(tmp_path):
     assert torch.equal(ranged.session().prefill(ids), want)
     assert main(["bench", "step", "--preset", "tiny-a", "--device", "cpu", "--context", "40", "--rows", "1",
                      "--reps", "1", "--warmup-s", "0", "--pp", "3", "--out", str(tmp_path)]) == 0
-    result = json.loads(next(tmp_path.glob("engine-step-*.json")).read_text())
-    assert result["layout"] == {"pp": 3, "devices": ["cpu"]} and result["box_step_ms"]
+    result = json.loads(next(tmp_path.glob("engine-step-tiny-a-pp3-*.json")).read_text())
+    assert result["layout"] == {"pp": 3, "ep": 1, "tp": 1, "devices": ["cpu"]} and result["box_step_ms"]

@@ -12,6 +12,9 @@ import sys
 import pytest
 import torch
 
+from dsflash.bench.model import build_engine
+from dsflash.bench.synthetic import synthetic_args
+from dsflash.cli import main
 from dsflash.config import ConfigError
 from dsflash.engine.ranks import start_ranks
 from dsflash.engine.sampling import SamplingParams
@@ -161,3 +164,23 @@ def test_generate_with_ep_gives_the_one_process_tokens(tiny_b_dir, tmp_path):
         return json.loads(out.stdout.splitlines()[-1])["tokens"]
 
     assert tokens("--ep", "2") == tokens()
+
+
+@pytest.mark.slow  # three processes: ~15 s on 2 cores
+def test_bench_runs_an_expert_parallel_layout(tmp_path):
+    """`dsflash bench --ep 2` starts its follower over the same synthetic tensors (drawn by name, so every
+    process holds the same ones): the sharded engine's logits are one process's, and the results say the
+    layout."""
+    args = synthetic_args("tiny-b")
+    ids = list(range(3, 40))
+    want = build_engine(args, "cpu", cuda_graphs=False).session().prefill(ids)
+    sharding = start_ranks(Layout(ep=2), None, "cpu", timeout_s=30, source=["--synthetic", "tiny-b"])
+    try:
+        got = build_engine(args, "cpu", cuda_graphs=False, parallel=sharding).session().prefill(ids)
+    finally:
+        sharding.close()
+    assert torch.equal(got, want)
+    assert main(["bench", "step", "--preset", "tiny-b", "--device", "cpu", "--context", "40", "--rows", "1",
+                 "--reps", "1", "--warmup-s", "0", "--ep", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("engine-step-tiny-b-ep2-*.json")).read_text())
+    assert result["layout"]["ep"] == 2 and result["box_step_ms"]

@@ -14,7 +14,6 @@ Results go to bench/results/<name>-<date>.json and .md with the GPU, commit and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import subprocess
@@ -26,20 +25,24 @@ from pathlib import Path
 import torch
 
 from dsflash.bench.common import commit, machine, prompt, sync, timed_rounds
+from dsflash.bench.synthetic import synthetic_args, synthetic_spec
 from dsflash.bench.tiers import add_parser as add_tiers
-from dsflash.config import V41_FLASH, ModelArgs, preset
+from dsflash.config import V41_FLASH, ModelArgs
 from dsflash.engine.halves import LocalEncoder, LocalHalf
 from dsflash.engine.placement import add_layout_options, check_gpus, layer_devices
+from dsflash.engine.ranks import start_ranks
 from dsflash.engine.runner import Runner
 from dsflash.engine.session import Engine, Session, engine_identity
 from dsflash.model.load import ranges_within
+from dsflash.model.parallel import Layout, Sharding
 from dsflash.model.state import SequenceState
 from dsflash.model.transformer import Transformer
 
 
 def build_engine(args: ModelArgs, device: str, reference: bool = False, cuda_graphs: bool = True,
-                 ranges: list[tuple[range, str]] | None = None) -> Engine:
-    """Both halves over a synthetic checkpoint; `ranges`: layer ranges over devices (--pp), as Engine.load."""
+                 ranges: list[tuple[range, str]] | None = None, parallel: Sharding | None = None) -> Engine:
+    """Both halves over a synthetic checkpoint; `ranges`: layer ranges over devices (--pp), `parallel`: rank 0
+    of an --ep/--tp layout whose followers hold the same synthetic tensors -- as Engine.load takes them."""
     from dsflash.bench.synthetic import SyntheticCheckpoint
 
     ckpt = SyntheticCheckpoint(args, device)
@@ -48,9 +51,12 @@ def build_engine(args: ModelArgs, device: str, reference: bool = False, cuda_gra
 
     def half(layers: range, tokens: list[int] | None) -> Runner:
         return Runner(Transformer(args, ckpt, tokens, layers, device=device, reference=reference,
-                                  ranges=ranges_within(ranges, layers)), cuda_graphs)
+                                  ranges=ranges_within(ranges, layers), parallel=parallel),
+                      cuda_graphs and parallel is None)
 
     enc, dec = half(range(0, d), token_map), half(range(d, args.n_layers), None)
+    if parallel is not None:
+        parallel.ready()
     return Engine(dec, LocalHalf(enc), 1 << 21, engine_identity(dec.model))
 
 
@@ -294,7 +300,8 @@ def _expert_caveat(r: dict) -> str:
 def _layout(r: dict) -> str:
     """The header's note on layer ranges (--pp), when the run had them."""
     layout = r.get("layout") or {}
-    return f"; --pp {layout['pp']} over {', '.join(layout['devices'])}" if layout.get("pp", 1) > 1 else ""
+    flags = " ".join(f"--{k} {layout[k]}" for k in ("pp", "ep", "tp") if layout.get(k, 1) > 1)
+    return f"; {flags} over {', '.join(layout['devices'])}" if flags else ""
 
 
 def to_markdown(r: dict) -> str:
@@ -328,8 +335,7 @@ def to_markdown(r: dict) -> str:
 
 
 def run(ns: argparse.Namespace) -> int:
-    args = preset(ns.preset, ns.experts) if ns.preset == "bench" else preset(ns.preset)
-    args = dataclasses.replace(args, max_seq_len=1 << 21)
+    args = synthetic_args(synthetic_spec(ns.preset, ns.experts))
     r = {"date": time.strftime("%Y-%m-%d"), "gpu": machine(ns.device), "commit": commit(), "torch": torch.__version__,
          "command": "dsflash bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ns.what,
          "checkpoint": {"preset": ns.preset, "experts": args.n_routed_experts}, "top_k": args.n_activated_experts,
@@ -344,8 +350,21 @@ def run(ns: argparse.Namespace) -> int:
         return 0
     check_gpus(ns)
     ranges = layer_devices(ns, args, "all")
-    r["layout"] = {"pp": ns.pp, "devices": sorted({dev for _, dev in ranges or [(None, ns.device)]})}
-    engine = build_engine(args, ns.device, cuda_graphs=not ns.eager, ranges=ranges)
+    r["layout"] = {"pp": ns.pp, "ep": ns.ep, "tp": ns.tp,
+                   "devices": sorted({dev for _, dev in ranges or [(None, ns.device)]})}
+    layout = Layout(ns.ep, ns.tp)
+    parallel = None if layout.world == 1 else start_ranks(layout, None, ns.device, source=[
+        "--synthetic", synthetic_spec(ns.preset, ns.experts)])
+    try:
+        return _measure(ns, r, args, build_engine(args, ns.device, cuda_graphs=not ns.eager, ranges=ranges,
+                                                  parallel=parallel))
+    finally:
+        if parallel is not None:
+            parallel.close()
+
+
+def _measure(ns: argparse.Namespace, r: dict, args: ModelArgs, engine: Engine) -> int:
+    """run()'s measurements on `engine`, written to --out."""
     if ns.what == "profile":
         table = profile_step(engine, ns.context[0], ns.rows[0], ns.prefill, by_op=ns.eager)
         out = Path(ns.out)
@@ -367,7 +386,8 @@ def run(ns: argparse.Namespace) -> int:
         r["reference_speedup"] = reference_speedup(args, ns.device, ns.reference_layers, ns.reps)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"engine-{ns.what}-{ns.preset}{'-eager' if ns.eager else ''}-{r['date']}"
+    layout = "".join(f"-{k}{r['layout'][k]}" for k in ("pp", "ep", "tp") if r["layout"][k] > 1)
+    stem = out / f"engine-{ns.what}-{ns.preset}{layout}{'-eager' if ns.eager else ''}-{r['date']}"
     stem.with_suffix(".json").write_text(json.dumps(r, indent=1, default=str))
     stem.with_suffix(".md").write_text(to_markdown(r))
     print(to_markdown(r))
@@ -405,7 +425,7 @@ def add_parser(sub: argparse._SubParsersAction, what: str) -> None:
         p.add_argument("--reference-layers", type=int, default=0,
                        help="also time the reference code path on an encoder slice of this many layers")
     if what != "link":
-        add_layout_options(p, ranks=False)
+        add_layout_options(p)
     if what == "profile":
         p.add_argument("--prefill", action="store_true", help="the prefill of --context tokens, not a step")
     if what == "link":

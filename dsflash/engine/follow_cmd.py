@@ -10,13 +10,20 @@ from dsflash.parallel.group import DEFAULT_TIMEOUT_S
 
 
 def run(args: argparse.Namespace) -> int:
-    return follow_rank(args.model, args.rank, args.world, args.device, (args.addr, args.control_port),
+    model = args.model
+    if args.synthetic:  # a parallel bench's ranks: the same synthetic tensors as rank 0's, drawn here
+        from dsflash.bench.synthetic import SyntheticCheckpoint, synthetic_args
+
+        model = SyntheticCheckpoint(synthetic_args(args.synthetic), args.device)
+    return follow_rank(model, args.rank, args.world, args.device, (args.addr, args.control_port),
                        (args.addr, args.port), args.timeout)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("follow", help="a follower rank of an --ep/--tp layout (rank 0 starts these itself)")
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--synthetic", metavar="PRESET[:EXPERTS]", help="a bench's synthetic checkpoint (dsflash bench)")
     p.add_argument("--rank", type=int, required=True, help="this rank (1 .. world-1)")
     p.add_argument("--world", type=int, required=True, help="the group's rank count")
     p.add_argument("--addr", required=True, help="rank 0's host")

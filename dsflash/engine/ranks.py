@@ -11,13 +11,13 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dsflash.checkpoint.reader import open_checkpoint
+from dsflash.checkpoint.reader import Checkpoint, open_checkpoint
 from dsflash.engine.placement import check_layout
 from dsflash.kernels import load_kernels
 from dsflash.model.parallel import Layout, Sharding, follow
@@ -87,10 +87,11 @@ class Followers:
                 p.wait()
 
 
-def start_ranks(layout: Layout, model: str | Path, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S
-                ) -> Sharding:
+def start_ranks(layout: Layout, model: str | Path | None, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+                source: Sequence[str] = ()) -> Sharding:
     """Rank 0 of `layout` for the checkpoint at `model`, with its followers started (or torchrun's joined).
-    The model is then loaded with `parallel=` the result (Engine.load), which registers the shards."""
+    The model is then loaded with `parallel=` the result (Engine.load), which registers the shards.
+    `source`: the followers' checkpoint flags instead of `--model model` (`dsflash follow --synthetic`)."""
     if layout.world < 2:
         raise ValueError(f"--ep {layout.ep} --tp {layout.tp}: a parallel layout needs at least 2 ranks")
     run = torchrun_env()
@@ -104,7 +105,8 @@ def start_ranks(layout: Layout, model: str | Path, device: str = "cpu", timeout_
     listener = socket.create_server(("" if run else LOCALHOST, control_port))  # torchrun: any host may connect
     if run is None:
         control_port = listener.getsockname()[1]
-        procs = [subprocess.Popen([sys.executable, "-m", "dsflash.cli", "follow", "--model", str(model),
+        flags = list(source) or ["--model", str(model)]
+        procs = [subprocess.Popen([sys.executable, "-m", "dsflash.cli", "follow", *flags,
                                    "--rank", str(r), "--world", str(layout.world), "--addr", addr,
                                    "--port", str(port), "--control-port", str(control_port),
                                    "--device", follower_device(device, r), "--timeout", str(timeout_s)])
@@ -121,11 +123,12 @@ def start_ranks(layout: Layout, model: str | Path, device: str = "cpu", timeout_
     return Sharding(layout, group, controls, stop)
 
 
-def follow_rank(model: str | Path, rank: int, world: int, device: str, control: tuple[str, int],
+def follow_rank(model: str | Path | Checkpoint, rank: int, world: int, device: str, control: tuple[str, int],
                 store: tuple[str, int] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """A follower rank until rank 0 closes its control line (0) or the group fails (1, said on stderr):
-    join the group (its store at `store`, or torchrun's), connect the control line to rank 0, follow."""
-    ckpt = open_checkpoint(model)
+    join the group (its store at `store`, or torchrun's), connect the control line to rank 0, follow.
+    `model`: the checkpoint directory, or a checkpoint already open (a bench's synthetic one)."""
+    ckpt = open_checkpoint(model) if isinstance(model, str | Path) else model
     group = init_group(rank, world, device, timeout_s, *(store or (None, None)))
     line = connect_control(*control, rank, timeout_s)
     try:
