@@ -305,6 +305,7 @@ def test_generate_on_one_gpu_mapped_thrice(tmp_path, capsys):
     assert json.loads(thrice)["tokens"] == json.loads(one)["tokens"]
 
 
+@pytest.mark.slow  # three engines and a bench run: ~14 s on 2 cores
 def test_bench_runs_layer_ranges(tmp_path):
     """`dsflash bench --pp N` times the halves over N layer ranges: each half cut where the ranges cut it, the
     logits those of one range, the layout in the results."""
