@@ -184,3 +184,28 @@ def test_bench_runs_an_expert_parallel_layout(tmp_path):
                  "--reps", "1", "--warmup-s", "0", "--ep", "2", "--out", str(tmp_path)]) == 0
     result = json.loads(next(tmp_path.glob("engine-step-tiny-b-ep2-*.json")).read_text())
     assert result["layout"]["ep"] == 2 and result["box_step_ms"]
+
+
+@pytest.mark.slow  # a box process with its follower, and a back half: ~20 s on 2 cores
+@pytest.mark.parametrize("layout", ["--ep", "--tp"])
+def test_split_with_a_parallel_box_equals_one_process(one, tiny_b_dir, layout):
+    """A real `dsflash box --ep 2` (or `--tp 2`) process, its follower started by the box itself, behind a
+    one-process back half: the single process's prefill logits, steps and DSpark decoding."""
+    from dsflash.split.link import box_half
+    from tests.test_split import BoxProcess, free_port
+
+    box = BoxProcess(free_port(), case=tiny_b_dir, flags=("--max-context", "4096", layout, "2")).start()
+    try:
+        split = Engine.load(tiny_b_dir, encoder=box_half(f"127.0.0.1:{box.port}"), max_context=4096)
+        plain = one[0]
+        ids = random.Random(4).choices(range(3, 500), k=50)
+        a, b = plain.session(), split.session()
+        assert torch.equal(a.prefill(ids, chunk=16), b.prefill(ids, chunk=16))
+        assert torch.equal(a.step(a.pos, [5, 6, 7]), b.step(b.pos, [5, 6, 7]))
+        seeded = SamplingParams(temperature=0.7, seed=5)
+        x, y = plain.session(), split.session()
+        assert list(decode(x, x.prefill(ids), 8, seeded, stop=set())) == \
+            list(decode(y, y.prefill(ids), 8, seeded, stop=set(), dspark=2))
+        assert box.health()["layout"] == {"ep": 2 if layout == "--ep" else 1, "tp": 2 if layout == "--tp" else 1}
+    finally:
+        box.kill()

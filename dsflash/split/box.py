@@ -45,7 +45,7 @@ from dsflash.engine.ranks import run_ranked
 from dsflash.engine.runner import Runner
 from dsflash.engine.session import MAX_STEP_ROWS, default_device, engine_identity
 from dsflash.model.load import load_model
-from dsflash.model.parallel import Sharding
+from dsflash.model.parallel import Layout, Sharding
 from dsflash.model.state import ROLLBACK_ROWS
 from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.numerics import NUMERICS_VERSION
@@ -146,6 +146,7 @@ class Box:
                                        ranges=ranges, parallel=parallel), cuda_graphs and parallel is None)
         if parallel is not None:
             parallel.ready()
+        self.layout = parallel.layout if parallel is not None else Layout()
         self.args = self.model.args
         self.identity = engine_identity(self.model.model)
         self.token = token
@@ -433,7 +434,8 @@ class Box:
                 "sessions": sum(len(c.sessions) for c in self.connections), "connections": len(self.connections),
                 "handshaking": self._open - len(self.connections), "max_context": self.max_context,
                 "queued_tasks": self.tasks.qsize(), "steps_served": self.steps_served,
-                "uptime_s": round(time.time() - self.started, 1), "protocol": VERSION}
+                "uptime_s": round(time.time() - self.started, 1), "protocol": VERSION,
+                "layout": {"ep": self.layout.ep, "tp": self.layout.tp}}
 
 
 def serve_health(box: Box, host: str, port: int) -> ThreadingHTTPServer:
