@@ -81,6 +81,22 @@ def test_prefill_logits_equal_one_process(parallel, one):
         assert torch.equal(s.step(len(ids) - 3, ids[-3:]), whole[-3:])  # each of the last rows' logits
 
 
+def test_snapshots_move_between_a_parallel_engine_and_one_device(parallel, one):
+    """A parallel layout keeps the one-device numerics, so a snapshot made by either restores on the other and
+    the next steps' logits are the one process's."""
+    engine, ref = parallel[0], one[0]
+    assert engine.identity == ref.identity
+    rng = random.Random(6)
+    ids = [rng.randrange(3, 500) for _ in range(40)]
+    whole = one[1].forward(SequenceState(), torch.tensor(ids)).logits
+    for made, restored in ((engine, ref), (ref, engine)):
+        s = made.session()
+        s.prefill(ids[:30], chunk=16)
+        r = type(s).restore(restored, s.snapshot())
+        assert torch.equal(r.step(30, ids[30:34]), whole[30:34])
+        assert torch.equal(r.step(34, ids[34:]), whole[34:])
+
+
 # ~11 s for ep2 on 2 cores: both layouts run with the slow set
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ep2", "tp2"], indirect=True)
