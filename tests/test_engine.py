@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsflash.engine.sampling import AfterReasoning, History, SamplingParams, sample
-from dsflash.engine.session import Engine
+from dsflash.engine.session import MAX_STEP_ROWS, Engine
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.load import load_model
-from dsflash.model.state import GrowingRows, RollbackError, SequenceState
+from dsflash.model.state import ROLLBACK_ROWS, GrowingRows, RollbackError, SequenceState
 from tests.conftest import TEXT_CASE, partly_right_drafter
 
 CASE = TEXT_CASE
@@ -258,6 +258,28 @@ def test_prefill_runs_the_decoder_on_the_tail_only_and_matches_a_full_prefill(en
     nxt = [7, 8, 9]
     ref = whole_model.forward(SequenceState(), torch.tensor(ids + nxt)).logits[-3:]
     assert torch.equal(s.step(len(ids), nxt), ref)
+
+
+def test_rollback_into_a_prefill_re_steps_a_full_prefills_rows(engine, whole_model):
+    """A rollback of up to ROLLBACK_ROWS into a prefill's own rows (sync does one when a prompt changes near its
+    end) re-steps them as a full prefill's rows and drafts from the full prefill's taps: the tail triangle
+    keeps the rows a rollback reaches back to, not only those the last row needs."""
+    ids = prompt(120, seed=8)
+    n = len(ids)
+    whole = whole_model.forward(SequenceState(), torch.tensor(ids)).logits
+    for back in (2, 9, ROLLBACK_ROWS):
+        s = engine.session()
+        s.prefill(ids, chunk=50)
+        s.rollback(n - back)
+        fresh = engine.session()
+        fresh.prefill(ids[:n - back])
+        assert s.draft(ids[n - back - 1]) == fresh.draft(ids[n - back - 1])
+        while s.pos < n:
+            p = s.pos
+            rows = ids[p:p + MAX_STEP_ROWS]
+            assert torch.equal(s.step(p, rows), whole[p:p + len(rows)])
+    changed = [*ids[:n - 20], 7, 8, 9]  # and sync's way there
+    assert torch.equal(s.sync(changed, chunk=50).logits, engine.session().prefill(changed))
 
 
 @pytest.fixture(scope="module")

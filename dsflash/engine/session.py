@@ -31,7 +31,7 @@ from dsflash.model.load import load_model
 from dsflash.model.parallel import Sharding
 from dsflash.model.state import ROLLBACK_ROWS, PositionRing, SequenceState
 from dsflash.model.tiers import RESIDENT, Tiers, sum_stats
-from dsflash.model.transformer import Streams, Transformer
+from dsflash.model.transformer import Streams, Transformer, tail_rows
 from dsflash.model.vision import TEXT
 from dsflash.numerics import NUMERICS_VERSION
 
@@ -135,11 +135,10 @@ class Session:
         return self.state.pos
 
     def tail_rows(self) -> int:
-        """Rows of hand-off the decoder needs at the end of a prefill: the window of the last layer plus
-        window-1 more per decoder layer below it."""
+        """Rows of hand-off the decoder needs at the end of a prefill: its first layer's input over the tail
+        triangle (model/transformer.tail_rows)."""
         a = self.engine.args
-        layers = a.n_layers - a.first_decoder_layer
-        return a.window_size + (layers - 1) * (a.window_size - 1)
+        return tail_rows(a, a.n_layers - 1 - a.first_decoder_layer)
 
     def _check_ids(self, ids: list[int]) -> None:
         vocab = self.engine.args.vocab_size

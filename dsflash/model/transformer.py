@@ -35,7 +35,7 @@ from dsflash.model.expert_cache import ExpertStore
 from dsflash.model.mhc import Block, FfnInput, hc_pre
 from dsflash.model.parallel import Sharding
 from dsflash.model.rope import Rope
-from dsflash.model.state import SequenceState
+from dsflash.model.state import ROLLBACK_ROWS, SequenceState
 from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.model.vision import Vision
 from dsflash.model.weights import WeightLoader
@@ -239,10 +239,9 @@ class Transformer:
         Engram table rows per position) on the first range, and each layer's output.
 
         tail_only (encoder-only prefill of the decoder): compute each layer only for the rows the final
-        state needs, a triangle ending at the last row. The last layer needs its input on the last
-        `window` rows (its window KV and the DSpark taps); each layer below needs `window - 1` more rows
-        of input to attend over. Rows are dropped at a layer's entry once no later layer needs them;
-        a kept row's arithmetic is that of a full prefill, so the state is bit-identical.
+        state, or the state after any rollback it allows, needs: a triangle ending at the last row
+        (`tail_rows`). Rows are dropped at a layer's entry once no later layer needs them; a kept row's
+        arithmetic is that of a full prefill, so the state is bit-identical.
 
         graphs: the engine's CUDA-graph store (engine/graphs.py); a short forward then runs its layers as
         one replayed segment when it can (`_replay`), with the eager forward's bits.
@@ -377,7 +376,7 @@ class Transformer:
                         continue
                     block = self.blocks[i]
                     if f.tail_only:
-                        keep_from = f.end - a.window_size - (self.layers.stop - 1 - i) * (a.window_size - 1)
+                        keep_from = f.end - tail_rows(a, self.layers.stop - 1 - i)
                         drop = keep_from - f.chunk.p0
                         if drop > 0:
                             f.chunk = f.chunk.drop_front(drop)
@@ -525,6 +524,15 @@ class Transformer:
             return *core, *(empty if x is None else x for x in kept), *p.taps
 
         return fn
+
+
+def tail_rows(args: ModelArgs, layers_above: int) -> int:
+    """The rows of input a layer `layers_above` layers below the last one needs at the end of a tail-only
+    prefill. A rollback of up to ROLLBACK_ROWS rows must leave the state a full prefill would, since the rows
+    stepped again attend over the window before them and a draft reads the DSpark taps of the `window` rows
+    before its anchor: so the last layer needs its input on the last `window + ROLLBACK_ROWS` rows (its window
+    KV and the taps), and each layer below `window - 1` more rows to attend over."""
+    return args.window_size + ROLLBACK_ROWS + layers_above * (args.window_size - 1)
 
 
 def fit_zeros(t: torch.Tensor, rows: int) -> torch.Tensor:
