@@ -198,11 +198,9 @@ class MoE:
         for g, experts in enumerate(groups):
             slot = store.acquire(self.layer, experts, groups[g + 1] if g + 1 < len(groups) else None, wide)[ids]
             pairs = torch.nonzero(slot.flatten() >= 0).flatten()
-            s = slot.flatten()[pairs]
-            gate_up = self.k.expert_linear(x[pairs // self.topk], store.w13, torch.stack([s, s + store.slots], 1), 2)
-            gate_up = gate_up.view(pairs.numel(), 2, -1)
-            h = self.k.swiglu(gate_up[:, 0], gate_up[:, 1], self.args.swiglu_limit, weights.flatten()[pairs, None])
-            routed.view(-1, x.size(1))[pairs] = self.k.expert_linear(h, store.w2, s, 1)
+            routed.view(-1, x.size(1))[pairs] = pair_products(self.k, x, weights, pairs, slot.flatten()[pairs],
+                                                              store.w13, store.w2, store.slots, self.topk,
+                                                              self.args.swiglu_limit)
         return self.k.moe_sum(routed, self.shared(x))
 
     def _routed_by_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
