@@ -74,6 +74,7 @@ class Engine:
     encoder: EncoderHalf
     max_context: int
     identity: str = ""
+    parallel: Sharding | None = None  # the ranks the halves here are sharded over (their health)
 
     @classmethod
     def load(cls, path: str | Path, max_context: int | None = None,
@@ -95,7 +96,7 @@ class Engine:
                           cuda_graphs and parallel is None)
 
         decoder = half("decoder")
-        engine = cls(decoder, None, max_context or decoder.args.max_seq_len, engine_identity(decoder.model))
+        engine = cls(decoder, None, max_context or decoder.args.max_seq_len, engine_identity(decoder.model), parallel)
         engine.encoder = encoder(engine) if encoder is not None else LocalHalf(half("encoder"))
         if parallel is not None:
             parallel.ready()

@@ -204,6 +204,11 @@ class Sharding:
 
         return replace(k, linear=linear)
 
+    @property
+    def lost(self) -> str | None:
+        """Why the group went down (a rank was lost), or None while it is up: a health check's answer."""
+        return self.group.lost
+
     def ready(self, timeout_s: float | None = None) -> None:
         """Wait until every follower has loaded its shards (a follower's load error surfaces here)."""
         self._send({"ready": len(self.shards)})

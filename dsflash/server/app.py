@@ -86,6 +86,12 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
     @app.get("/health")
     async def health():
         out = {"status": "ok", "model": model_name, "queued": m.queued, "running": m.running}
+        if engine.parallel is not None:  # --ep/--tp: a lost rank answers every request 503 until a restart
+            layout = engine.parallel.layout
+            out["layout"], out["ranks_lost"] = {"ep": layout.ep, "tp": layout.tp}, engine.parallel.lost
+            if engine.parallel.lost:
+                out["status"] = "down"
+                return JSONResponse(out, status_code=503)
         link = getattr(engine.encoder, "link", None)  # a box half holds its link; the local half has none
         if link is not None:
             out["box"] = {"address": f"{link.addr[0]}:{link.addr[1]}", "connected": link.connected,

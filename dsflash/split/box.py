@@ -49,6 +49,7 @@ from dsflash.model.parallel import Layout, Sharding
 from dsflash.model.state import ROLLBACK_ROWS
 from dsflash.model.tiers import RESIDENT, Tiers
 from dsflash.numerics import NUMERICS_VERSION
+from dsflash.parallel.group import Unavailable
 from dsflash.split.protocol import (
     MAX_FRAME,
     VERSION,
@@ -147,6 +148,7 @@ class Box:
         if parallel is not None:
             parallel.ready()
         self.layout = parallel.layout if parallel is not None else Layout()
+        self.parallel = parallel
         self.args = self.model.args
         self.identity = engine_identity(self.model.model)
         self.token = token
@@ -329,6 +331,9 @@ class Box:
             except Refusal as r:
                 more = None
                 conn.send(r.frame(request))
+            except Unavailable as e:  # a rank lost: retryable (the back's 503); a restart brings fresh ranks
+                more = None
+                conn.send(error_frame(request, "rank_unavailable", str(e), retryable=True))
             except Exception as e:  # one request's failure answers that request; the box keeps serving
                 more = None
                 where = traceback.extract_tb(e.__traceback__)[-1]
@@ -430,7 +435,12 @@ class Box:
         self.cache.put(s.cache_key(), blob)
 
     def health(self) -> dict:
-        return {"status": "ok", "identity": self.identity, "numerics": NUMERICS_VERSION,
+        """`status` "down" and `ranks_lost` the reason once a rank of its --ep/--tp group is lost (answered 503:
+        restart the box, which starts its ranks again; the back re-syncs its sessions from their committed
+        tokens)."""
+        lost = self.parallel.lost if self.parallel is not None else None
+        ranks = {} if self.parallel is None else {"ranks_lost": lost}
+        return {"status": "down" if lost else "ok", **ranks, "identity": self.identity, "numerics": NUMERICS_VERSION,
                 "sessions": sum(len(c.sessions) for c in self.connections), "connections": len(self.connections),
                 "handshaking": self._open - len(self.connections), "max_context": self.max_context,
                 "queued_tasks": self.tasks.qsize(), "steps_served": self.steps_served,
@@ -444,8 +454,9 @@ def serve_health(box: Box, host: str, port: int) -> ThreadingHTTPServer:
             if self.path != "/health":
                 self.send_error(404)
                 return
-            body = json.dumps(box.health()).encode()
-            self.send_response(200)
+            health = box.health()
+            body = json.dumps(health).encode()
+            self.send_response(200 if health["status"] == "ok" else 503)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

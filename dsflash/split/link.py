@@ -63,8 +63,8 @@ def _error(meta: dict) -> Exception:
     code, message = meta.get("code"), meta.get("message")
     if code == "context_length":  # as the one-process engine says it, so the server answers 400 either way
         return ContextLengthError(meta.get("requested"), meta.get("limit"))
-    if meta.get("retryable"):  # busy: the request may succeed later
-        return BoxUnavailable(f"box busy ({code}): {message}")
+    if meta.get("retryable"):  # busy, or a rank of the box's group lost: the request may succeed later
+        return BoxUnavailable(f"box unavailable ({code}): {message}")
     return BoxRefused(f"box error {code}: {message}")
 
 
