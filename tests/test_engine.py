@@ -278,8 +278,10 @@ def test_rollback_into_a_prefill_re_steps_a_full_prefills_rows(engine, whole_mod
             p = s.pos
             rows = ids[p:p + MAX_STEP_ROWS]
             assert torch.equal(s.step(p, rows), whole[p:p + len(rows)])
-    changed = [*ids[:n - 20], 7, 8, 9]  # and sync's way there
-    assert torch.equal(s.sync(changed, chunk=50).logits, engine.session().prefill(changed))
+    s = engine.session()  # and sync's way there: a prompt changed 20 tokens before the end of the last one
+    s.sync(ids)
+    changed = [*ids[:n - 20], 7, 8, 9]
+    assert torch.equal(s.sync(changed).logits, engine.session().prefill(changed))
 
 
 @pytest.fixture(scope="module")
