@@ -90,7 +90,7 @@ def greedy_steps(session, logits: torch.Tensor, n: int, fault=None) -> list[torc
     return out
 
 
-@pytest.mark.slow  # a box and its follower, twice, and the engine here: ~11 s on 2 cores
+@pytest.mark.slow  # a box and its follower, twice, and the engine here: 11-17 s on 2 cores
 def test_a_box_whose_rank_is_lost_answers_unavailable_and_a_restart_continues_the_text(tiny_b_dir):
     """`dsflash box --ep 2` with its follower killed mid-answer: the step in flight gets BoxUnavailable at once
     (the server's 503 + Retry-After), the box's health says down; once the box is restarted (fresh ranks) the
@@ -124,7 +124,7 @@ def test_a_box_whose_rank_is_lost_answers_unavailable_and_a_restart_continues_th
         box.kill()
 
 
-@pytest.mark.slow  # two servers with a follower each: ~11 s on 2 cores
+@pytest.mark.slow  # two servers with a follower each: 11-24 s on 2 cores
 def test_a_server_whose_rank_is_lost_answers_503_and_a_restart_gives_the_same_answer(tmp_path):
     """`dsflash serve --ep 2` with its follower killed: 503 + Retry-After (code rank_unavailable), /health 503
     "down"; the restarted server (fresh ranks) answers the request with the uninterrupted run's tokens."""
