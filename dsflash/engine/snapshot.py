@@ -21,7 +21,10 @@ from dsflash.model.state import GrowingRows, PositionRing, SequenceState
 from dsflash.numerics import NUMERICS_VERSION, packing
 
 MAGIC = b"DSFLSNAP"
-FORMAT_VERSION = 1
+# 2: a prefill's state holds every row a rollback it allows reaches (model/transformer.tail_rows); a version-1
+# snapshot of a prefill lacks the last layers' rows below its last window, so it is refused (the prefix cache
+# deletes it and prefills again) rather than re-stepped wrong after a rollback
+FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<8sII")
 
 
