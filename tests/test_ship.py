@@ -113,9 +113,17 @@ def test_the_shipped_checkpoint_is_the_built_in_one(shipped, run, ship_data, see
     assert {"train.json", quality.HELDOUT} <= set(sums)
     sample = quality.Heldout.read(shipped / quality.HELDOUT, None)
     full = quality.Heldout.from_data(ship_data, load_tokenizer(ckpt))
-    for part in ("tokens", "filler", "code"):
+    for part in ("filler", "code"):
         got, want = getattr(sample, part), getattr(full, part)
         assert got.size == min(want.size, quality.SAMPLE_TOKENS) and np.array_equal(got, want[:got.size]), part
+    assert np.array_equal(sample.tokens, full.tokens)  # the smoke split is smaller than a sample
+
+
+def test_the_sample_spreads_over_the_test_split():
+    tokens = np.arange(60_000, dtype=np.uint16)
+    part = quality.Heldout(tokens, tokens, tokens).sample(32, runs=4)
+    assert part.tokens.tolist() == [*range(8), *range(19997, 20005), *range(39994, 40002), *range(59992, 60_000)]
+    assert part.filler.tolist() == part.code.tolist() == list(range(32))
 
 
 @pytest.mark.parametrize("damage, reason", [

@@ -60,9 +60,13 @@ class Heldout:
         with np.load(path) as f:
             return cls(f["tokens"], f["filler"], f["code"])
 
-    def sample(self, n: int = SAMPLE_TOKENS) -> Heldout:
-        """The first n ids of each part."""
-        return Heldout(self.tokens[:n], self.filler[:n], self.code[:n])
+    def sample(self, n: int = SAMPLE_TOKENS, runs: int = 4) -> Heldout:
+        """n ids of each part: the first n of the filler and the code, and of the split `runs` evenly spaced runs
+        (its documents are by source, so its first n ids would be one source's; each of the default NLL's
+        4 windows of 2048 falls in one run)."""
+        starts = np.linspace(0, max(0, self.tokens.size - n // runs), runs).astype(int)
+        tokens = np.concatenate([self.tokens[s:s + n // runs] for s in starts]) if self.tokens.size > n else self.tokens
+        return Heldout(tokens, self.filler[:n], self.code[:n])
 
     def save(self, path: Path) -> None:
         with open(path, "wb") as f:  # a file object: np.savez would add ".npz" to another name
