@@ -50,11 +50,11 @@ import uvicorn
 from dsflash.engine.session import Engine
 from dsflash.server.app import create_app
 from dsflash.tokenizer import load_tokenizer
-from dsflash.checkpoint.manifest import seeded
+from dsflash.checkpoint.manifest import thinks
 
 ckpt, port, context, name, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 app = create_app(Engine.load(ckpt, max_context=context), load_tokenizer(ckpt), model_name=name, chunk=chunk,
-                 thinking=not seeded(ckpt))
+                 thinking=thinks(ckpt))
 uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 """
 

@@ -21,9 +21,9 @@ CLI = [sys.executable, "-m", "dsflash.cli"]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from dsflash.checkpoint.builtin import seeded_checkpoint
 
-    return builtin_checkpoint(tmp_path_factory.mktemp("cli"))
+    return seeded_checkpoint(tmp_path_factory.mktemp("cli"))
 
 
 def one_line_failure(args: list[str], **kw) -> str:

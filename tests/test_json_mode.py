@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsflash.checkpoint.builtin import builtin_checkpoint
+from dsflash.checkpoint.builtin import seeded_checkpoint
 from dsflash.engine.json_mode import (
     START,
     JsonObject,
@@ -80,7 +80,7 @@ def test_invalid_utf8_in_strings_is_refused(data):
 
 @pytest.fixture(scope="module")
 def vocab():
-    tok = load_tokenizer(builtin_checkpoint())
+    tok = load_tokenizer(seeded_checkpoint())
     return tok, token_bytes(tok)
 
 
@@ -130,7 +130,7 @@ def test_json_decoding_with_drafts_is_exact(vocab):
     from dsflash.engine.session import Engine
 
     tok, tb = vocab
-    engine = Engine.load(builtin_checkpoint(), max_context=4096)
+    engine = Engine.load(seeded_checkpoint(), max_context=4096)
     ids = tok.encode("Give me JSON:", add_special_tokens=False).ids
     params = SamplingParams(temperature=0.8, seed=5)
     s = engine.session()

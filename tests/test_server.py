@@ -29,10 +29,10 @@ NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> tuple[Path, Path]:
-    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from dsflash.checkpoint.builtin import seeded_checkpoint
 
     tmp = tmp_path_factory.mktemp("serve")
-    return tmp, builtin_checkpoint(tmp)  # tiny-a weights (make_checkpoint) + build_tiny_tokenizer's tokenizer.json
+    return tmp, seeded_checkpoint(tmp)  # tiny-a weights (make_checkpoint) + build_tiny_tokenizer's tokenizer.json
 
 
 @pytest.fixture(scope="module")
@@ -530,10 +530,10 @@ def test_images_to_a_model_without_vision_are_400(server):
 def test_api_key_through_dsflash_serve(tmp_path):
     """`dsflash serve --api-key`: both client libraries with the key work, without it get 401; probes
     stay open."""
-    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from dsflash.checkpoint.builtin import seeded_checkpoint
 
     port = free_port()
-    proc = start_server(["-m", "dsflash.cli", "serve", "--model", str(builtin_checkpoint(tmp_path)), "--port",
+    proc = start_server(["-m", "dsflash.cli", "serve", "--model", str(seeded_checkpoint(tmp_path)), "--port",
                          str(port), "--api-key", "k3y", "--log-level", "warning",
                          "--served-model-name", "tiny"], port)
     base = f"http://127.0.0.1:{port}"

@@ -22,10 +22,10 @@ SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "hourly
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from dsflash.checkpoint.builtin import seeded_checkpoint
 
     tmp = tmp_path_factory.mktemp("agents")
-    proc, base = serve_app(builtin_checkpoint(tmp), tmp, 4096, "tiny,tiny-alias", 16)
+    proc, base = serve_app(seeded_checkpoint(tmp), tmp, 4096, "tiny,tiny-alias", 16)
     yield base
     end_process(proc)
 
@@ -213,14 +213,14 @@ def test_a_reasoning_budget_forces_the_end_of_the_reasoning(tmp_path):
     import asyncio
     from types import SimpleNamespace
 
-    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from dsflash.checkpoint.builtin import seeded_checkpoint
     from dsflash.engine.session import Engine
     from dsflash.server.app import create_app
     from dsflash.server.images import Images
     from dsflash.server.params import Sampling
     from dsflash.tokenizer import load_tokenizer
 
-    ckpt = builtin_checkpoint(tmp_path)
+    ckpt = seeded_checkpoint(tmp_path)
     tok = load_tokenizer(ckpt)
     srv = create_app(Engine.load(ckpt, max_context=1024), tok, model_name="tiny").state.server
     job = srv.chat_job(Sampling(temperature=0), [{"role": "user", "content": "Hi"}], None, (), True, Images(), 0.0,
@@ -236,7 +236,7 @@ def test_api_details(oai, claude, server):
     API's own field, the Responses object's echo, special tokens left out of text, text_offset."""
     import httpx
 
-    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from dsflash.checkpoint.builtin import seeded_checkpoint
     from dsflash.server.encoding import encode_messages
     from dsflash.tokenizer import load_tokenizer
 
@@ -260,7 +260,7 @@ def test_api_details(oai, claude, server):
     counted = claude.messages.count_tokens(model="tiny", messages=ask, tools=tools, system="Be brief.").input_tokens
     m = claude.messages.create(model="tiny", max_tokens=1, messages=ask, tools=tools, system="Be brief.")
     assert counted == m.usage.input_tokens + m.usage.cache_read_input_tokens
-    tok = load_tokenizer(builtin_checkpoint())  # the served one's (the same seed, the same bytes)
+    tok = load_tokenizer(seeded_checkpoint())  # the served one's (the same seed, the same bytes)
     text = encode_messages([{"role": "system", "content": "Be brief."}, *ask], [{"type": "function", "function": {
         "name": "get_weather", "parameters": SCHEMA, "description": "Weather"}}], thinking=False)
     assert counted == len(tok.encode(text, add_special_tokens=False).ids)
@@ -316,11 +316,11 @@ def test_prefill_progress_is_monotone_with_llama_cpp_fields(server):
 def test_serve_chunk_thinking_and_model_names(tmp_path):
     """`dsflash serve --chunk 16 --thinking on --served-model-name a,b`: progress at least every 16 prefilled
     tokens, thinking by default, both names served and the first reported."""
-    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from dsflash.checkpoint.builtin import seeded_checkpoint
     from tests.conftest import free_port, start_server
 
     port = free_port()
-    proc = start_server(["-m", "dsflash.cli", "serve", "--model", str(builtin_checkpoint(tmp_path)), "--port",
+    proc = start_server(["-m", "dsflash.cli", "serve", "--model", str(seeded_checkpoint(tmp_path)), "--port",
                          str(port), "--chunk", "16", "--thinking", "on", "--served-model-name", "tiny,alias",
                          "--log-level", "warning"], port)
     base = f"http://127.0.0.1:{port}"

@@ -43,9 +43,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from dsflash.checkpoint.builtin import seeded_checkpoint
 
-    return builtin_checkpoint(tmp_path_factory.mktemp("hardening"))
+    return seeded_checkpoint(tmp_path_factory.mktemp("hardening"))
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,9 @@ def start_box(ckpt: Path, port: int, health_port: int) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def split_server(tmp_path_factory):
-    from dsflash.checkpoint.builtin import builtin_checkpoint
+    from dsflash.checkpoint.builtin import seeded_checkpoint
 
-    ckpt = builtin_checkpoint(tmp_path_factory.mktemp("builtin"))
+    ckpt = seeded_checkpoint(tmp_path_factory.mktemp("builtin"))
     box_port, port = free_port(), free_port()
     health_port = free_port()
     box = start_box(ckpt, box_port, health_port)

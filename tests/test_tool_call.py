@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from dsflash.checkpoint.builtin import builtin_checkpoint
+from dsflash.checkpoint.builtin import seeded_checkpoint
 from dsflash.engine.json_mode import SchemaError, Vocab, compile_schema
 from dsflash.engine.sampling import SamplingParams, sample
 from dsflash.engine.tool_call import ToolCall, parameter_names
@@ -30,7 +30,7 @@ WEATHER = {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def vocab():
-    tok = load_tokenizer(builtin_checkpoint())
+    tok = load_tokenizer(seeded_checkpoint())
     return tok, Vocab(token_bytes(tok, (DSML,)))
 
 

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -171,7 +171,7 @@ def _split(expected: Expected, n: int) -> list[Expected]:
             units.append({name: info})
     if not 1 <= n <= len(units):
         raise ConfigError(f"--shards: expected 1 to {len(units)} (the checkpoint's tensors), got {n}")
-    sizes = [sum(math.prod(shape) * DTYPE_SIZES[dtype] for dtype, shape in u.values()) for u in units]
+    sizes = list(map(_data_bytes, units))
     total, done, shards = sum(sizes), 0, [{}]
     for i, (unit, size) in enumerate(zip(units, sizes, strict=True)):
         # the next shard starts once this one holds its share, or when each unit left must start one
@@ -181,6 +181,49 @@ def _split(expected: Expected, n: int) -> list[Expected]:
         shards[-1].update(unit)
         done += size
     return shards
+
+
+def _data_bytes(part: Expected) -> int:
+    return sum(math.prod(shape) * DTYPE_SIZES[dtype] for dtype, shape in part.values())
+
+
+def _file_size(part: Expected) -> int:
+    return len(_header(part)[0]) + _data_bytes(part)
+
+
+def split_at_most(expected: Expected, max_bytes: int) -> list[Expected]:
+    """`expected` in the fewest `_split` shards whose files (header included) hold at most `max_bytes` each:
+    a trained checkpoint's files then each fit a transfer's per-file limit. Raises ConfigError naming the
+    tensor whose file alone would be larger."""
+    n, parts = max(1, -(-_data_bytes(expected) // max_bytes)), []
+    while True:
+        try:
+            parts = _split(expected, n)
+        except ConfigError:  # more shards than weight-and-scale units: one unit a shard was still too large
+            break
+        if max(map(_file_size, parts)) <= max_bytes:
+            return parts
+        n += 1
+    largest = max(parts, key=_file_size)
+    raise ConfigError(f"shard size {max_bytes:,} bytes: tensor {next(iter(largest))!r} alone needs a file of "
+                      f"{_file_size(largest):,} bytes")
+
+
+def write_shards(out: Path, parts: list[Expected], write: Callable[[Path, Expected], None]) -> list[str]:
+    """The official layout in `out`: `write(path, part)` for each part into its `shard_names` file, and with
+    more than one part the index `model.safetensors.index.json` (total_size, weight_map). Earlier weights in
+    `out` are removed first (they would be read as shards of this checkpoint). Returns the file names."""
+    names = shard_names(len(parts))
+    for old in [out / INDEX, out / "model.safetensors", *out.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
+    for name, part in zip(names, parts, strict=True):
+        write(out / name, part)
+    if len(parts) > 1:
+        total = sum(map(_data_bytes, parts))
+        weight_map = {t: name for name, part in zip(names, parts, strict=True) for t in part}
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                            indent=2) + "\n")
+    return names
 
 
 def _write_shard(path: Path, expected: Expected, seed: int) -> None:
@@ -198,8 +241,9 @@ def _write_shard(path: Path, expected: Expected, seed: int) -> None:
 
 
 def write_tensors(path: Path, expected: Expected, tensors: dict[str, torch.Tensor]) -> None:
-    """One safetensors file of `tensors` (each already in its stored dtype and shape), laid out in `expected`
-    order as the seeded writer lays it out (a trained checkpoint's export, dsflash/train/export.py)."""
+    """One safetensors file of the `tensors` that `expected` names (each already in its stored dtype and
+    shape), laid out in `expected` order as the seeded writer lays it out (a trained checkpoint's export,
+    dsflash/train/export.py)."""
     header, offsets = _header(expected)
     partial = path.with_name(path.name + ".partial")
     with open(partial, "wb") as f:
@@ -221,18 +265,7 @@ def make_checkpoint(args: ModelArgs, seed: int, out_dir: str | Path, shards: int
     validate(args)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    parts = _split(expected_tensors(args), shards)
-    names = shard_names(shards)
-    # an earlier checkpoint's files in `out` would otherwise be read as shards of this one
-    for old in [out / INDEX, out / "model.safetensors", *out.glob("model-*-of-*.safetensors")]:
-        old.unlink(missing_ok=True)
-    for name, part in zip(names, parts, strict=True):
-        _write_shard(out / name, part, seed)
-    if shards > 1:
-        total = sum(math.prod(shape) * DTYPE_SIZES[dtype] for part in parts for dtype, shape in part.values())
-        weight_map = {t: name for name, part in zip(names, parts, strict=True) for t in part}
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                            indent=2) + "\n")
+    write_shards(out, _split(expected_tensors(args), shards), lambda path, part: _write_shard(path, part, seed))
     (out / "config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
     write_manifest(out, seed)  # for `--verify-weights`, and saying the weights are random
     return out

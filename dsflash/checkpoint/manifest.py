@@ -5,7 +5,8 @@ generate`), so a damaged byte is refused with its tensor's name instead of quiet
     {"format": 1, "algorithm": "sha256", "config.json": hex, "tensors": {name: {"file": ..., "sha256": hex}}}
 
 and, for a checkpoint `make-checkpoint` drew from a seed, `"seeded": seed`: random weights that never learnt
-anything (the server's thinking default is off for them, see `seeded`).
+anything; for a trained one that never saw thinking-mode text, `"thinks": false`. The server's thinking
+default is off for both (see `thinks`).
 
 Hashing reads every byte once (in threads: hashlib and file reads release the GIL); the always-on NaN
 scan of 8-bit floats at load (reader.nan_bytes) is what catches damage when no manifest is checked.
@@ -35,9 +36,9 @@ def _config_digest(path: Path) -> str:
     return hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
 
 
-def write_manifest(path: str | Path, seed: int | None = None) -> Path:
+def write_manifest(path: str | Path, seed: int | None = None, thinks: bool = True) -> Path:
     """Hash the checkpoint at `path` as it is now into `path/model.manifest.json` (with `seed`: its weights
-    were drawn from it); returns its path."""
+    were drawn from it; `thinks` False: it never learnt to reason); returns its path."""
     path = Path(path)
     ckpt = Checkpoint(path)
     tensors = {name: {"file": ckpt.file_of(name), "sha256": d} for name, d in _digests(ckpt).items()}
@@ -45,17 +46,26 @@ def write_manifest(path: str | Path, seed: int | None = None) -> Path:
     manifest = {"format": FORMAT, "algorithm": "sha256", "config.json": _config_digest(path), "tensors": tensors}
     if seed is not None:
         manifest["seeded"] = seed
+    if not thinks:
+        manifest["thinks"] = False
     out.write_text(json.dumps(manifest, indent=1) + "\n")
     return out
 
 
-def seeded(path: str | Path) -> bool:
-    """Whether the checkpoint at `path` holds seeded random weights (its manifest says so): a model that never
-    learnt to think, so the server does not make it reason unless asked."""
+def _read(path: str | Path) -> dict:
     try:
-        return "seeded" in json.loads((Path(path) / MANIFEST).read_text())
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
     except (OSError, ValueError):
-        return False
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def thinks(path: str | Path) -> bool:
+    """Whether the checkpoint at `path` may have learnt to reason: not seeded weights, nor a trained model its
+    manifest says never saw thinking-mode text. The server does not make one that did not reason unless
+    asked."""
+    manifest = _read(path)
+    return "seeded" not in manifest and manifest.get("thinks", True) is not False
 
 
 def verify_weights(path: str | Path) -> int:

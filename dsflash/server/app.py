@@ -58,9 +58,9 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
     `api_key`: when set, every request needs it as `Authorization: Bearer KEY` (OpenAI clients) or
     `x-api-key: KEY` (Anthropic clients); /health and /metrics stay open for probes. `thinking`: whether a
     request that does not say reasons (every endpoint alike; `dsflash serve` takes it from the checkpoint:
-    off for seeded weights, see checkpoint.manifest.seeded). `max_body`: the largest request body in bytes
-    (413 past it); `request_timeout`: seconds for a body to arrive (408 past it); `max_queue`: generation
-    requests that may wait beyond the running ones (503 and Retry-After past it)."""
+    off for a model that never learnt to, see checkpoint.manifest.thinks). `max_body`: the largest request
+    body in bytes (413 past it); `request_timeout`: seconds for a body to arrive (408 past it); `max_queue`:
+    generation requests that may wait beyond the running ones (503 and Retry-After past it)."""
     if cache is None and prefix_cache:
         cache = PrefixCache(engine.identity)
     srv = Server(engine, tokenizer, cache, model_name, dspark, chunk, thinking)

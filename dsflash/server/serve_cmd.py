@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, model: str, parallel: Sharding | None) -> int:
     """The server on rank 0 (or alone), the model sharded over `parallel` when given."""
-    from dsflash.checkpoint.manifest import seeded, verify_weights
+    from dsflash.checkpoint.manifest import thinks, verify_weights
     from dsflash.engine.placement import checked_plan, layer_devices, tiers_from
     from dsflash.engine.prefix_cache import PrefixCache
     from dsflash.engine.progress import LayerCount, local_layers
@@ -57,7 +57,7 @@ def _serve(args: argparse.Namespace, model: str, parallel: Sharding | None) -> i
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"dsflash serve: listening on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    thinking = {"on": True, "off": False}.get(args.thinking, not seeded(model))
+    thinking = {"on": True, "off": False}.get(args.thinking, thinks(model))
     app = create_app(engine, tokenizer, cache=cache, model_name=name, dspark=args.dspark, api_key=api_key,
                      thinking=thinking, chunk=args.chunk or DEFAULT_CHUNK, max_body=args.max_body,
                      request_timeout=args.request_timeout, max_queue=args.max_queue)
@@ -95,8 +95,8 @@ def register(subparsers) -> None:
                    help="model ids the API answers to, comma-separated; the first is reported "
                         "(default: deepseek-v4.1-flash)")
     p.add_argument("--thinking", choices=("auto", "on", "off"), default="auto",
-                   help="whether requests that do not say reason; auto: on, except for a checkpoint of seeded "
-                        "random weights (make-checkpoint, the built-in one), which never learnt to")
+                   help="whether requests that do not say reason; auto: on, except for a checkpoint that never "
+                        "learnt to (seeded random weights, a model trained by `dsflash train`: its manifest says)")
     p.add_argument("--chunk", type=int, default=None, metavar="N",
                    help="prefill chunk in tokens: the prefix cache's snapshot grid and the progress events' step "
                         "(default: 8192)")

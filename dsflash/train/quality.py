@@ -1,7 +1,10 @@
 """The trained model's quality gates, measured through the engine's own loading and decoding (issue 21
 item 5): test-split NLL per token, a needle recalled from several windows and compression groups back, and
 DSpark acceptance on held-out Python with the output checked token-identical to plain decoding.
-`dsflash quality` prints them; tests/test_quality.py holds them to bounds."""
+`dsflash quality` prints them; tests/test_quality.py holds them to bounds.
+
+They read the test split of `dsflash train-data`, or a sample of it (`HELDOUT`) that ships beside the
+built-in checkpoint, so that the gates run on a fresh clone with no download."""
 
 from __future__ import annotations
 
@@ -23,6 +26,51 @@ from dsflash.model.transformer import Tokens
 NEEDLE = "The secret password of the old lighthouse keeper is {word}."
 NEEDLE_CUE = "\nThe secret password of the old lighthouse keeper is"
 NEEDLE_WORDS = ("marigold", "Tuesday", "copper", "Jonathan", "seventeen")
+HELDOUT = "heldout.npz"
+SAMPLE_TOKENS = 32768  # of each part of a sample: 64 KB of uint16 ids
+
+
+@dataclass
+class Heldout:
+    """What the gates read of the test split, as token ids: the split itself (NLL), its Shakespeare as one text
+    (the needles' filler) and its Python as one text (the drafting prompts)."""
+
+    tokens: np.ndarray
+    filler: np.ndarray
+    code: np.ndarray
+
+    @classmethod
+    def from_data(cls, data_dir: Path, tokenizer) -> Heldout:
+        from dsflash.train.data import load_tokens, read_split
+
+        docs = read_split(data_dir, "test")
+
+        def ids(source: str) -> np.ndarray:
+            text = "\n".join(d.text for d in docs if d.source == source)
+            return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.uint16)
+
+        return cls(load_tokens(data_dir, "test"), ids("shakespeare"), ids("python"))
+
+    @classmethod
+    def read(cls, path: Path, tokenizer) -> Heldout:
+        """A `dsflash train-data` directory's test split, or a saved sample (a file)."""
+        path = Path(path)
+        if path.is_dir():
+            return cls.from_data(path, tokenizer)
+        with np.load(path) as f:
+            return cls(f["tokens"], f["filler"], f["code"])
+
+    def sample(self, n: int = SAMPLE_TOKENS, runs: int = 4) -> Heldout:
+        """n ids of each part: the first n of the filler and the code, and of the split `runs` evenly spaced runs
+        (its documents are by source, so its first n ids would be one source's; each of the default NLL's
+        4 windows of 2048 falls in one run)."""
+        starts = np.linspace(0, max(0, self.tokens.size - n // runs), runs).astype(int)
+        tokens = np.concatenate([self.tokens[s:s + n // runs] for s in starts]) if self.tokens.size > n else self.tokens
+        return Heldout(tokens, self.filler[:n], self.code[:n])
+
+    def save(self, path: Path) -> None:
+        with open(path, "wb") as f:  # a file object: np.savez would add ".npz" to another name
+            np.savez_compressed(f, tokens=self.tokens, filler=self.filler, code=self.code)
 
 
 def nll(model_dir: Path, tokens: np.ndarray, windows: int, seq_len: int, device: str = "cpu") -> float:
@@ -47,10 +95,10 @@ class Needle:
     recalled: bool
 
 
-def needles(engine: Engine, tokenizer, filler: str, distance: int, n: int = 8) -> list[Needle]:
-    """Each of NEEDLE_WORDS stated once, then about `distance` tokens of `filler` text, then the cue: whether
-    greedy decoding names the word."""
-    fill = tokenizer.encode(filler, add_special_tokens=False).ids[:distance]
+def needles(engine: Engine, tokenizer, filler: np.ndarray, distance: int, n: int = 8) -> list[Needle]:
+    """Each of NEEDLE_WORDS stated once, then `distance` tokens of the `filler` ids (fewer when it has fewer),
+    then the cue: whether greedy decoding names the word."""
+    fill = filler[:distance].astype(np.int64).tolist()
     out = []
     for word in NEEDLE_WORDS:
         ids = [0, *tokenizer.encode(NEEDLE.format(word=word) + "\n", add_special_tokens=False).ids, *fill,
@@ -100,19 +148,17 @@ def python_prompts(tokens: np.ndarray, count: int, length: int) -> list[list[int
     return [tokens[s:s + length].astype(np.int64).tolist() for s in starts]
 
 
-def report(model_dir: Path, data_dir: Path, device: str = "cpu", seq_len: int = 2048, windows: int = 4,
+def report(model_dir: Path, data: Path, device: str = "cpu", seq_len: int = 2048, windows: int = 4,
            needle_distance: int = 1500, prompts: int = 4, n: int = 64, depth: int = 4) -> dict:
-    """Every gate's measurement of the checkpoint at model_dir against the data of `dsflash train-data`."""
+    """Every gate's measurement of the checkpoint at model_dir against `data`: the directory of `dsflash
+    train-data`, or a held-out sample (`Heldout.read`)."""
     from dsflash.tokenizer import load_tokenizer
-    from dsflash.train.data import load_tokens, read_split
 
     engine = Engine.load(model_dir, device=device)
     tokenizer = load_tokenizer(model_dir)
-    test_docs = read_split(data_dir, "test")
-    filler = "\n".join(d.text for d in test_docs if d.source == "shakespeare")
-    code = tokenizer.encode("\n".join(d.text for d in test_docs if d.source == "python"), add_special_tokens=False)
-    found = needles(engine, tokenizer, filler, needle_distance)
-    d = drafting(engine, python_prompts(np.asarray(code.ids), prompts, 256), n, depth)
-    return {"test_nll": nll(model_dir, load_tokens(data_dir, "test"), windows, seq_len, device),
+    heldout = Heldout.read(data, tokenizer)
+    found = needles(engine, tokenizer, heldout.filler, needle_distance)
+    d = drafting(engine, python_prompts(heldout.code, prompts, 256), n, depth)
+    return {"test_nll": nll(model_dir, heldout.tokens, windows, seq_len, device),
             "needles": [asdict(x) for x in found], "needles_recalled": sum(x.recalled for x in found),
             "drafting": {**asdict(d), "speedup": d.speedup}}

@@ -14,19 +14,20 @@ from pathlib import Path
 
 import torch
 
+from dsflash.engine.placement import size_arg
 from dsflash.train import data
 from dsflash.train.backend import Masters
+from dsflash.train.export import SHARD_BYTES, export_weights
 from dsflash.train.loop import Plan, Trainer, smoke_args, summary, trained_args, write_json
 from dsflash.train.plot import write_csv, write_png
 
 SAVE_RESERVE_S = 45.0  # of the budget, kept for the test NLL, the export and the curves
 
 
-def export_dir(masters: Masters, args, data_dir: Path, out: Path) -> Path:
-    """The checkpoint (export.py's layout) with the data's tokenizer.json copied in, not parsed."""
-    from dsflash.train.export import export_weights
-
-    ckpt = export_weights(masters, args, out)
+def export_dir(masters: Masters, args, data_dir: Path, out: Path, shard_bytes: int) -> Path:
+    """The checkpoint (export.py's layout, shards of at most `shard_bytes`) with the data's tokenizer.json copied
+    in, not parsed."""
+    ckpt = export_weights(masters, args, out, shard_bytes)
     shutil.copyfile(data_dir / "tokenizer.json", ckpt / "tokenizer.json")
     return ckpt
 
@@ -56,7 +57,7 @@ def run(ns: argparse.Namespace) -> int:
     result = summary(trainer, steps, dspark_steps, time.monotonic() - t0)
     result["validation_nll"] = trainer.nll(trainer.validation, plan.eval_windows)
     result["test_nll"] = trainer.nll(test, plan.eval_windows)
-    ckpt = export_dir(trainer.masters, args, Path(ns.data), out / "checkpoint")
+    ckpt = export_dir(trainer.masters, args, Path(ns.data), out / "checkpoint", ns.shard_size)
     write_csv(trainer.log.rows, out / "loss.csv")
     write_png(trainer.log.rows, out / "loss.png")
     result["total_seconds"] = round(time.monotonic() - t0, 1)
@@ -99,6 +100,9 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
     parser.add_argument("--device", help="torch device (default: cuda when available)")
     parser.add_argument("--smoke", action="store_true", help="the tests' narrow configuration (CPU seconds)")
+    parser.add_argument("--shard-size", type=size_arg, default=SHARD_BYTES, metavar="SIZE",
+                        help="the largest weight file of the checkpoint (15MiB: each file comes back from the GPU "
+                             "machine within its per-file limit)")
     parser.set_defaults(func=run)
 
 
@@ -112,7 +116,9 @@ def register(subparsers) -> None:
     q = subparsers.add_parser("quality", help="measure a trained checkpoint's quality gates (NLL, needle, DSpark)",
                               description="test NLL, needle recall and DSpark acceptance of a trained checkpoint")
     q.add_argument("--model", required=True, type=Path, help="the checkpoint directory")
-    q.add_argument("--data", required=True, type=Path, help="the directory `dsflash train-data` wrote")
+    q.add_argument("--data", required=True, type=Path,
+                   help="the directory `dsflash train-data` wrote, or a held-out sample (heldout.npz, beside the "
+                        "built-in checkpoint)")
     q.add_argument("--device", help="torch device (default: cpu, the reference backend)")
     q.add_argument("--seq-len", type=int, default=2048, help="tokens per NLL window")
     q.add_argument("--windows", type=int, default=4, help="NLL windows")
