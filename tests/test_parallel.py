@@ -4,6 +4,7 @@ and rollback sequences, DSpark decoding), and `dsflash generate --ep 2` the one-
 tests/test_parallel_faults.py (a process belongs to one group at a time)."""
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -12,7 +13,10 @@ import sys
 import pytest
 import torch
 
-from dsflash.config import ConfigError
+from dsflash.checkpoint.expect import expected_tensors
+from dsflash.checkpoint.reader import DTYPE_SIZES
+from dsflash.config import PRESETS, ConfigError
+from dsflash.engine.plan import WEIGHT_PARTS, GiB, Request, plan
 from dsflash.engine.ranks import start_ranks
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
@@ -51,6 +55,8 @@ def parallel(request, tiny_b_dir):
 
 
 def test_each_rank_holds_only_its_shards(parallel, tiny_b_dir):
+    """What each rank holds, and the plan's per-rank bytes of the layout: the follower's own count of the
+    checkpoint bytes its shards took, and rank 0's everything else."""
     engine, sharding = parallel
     a = engine.args
     names = set(sharding.shards)
@@ -58,12 +64,27 @@ def test_each_rank_holds_only_its_shards(parallel, tiny_b_dir):
         assert {f"layers.{i}.ffn." for i in range(a.n_layers)} <= names
         moe = engine.decoder.model.blocks[a.n_layers - 1].ffn
         assert not hasattr(moe, "w13") and len(sharding.shards[f"layers.{a.n_layers - 1}.ffn."].w2) == 4
-    else:  # the column-parallel linears and the head, half the rows each
-        assert {"head", "layers.0.attn.wq_b", "layers.5.ffn.shared_experts.w2"} <= names
+    else:  # attention by heads, the column-parallel linears and the head, half of each
+        assert {"head", "layers.0.attn.", "mtp.0.attn.", "layers.0.attn.wq_a", "layers.5.ffn.shared_experts.w2"} \
+            <= names
+        attn = engine.decoder.model.blocks[a.n_layers - 1].attn
+        assert attn.tp is not None and not hasattr(attn, "wo_a") and not hasattr(attn, "wq_b")
+        heads = sharding.shards[f"layers.{a.n_layers - 1}.attn."]
+        assert heads.sink.numel() == a.n_heads // 2 and heads.wo_a.size(0) == a.o_groups // 2
+        assert heads.wq_b.weight.out_features == a.n_heads * a.head_dim // 2
         head = sharding.shards["head"]
         assert head.weight.out_features == a.vocab_size // 2 and head.out == a.vocab_size
     assert expert_range(8, 2, 1) == range(4, 8) and shard_rows(512, 2, 1) == slice(256, 512)
     assert shard_rows(96, 2, 0) is None  # not whole 32-row blocks per rank: kept whole on rank 0
+    layout = sharding.layout
+    placed = plan(PRESETS["tiny-b"], Request(half="all", gpu_memory=(GiB,) * 2, host_memory=GiB, engram="host",
+                                             experts="gpu", tp=layout.tp, ep=layout.ep))
+    weights = [sum(g.parts.get(p, 0) for p in WEIGHT_PARTS) for g in placed.gpus]
+    stored = sum(math.prod(shape) * DTYPE_SIZES[dtype] for name, (dtype, shape) in expected_tensors(a).items()
+                 if ".engram.embed." not in name)  # Engram's tables on the host tier
+    assert sharding.held[0] == sharding.held[1] > 0 and weights[1] == sharding.held[1]
+    assert weights[0] == stored - sharding.held[1]
+    assert "state" in placed.gpus[0].parts and "state" not in placed.gpus[1].parts  # followers hold no state
 
 
 def test_prefill_logits_equal_one_process(parallel, one):
