@@ -23,8 +23,10 @@ from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.kernels import load_kernels
 from dsflash.kernels.cpu import linear
+from dsflash.model.attention import head_outputs
 from dsflash.model.load import load_model
 from dsflash.model.parallel import Layout, expert_range, shard_rows
+from dsflash.model.rope import Rope
 from dsflash.model.state import SequenceState
 from tests.conftest import partly_right_drafter
 
@@ -159,6 +161,36 @@ def test_a_shard_sums_by_its_whole_weights_k_ranges():
     assert not torch.equal(linear(x, shard), whole[:, 4096:])
     shard.k_range_out = 8192
     assert torch.equal(linear(x, shard), whole[:, 4096:])
+
+
+def test_each_ranks_heads_give_their_columns_of_the_whole_layer_at_released_widths():
+    """attention.head_outputs over each rank's heads (their wq_b rows with the whole weight's K ranges, sinks and
+    wo_a groups), side by side, equals all heads at once at V4.1's widths (64 heads of 512, 8 groups) for 2, 4 and
+    8 ranks -- with 8 a rank holds one group, which MKL's batched GEMM computes otherwise (cpu.grouped_linear)."""
+    a, k, rows = PRESETS["v41-flash"], load_kernels("cpu"), 64
+    g = torch.Generator().manual_seed(1)
+    rope = Rope(a, True, k)
+    positions = torch.arange(1000, 1000 + rows)
+    rope.reserve(1000 + rows, positions.device)
+    qr = torch.randn(rows, a.q_lora_rank, generator=g).to(torch.bfloat16)
+    source = torch.randn(700, a.head_dim, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-1, 700, (rows, a.window_size + a.index_topk), generator=g)
+    out = a.n_heads * a.head_dim
+    codes = (torch.randn(out, a.q_lora_rank, generator=g) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(out // 32, a.q_lora_rank // 32, generator=g) + 0.5
+    sink = torch.randn(a.n_heads, generator=g)
+    wo_a = (torch.randn(a.o_groups, a.o_lora_rank, out // a.o_groups, generator=g) / 50).to(torch.bfloat16)
+
+    def heads(world: int, r: int) -> torch.Tensor:
+        q_rows, h, grp = shard_rows(out, world, r), a.n_heads // world, a.o_groups // world
+        wq_b = k.weight("fp8", codes[q_rows], scale[q_rows.start // 32:q_rows.stop // 32])
+        wq_b.k_range_out = out
+        return head_outputs(k, rope, qr, source, idx, positions, wq_b, sink[r * h:(r + 1) * h],
+                            wo_a[r * grp:(r + 1) * grp], a.head_dim)
+
+    whole = heads(1, 0)
+    for world in (2, 4, 8):
+        assert torch.equal(torch.cat([heads(world, r) for r in range(world)], dim=1), whole)
 
 
 def test_bad_layouts_are_refused_naming_the_flag():

@@ -618,4 +618,9 @@ def _place_ranks(args: ModelArgs, infos: dict[str, tuple[str, tuple[int, ...]]],
             rank(s, r).layers = sorted({*rank(s, r).layers, *layers})
         rank(s).add("workspace", index_scratch(args, list(layers), req.context, req.backend))
         rank(s).add("cache", cache)
+    host.add("reserve", HOST_RESERVE)
+    if "engram" in disk.parts:
+        host.add("rows", req.engram_cache)
+    if cpu:
+        host.capacity = max(0, req.host_memory - gpus[0].used)
     return Plan(req, engram, experts, gpus, host, disk, expert_bytes=slot)
