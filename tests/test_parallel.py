@@ -30,7 +30,7 @@ from dsflash.model.rope import Rope
 from dsflash.model.state import SequenceState
 from tests.conftest import partly_right_drafter
 
-LAYOUTS = {"ep2": Layout(ep=2), "tp2": Layout(tp=2)}
+LAYOUTS = {"ep2": Layout(ep=2), "tp2": Layout(tp=2), "ep2tp2": Layout(ep=2, tp=2)}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def one(tiny_b_dir):
     return Engine.load(tiny_b_dir, max_context=4096), load_model(tiny_b_dir)
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=["ep2", "tp2", pytest.param("ep2tp2", marks=pytest.mark.slow)])
 def parallel(request, tiny_b_dir):
     """An engine whose halves are sharded over two gloo ranks (the follower a process of its own)."""
     sharding = start_ranks(LAYOUTS[request.param], tiny_b_dir, "cpu", timeout_s=30)
@@ -66,7 +66,7 @@ def test_each_rank_holds_only_its_shards(parallel, tiny_b_dir):
         assert {f"layers.{i}.ffn." for i in range(a.n_layers)} <= names
         moe = engine.decoder.model.blocks[a.n_layers - 1].ffn
         assert not hasattr(moe, "w13") and len(sharding.shards[f"layers.{a.n_layers - 1}.ffn."].w2) == 4
-    else:  # attention by heads, the column-parallel linears and the head, half of each
+    if sharding.layout.tp > 1:  # attention by heads, the column-parallel linears and the head, half of each
         assert {"head", "layers.0.attn.", "mtp.0.attn.", "layers.0.attn.wq_a", "layers.5.ffn.shared_experts.w2"} \
             <= names
         attn = engine.decoder.model.blocks[a.n_layers - 1].attn

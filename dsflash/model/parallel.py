@@ -187,7 +187,7 @@ class AttentionShard:
         self.wq_b = LinearShard(w, prefix + "wq_b", False, rank, world)
         self.sink = w.raw(prefix + "attn_sink")[rank * heads:(rank + 1) * heads].to(w.k.device, torch.float32)
         wo_a = w.raw(prefix + "wo_a.weight").view(a.o_groups, a.o_lora_rank, -1)
-        self.wo_a = wo_a[rank * groups:(rank + 1) * groups].to(w.k.device).clone()
+        self.wo_a = wo_a[rank * groups:(rank + 1) * groups].to(w.k.device)
         self.wo_b = LinearShard(w, prefix + "wo_b", False, rank, world)
         self.nbytes = (self.wq_b.nbytes + self.wo_b.nbytes + self.sink.numel() * w.raw(prefix + "attn_sink").itemsize
                        + self.wo_a.nbytes)  # the sinks stored in fp32, wo_a in bf16, as held
