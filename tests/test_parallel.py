@@ -163,6 +163,7 @@ def test_a_shard_sums_by_its_whole_weights_k_ranges():
     assert torch.equal(linear(x, shard), whole[:, 4096:])
 
 
+@pytest.mark.slow  # ~6 s on 2 cores (the released wq_b's GEMMs); tiny-b's tp2 cases hold one group a rank too
 def test_each_ranks_heads_give_their_columns_of_the_whole_layer_at_released_widths():
     """attention.head_outputs over each rank's heads (their wq_b rows with the whole weight's K ranges, sinks and
     wo_a groups), side by side, equals all heads at once at V4.1's widths (64 heads of 512, 8 groups) for 2, 4 and
