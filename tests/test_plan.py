@@ -337,7 +337,7 @@ def test_layouts_that_do_not_divide_are_refused_naming_the_flag(flags, line, cap
 def test_gpus_take_a_count_or_a_list(capsys):
     base = ["plan", "--preset", "v41-flash", "--gpu-memory", "140GiB", "--host-memory", "512GiB", "--json"]
     for flags, ids in (("--gpus 3", [0, 1, 2]), ("--gpus 0", [0]), ("--gpus 4,", [4]), ("--gpus 2,5 --pp 2", [2, 5]),
-                       ("--pp 2", [0, 1])):  # without --gpus: one GPU a rank
+                       ("--pp 2", [0, 1]), ("--half box --tp 2 --ep 2", [0, 1])):  # no --gpus: one a rank
         assert main([*base, *flags.split()]) == 0
         assert [g["name"] for g in json.loads(capsys.readouterr().out)["gpus"]] == [f"GPU {i}" for i in ids]
     assert main([*base, "--gpus", "2,5,7", "--pp", "4"]) == 2
