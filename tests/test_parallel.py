@@ -4,6 +4,7 @@ and rollback sequences, DSpark decoding), and `dsflash generate --ep 2` the one-
 tests/test_parallel_faults.py (a process belongs to one group at a time)."""
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -14,20 +15,25 @@ import torch
 
 from dsflash.bench.model import build_engine
 from dsflash.bench.synthetic import synthetic_args
+from dsflash.checkpoint.expect import expected_tensors
+from dsflash.checkpoint.reader import DTYPE_SIZES
 from dsflash.cli import main
-from dsflash.config import ConfigError
+from dsflash.config import PRESETS, ConfigError
+from dsflash.engine.plan import WEIGHT_PARTS, GiB, Request, plan
 from dsflash.engine.ranks import start_ranks
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.kernels import load_kernels
 from dsflash.kernels.cpu import linear
+from dsflash.model.attention import head_outputs
 from dsflash.model.load import load_model
 from dsflash.model.parallel import Layout, expert_range, shard_rows
+from dsflash.model.rope import Rope
 from dsflash.model.state import SequenceState
 from tests.conftest import partly_right_drafter
 
-LAYOUTS = {"ep2": Layout(ep=2), "tp2": Layout(tp=2)}
+LAYOUTS = {"ep2": Layout(ep=2), "tp2": Layout(tp=2), "ep2tp2": Layout(ep=2, tp=2)}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +49,7 @@ def one(tiny_b_dir):
     return Engine.load(tiny_b_dir, max_context=4096), load_model(tiny_b_dir)
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=["ep2", "tp2", pytest.param("ep2tp2", marks=pytest.mark.slow)])
 def parallel(request, tiny_b_dir):
     """An engine whose halves are sharded over two gloo ranks (the follower a process of its own)."""
     sharding = start_ranks(LAYOUTS[request.param], tiny_b_dir, "cpu", timeout_s=30)
@@ -54,6 +60,8 @@ def parallel(request, tiny_b_dir):
 
 
 def test_each_rank_holds_only_its_shards(parallel, tiny_b_dir):
+    """What each rank holds, and the plan's per-rank bytes of the layout: the follower's own count of the
+    checkpoint bytes its shards took, and rank 0's everything else."""
     engine, sharding = parallel
     a = engine.args
     names = set(sharding.shards)
@@ -61,12 +69,27 @@ def test_each_rank_holds_only_its_shards(parallel, tiny_b_dir):
         assert {f"layers.{i}.ffn." for i in range(a.n_layers)} <= names
         moe = engine.decoder.model.blocks[a.n_layers - 1].ffn
         assert not hasattr(moe, "w13") and len(sharding.shards[f"layers.{a.n_layers - 1}.ffn."].w2) == 4
-    else:  # the column-parallel linears and the head, half the rows each
-        assert {"head", "layers.0.attn.wq_b", "layers.5.ffn.shared_experts.w2"} <= names
+    if sharding.layout.tp > 1:  # attention by heads, the column-parallel linears and the head, half of each
+        assert {"head", "layers.0.attn.", "mtp.0.attn.", "layers.0.attn.wq_a", "layers.5.ffn.shared_experts.w2"} \
+            <= names
+        attn = engine.decoder.model.blocks[a.n_layers - 1].attn
+        assert attn.tp is not None and not hasattr(attn, "wo_a") and not hasattr(attn, "wq_b")
+        heads = sharding.shards[f"layers.{a.n_layers - 1}.attn."]
+        assert heads.sink.numel() == a.n_heads // 2 and heads.wo_a.size(0) == a.o_groups // 2
+        assert heads.wq_b.weight.out_features == a.n_heads * a.head_dim // 2
         head = sharding.shards["head"]
         assert head.weight.out_features == a.vocab_size // 2 and head.out == a.vocab_size
     assert expert_range(8, 2, 1) == range(4, 8) and shard_rows(512, 2, 1) == slice(256, 512)
     assert shard_rows(96, 2, 0) is None  # not whole 32-row blocks per rank: kept whole on rank 0
+    layout = sharding.layout
+    placed = plan(PRESETS["tiny-b"], Request(half="all", gpu_memory=(GiB,) * 2, host_memory=GiB, engram="host",
+                                             experts="gpu", tp=layout.tp, ep=layout.ep))
+    weights = [sum(g.parts.get(p, 0) for p in WEIGHT_PARTS) for g in placed.gpus]
+    stored = sum(math.prod(shape) * DTYPE_SIZES[dtype] for name, (dtype, shape) in expected_tensors(a).items()
+                 if ".engram.embed." not in name)  # Engram's tables on the host tier
+    assert sharding.held[0] == sharding.held[1] > 0 and weights[1] == sharding.held[1]
+    assert weights[0] == stored - sharding.held[1]
+    assert "state" in placed.gpus[0].parts and "state" not in placed.gpus[1].parts  # followers hold no state
 
 
 def test_prefill_logits_equal_one_process(parallel, one):
@@ -157,6 +180,37 @@ def test_a_shard_sums_by_its_whole_weights_k_ranges():
     assert not torch.equal(linear(x, shard), whole[:, 4096:])
     shard.k_range_out = 8192
     assert torch.equal(linear(x, shard), whole[:, 4096:])
+
+
+@pytest.mark.slow  # ~6 s on 2 cores (the released wq_b's GEMMs); tiny-b's tp2 cases hold one group a rank too
+def test_each_ranks_heads_give_their_columns_of_the_whole_layer_at_released_widths():
+    """attention.head_outputs over each rank's heads (their wq_b rows with the whole weight's K ranges, sinks and
+    wo_a groups), side by side, equals all heads at once at V4.1's widths (64 heads of 512, 8 groups) for 2, 4 and
+    8 ranks -- with 8 a rank holds one group, which MKL's batched GEMM computes otherwise (cpu.grouped_linear)."""
+    a, k, rows = PRESETS["v41-flash"], load_kernels("cpu"), 64
+    g = torch.Generator().manual_seed(1)
+    rope = Rope(a, True, k)
+    positions = torch.arange(1000, 1000 + rows)
+    rope.reserve(1000 + rows, positions.device)
+    qr = torch.randn(rows, a.q_lora_rank, generator=g).to(torch.bfloat16)
+    source = torch.randn(700, a.head_dim, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-1, 700, (rows, a.window_size + a.index_topk), generator=g)
+    out = a.n_heads * a.head_dim
+    codes = (torch.randn(out, a.q_lora_rank, generator=g) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(out // 32, a.q_lora_rank // 32, generator=g) + 0.5
+    sink = torch.randn(a.n_heads, generator=g)
+    wo_a = (torch.randn(a.o_groups, a.o_lora_rank, out // a.o_groups, generator=g) / 50).to(torch.bfloat16)
+
+    def heads(world: int, r: int) -> torch.Tensor:
+        q_rows, h, grp = shard_rows(out, world, r), a.n_heads // world, a.o_groups // world
+        wq_b = k.weight("fp8", codes[q_rows], scale[q_rows.start // 32:q_rows.stop // 32])
+        wq_b.k_range_out = out
+        return head_outputs(k, rope, qr, source, idx, positions, wq_b, sink[r * h:(r + 1) * h],
+                            wo_a[r * grp:(r + 1) * grp], a.head_dim)
+
+    whole = heads(1, 0)
+    for world in (2, 4, 8):
+        assert torch.equal(torch.cat([heads(world, r) for r in range(world)], dim=1), whole)
 
 
 def test_bad_layouts_are_refused_naming_the_flag():

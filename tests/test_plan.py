@@ -254,9 +254,10 @@ def test_generate_context_is_the_planned_and_the_engine_limit(tmp_path, capsys):
 
 
 # Parallel layouts: the per-rank bytes are recomputed here from the expected tensors with the rules written out
-# (TP splits these tensors over the ranks; EP gives rank e the experts of ids [e*n/ep, (e+1)*n/ep))
-TP_SPLIT_HERE = (".attn.wq_b.", ".attn.attn_sink", ".attn.wo_a.", ".attn.wo_b.", ".attn.indexer.wq_b.",
-                 ".attn.indexer.weights_proj.", ".shared_experts.", ".experts.")
+# (TP splits these tensors equally over the ranks; EP gives rank e the experts of ids [e*n/ep, (e+1)*n/ep); rank 0
+# holds everything else and the state)
+TP_SPLIT_HERE = (".attn.wq_b.", ".attn.attn_sink", ".attn.wo_a.", ".attn.wo_b.", ".attn.wq_a.", ".attn.wkv.",
+                 ".shared_experts.")
 GPUS8 = (140 * GiB,) * 8
 
 
@@ -274,30 +275,35 @@ def test_expert_parallel_gives_each_rank_its_slice_of_experts():
     for e, g in enumerate(placed.gpus):  # rank e: experts 48e .. 48e+47 of every layer
         mine = sum(n for name, n in stored.items() if _routed(name) and int(name.split(".")[4]) // 48 == e)
         assert g.parts["experts"] == mine
-    # the dense weights are replicated: every rank holds all of them (the embedding's second copy apart)
+    # the dense weights and the state are rank 0's, which runs the model
     dense = sum(n for name, n in stored.items() if name.startswith(("layers.", "norm", "head", "embed"))
                 and not _routed(name) and ".engram.embed." not in name)
-    assert all(g.parts["dense"] == dense for g in placed.gpus)
+    assert placed.gpus[0].parts["dense"] == dense and "state" in placed.gpus[0].parts
+    assert all(set(g.parts) == {"experts", "dspark", "workspace"} for g in placed.gpus[1:])
 
 
 def test_tensor_parallel_splits_heads_columns_and_vocabulary():
     stored = _stored(V41)
     box = [name for name in stored if name.startswith("layers.") and int(name.split(".")[1]) < 20]
-    placed = plan(V41, Request(half="box", gpu_memory=(140 * GiB,) * 2, host_memory=512 * GiB, tp=2, engram="host"))
+    placed = plan(V41, Request(half="box", gpu_memory=(140 * GiB,) * 2, host_memory=512 * GiB, tp=2, engram="host",
+                               experts="host"))
     g0, g1 = placed.gpus
-    assert g0.parts == g1.parts and placed.fits
+    assert placed.fits
     split = {n for n in box if any(p in n for p in TP_SPLIT_HERE)}
-    routed = sum(stored[n] for n in split if _routed(n))
-    assert g0.parts["experts"] * 2 == routed  # every expert halved along its intermediate columns
-    dense_split = sum(stored[n] for n in split if not _routed(n)) + stored["embed.weight"]  # vocabulary
-    dense_whole = sum(stored[n] for n in box if n not in split and ".engram.embed." not in n)
+    assert not any(_routed(n) for n in split) and g1.parts["dense"] == sum(stored[n] for n in split) // 2
+    whole = sum(stored[n] for n in box if n not in split and not _routed(n) and ".engram.embed." not in n)
     layer20 = sum(stored[n] for n in ("layers.20.attn_norm.weight", "layers.20.attn.indexer.k_norm.weight",
                                       "layers.20.attn.indexer.wk.weight") if n in stored)
     layer20 += sum(n for name, n in stored.items() if name.startswith("layers.20.attn.compressor."))
-    # the box's layer-20 cache write is replicated; each rank holds half of every split tensor
-    assert g0.parts["dense"] == dense_split // 2 + dense_whole + layer20
-    one = plan(V41, Request(half="box", gpu_memory=(140 * GiB,), host_memory=512 * GiB, engram="host"))
+    # rank 0 holds its half of every split tensor, the rest whole (the embedding, the box's layer-20 cache write)
+    assert g0.parts["dense"] == g1.parts["dense"] + whole + stored["embed.weight"] + layer20
+    # the routed experts are not split by --tp: rank 0's, here from host memory through its expert cache
+    assert placed.host.parts["experts"] == sum(stored[n] for n in box if _routed(n))
+    assert g0.parts["cache"] > 0 and "cache" not in g1.parts
+    one = plan(V41, Request(half="box", gpu_memory=(140 * GiB,), host_memory=512 * GiB, engram="host",
+                            experts="host"))
     assert g0.parts["dense"] < one.gpus[0].parts["dense"] and g0.parts["state"] == one.gpus[0].parts["state"]
+    assert "state" not in g1.parts
 
 
 def test_layer_ranges_hold_each_stage_once():
@@ -331,7 +337,7 @@ def test_layouts_that_do_not_divide_are_refused_naming_the_flag(flags, line, cap
 def test_gpus_take_a_count_or_a_list(capsys):
     base = ["plan", "--preset", "v41-flash", "--gpu-memory", "140GiB", "--host-memory", "512GiB", "--json"]
     for flags, ids in (("--gpus 3", [0, 1, 2]), ("--gpus 0", [0]), ("--gpus 4,", [4]), ("--gpus 2,5 --pp 2", [2, 5]),
-                       ("--pp 2", [0, 1])):  # without --gpus: one GPU a rank
+                       ("--pp 2", [0, 1]), ("--half box --tp 2 --ep 2", [0, 1])):  # no --gpus: one a rank
         assert main([*base, *flags.split()]) == 0
         assert [g["name"] for g in json.loads(capsys.readouterr().out)["gpus"]] == [f"GPU {i}" for i in ids]
     assert main([*base, "--gpus", "2,5,7", "--pp", "4"]) == 2
@@ -354,16 +360,18 @@ def test_one_gpu_named_for_two_ranges_holds_both():
 
 PARALLEL = {
     "ep8": "--half all --gpus 8 --ep 8 --gpu-memory 140GiB --host-memory 512GiB",
-    "box-tp2": "--half box --gpus 2 --tp 2 --gpu-memory 140GiB --host-memory 256GiB --engram host",
+    "box-tp2-ep2": "--half box --gpus 2 --tp 2 --ep 2 --gpu-memory 140GiB --host-memory 256GiB --engram host",
     "box-ep2": "--half box --gpus 2 --ep 2 --gpu-memory 140GiB --host-memory 256GiB --engram host",
 }
 
 
 @pytest.mark.parametrize("name", list(PARALLEL))
 def test_parallel_layouts_of_the_note_fit(name, capsys):
-    """The layouts docs/placement.md quotes: each fits, every rank holds its stage's layers, the experts on
-    the GPUs."""
+    """The layouts docs/placement.md quotes: each fits, the experts on the GPUs, rank 0 (the driver) holding the
+    state and the most."""
     assert main(["plan", "--preset", "v41-flash", *PARALLEL[name].split(), "--json"]) == 0
     placed = json.loads(capsys.readouterr().out)
     assert placed["fits"] and placed["experts"] == "gpu"
-    assert len({json.dumps(g["parts"]) for g in placed["gpus"]}) == 1  # the ranks of one stage alike
+    driver, *followers = placed["gpus"]
+    assert len({json.dumps(g["parts"]) for g in followers}) == 1  # the followers of one stage alike
+    assert "state" in driver["parts"] and all(g["used"] < driver["used"] for g in followers)

@@ -112,8 +112,8 @@ def check_present(ids: tuple[int, ...], why: str = "") -> None:
 
 def gpu_ids(args: argparse.Namespace) -> tuple[int, ...]:
     """The GPU ids of --gpus: a list as given; a count N the N from the command's device ("cuda:1": from 1 on);
-    not given: one a rank (--pp x --tp x --ep)."""
-    gpus = args.gpus if args.gpus is not None else args.pp * args.tp * args.ep
+    not given: one a rank (--pp x max(--tp, --ep): --tp and --ep share their ranks)."""
+    gpus = args.gpus if args.gpus is not None else args.pp * max(args.tp, args.ep)
     if isinstance(gpus, tuple):
         return gpus
     if gpus < 1:
@@ -157,9 +157,9 @@ def tiers_from(args: argparse.Namespace, placed: Plan | None = None) -> Tiers:
 
 
 def check_layout(args: argparse.Namespace) -> int:
-    """The number of ranks of --ep x --tp; PlacementError when they come with --pp layer ranges (a half runs
-    one or the other in this build)."""
-    ranks = args.tp * args.ep
+    """The number of ranks of --ep and --tp (the same ranks when both are given: model/parallel.py Layout);
+    PlacementError when they come with --pp layer ranges (a half runs one or the other in this build)."""
+    ranks = max(args.tp, args.ep)
     if args.pp != 1 and ranks != 1:
         raise PlacementError(f"--pp {args.pp} with --ep {args.ep} --tp {args.tp}: a half runs either layer ranges "
                              "in one process or ranks of the whole layer stack (drop --pp, or --ep/--tp)")

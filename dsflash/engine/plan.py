@@ -11,14 +11,14 @@ codes with E8M0 scales; bf16 widened inside its kernels).
 The halves of the split (d = args.first_decoder_layer): "box" = embed, Engram, layers [0, d), the vision
 tower and layer d's cache write; "back" = layers [d, n), norm, head, DSpark; "all" = both in one process.
 With several GPUs and no layout flags the layers go to them greedily in order. A parallel layout names
-its ranks: `--pp N` cuts the half's layers into N equal ranges (stages), and each stage runs on `tp x ep`
-ranks (GPUs), rank = (stage * ep + e) * tp + t. Tensor parallelism (`--tp`) splits attention by heads
-(wq_b, the sink, wo_a's groups, wo_b's input rows, the indexer's heads), the shared and routed experts by
-their intermediate columns, and the embedding and head by vocabulary (`TP_SPLIT`); expert parallelism
-(`--ep`) gives rank e the routed experts with ids in its e-th slice; the rest (norms, mHC, routers, the
-LoRA down-projections, compressors, Engram projections, the vision tower) is replicated on every rank of
-its stage, as is the state (MQA: one KV head, which every head's rank reads). Host memory and the disk
-are the machine's: a tier there is counted once, whatever the ranks.
+its ranks: `--pp N` cuts the half's layers into N equal ranges (stages), and each stage runs on
+max(tp, ep) ranks (GPUs; `--tp` and `--ep` together share the same ranks), rank = stage * max(tp, ep) + r.
+Per rank the plan counts what model/parallel.py loads: the stage's first rank drives (it holds the state,
+the workspace of the indexer and every tensor not split), tensor parallelism (`--tp`) splits attention by
+heads (wq_b, the sinks, wo_a's groups, wo_b's rows), the q and kv LoRA, the shared experts and the head by
+output rows over every rank (`split_by_rows`), and expert parallelism (`--ep`) gives rank e the routed experts
+with ids in its e-th slice (`expert_range`; without it they are the driver's). Host memory and the disk are
+the machine's: a tier there is counted once, whatever the ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dsflash.checkpoint.expect import expected_tensors
 from dsflash.checkpoint.reader import DTYPE_SIZES, Checkpoint
 from dsflash.config import ModelArgs
 from dsflash.model.attention import INDEXER_ROWS
+from dsflash.model.parallel import Layout, split_by_rows
 from dsflash.model.state import ROLLBACK_ROWS
 from dsflash.model.tiers import ENGRAM_CACHE, TIERS
 from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
@@ -99,11 +100,16 @@ class Request:
     gpu_ids: tuple[int, ...] = ()  # the GPUs' ids, for the table (default 0 .. len(gpu_memory)-1)
     pp: int = 1  # layer ranges (stages)
     tp: int = 1  # tensor-parallel ranks per stage
-    ep: int = 1  # expert-parallel ranks per stage
+    ep: int = 1  # expert-parallel ranks per stage (the same ranks as --tp's when both are given)
+
+    @property
+    def world(self) -> int:
+        """Ranks per stage."""
+        return max(self.tp, self.ep)
 
     @property
     def ranks(self) -> int:
-        return self.pp * self.tp * self.ep
+        return self.pp * self.world
 
     @property
     def parallel(self) -> bool:
@@ -124,6 +130,8 @@ class Request:
             raise PlacementError("no GPU to plan for: give --gpus and --gpu-memory")
         if self.gpu_ids and len(self.gpu_ids) != len(self.gpu_memory):
             raise ValueError(f"{len(self.gpu_ids)} GPU ids for {len(self.gpu_memory)} GPU capacities")
+        if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
+            raise PlacementError(f"--ep {self.ep} with --tp {self.tp}: both run over the same ranks, give equal counts")
         if self.backend == "cuda" and self.parallel and len(self.gpu_memory) != self.ranks:
             raise PlacementError(f"--gpus: {len(self.gpu_memory)} GPU(s) for --pp {self.pp} x --tp {self.tp} x "
                                  f"--ep {self.ep} = {self.ranks} ranks (one GPU a rank)")
@@ -489,7 +497,8 @@ def plan(source: Checkpoint | ModelArgs, req: Request) -> Plan:
                              "(--pp, --tp or --ep) to give each rank its part")
     cpu = req.backend == "cpu"
     engrams = [req.engram] if req.engram else (["gpu"] if cpu else ["host", "disk"])
-    experts = [req.experts] if req.experts else (["gpu"] if cpu else ["gpu", "host", "disk"])
+    # expert parallelism holds each rank's experts resident (model/transformer.py refuses the other tiers)
+    experts = [req.experts] if req.experts else (["gpu"] if cpu or req.ep > 1 else ["gpu", "host", "disk"])
     first = None
     for x in experts:
         for e in engrams:
@@ -501,19 +510,6 @@ def plan(source: Checkpoint | ModelArgs, req: Request) -> Plan:
     return first
 
 
-# Tensor parallelism: (the tensors it splits, the dimension split over the --tp ranks). Weights are [out, in]:
-# a split of dim 0 is by output columns (heads, groups, intermediate columns, vocabulary), of dim 1 by input
-# rows; a weight's block scales split with it.
-TP_SPLIT = (
-    (re.compile(r"\.attn\.(wq_b|indexer\.wq_b|indexer\.weights_proj)\.(weight|scale)$"), 0),  # heads
-    (re.compile(r"\.attn\.attn_sink$"), 0),
-    (re.compile(r"\.attn\.wo_a\.weight$"), 0),  # o_groups
-    (re.compile(r"\.attn\.wo_b\.(weight|scale)$"), 1),
-    (re.compile(r"\.(shared_experts|experts\.\d+)\.w[13]\.(weight|scale)$"), 0),
-    (re.compile(r"\.(shared_experts|experts\.\d+)\.w2\.(weight|scale)$"), 1),
-    (re.compile(r"^(embed|head)\.weight$"), 0),  # vocabulary
-    (re.compile(r"\.engram\.embed\.(weight|scale)$"), 1),  # a table on the GPU tier: by row columns
-)
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.")
 
 
@@ -559,25 +555,16 @@ def check_layout(args: ModelArgs, infos: dict[str, tuple[str, tuple[int, ...]]],
                 raise PlacementError(f"--ep {req.ep}: the {n} routed experts of {family} do not divide by {req.ep}")
 
 
-def rank_bytes(name: str, dtype: str, shape: tuple[int, ...], tp: int) -> int:
-    """Stored bytes of the part of tensor `name` one of `tp` tensor-parallel ranks holds (TP_SPLIT; the whole
-    tensor when it is replicated)."""
-    shape = list(shape)
-    for pattern, dim in TP_SPLIT if tp > 1 else ():
-        if pattern.search(name):
-            shape[dim] = -(-shape[dim] // tp)
-            break
-    return math.prod(shape) * DTYPE_SIZES[dtype]
-
-
 def _place_ranks(args: ModelArgs, infos: dict[str, tuple[str, tuple[int, ...]]], sizes: dict[str, int],
                  req: Request, engram: str, experts: str) -> Plan:
-    """A parallel layout (module doc): each rank's GPU gets its stage's tensors, split or replicated, its
-    stage's state, the workspace and (experts off the GPU) an expert cache for its share of the experts. A
-    GPU named for several ranks (`--gpus 0,0`) holds all of theirs; on the CPU backend every rank is a
-    process of the one host."""
+    """A parallel layout (module doc): each rank's GPU gets its part of its stage's tensors (an equal part of
+    a split one; a routed expert on its rank; anything else on the stage's driver), the driver the stage's
+    state, every rank the workspace and the driver (experts off the GPU) the expert cache. A GPU named for
+    several ranks (`--gpus 0,0`) holds all of theirs; on the CPU backend every rank is a process of the one
+    host."""
     cpu = req.backend == "cpu"
     stages = layer_ranges(half_layers(args, req.half), req.pp)
+    layout = Layout(ep=req.ep, tp=req.tp)
     ids = req.gpu_ids or tuple(range(len(req.gpu_memory)))
     devices: dict[int, Device] = {}
     if cpu:
@@ -596,10 +583,12 @@ def _place_ranks(args: ModelArgs, infos: dict[str, tuple[str, tuple[int, ...]]],
         layer = int(key.split(".")[1])
         return next(s for s, r in enumerate(stages) if layer in r)
 
-    def ranks_of(stage: int, e: int | None = None) -> list[Device]:
-        """The devices of the stage's ranks (of expert slice e only, when given)."""
-        return [rank_device[(stage * req.ep + x) * req.tp + t]
-                for x in (range(req.ep) if e is None else (e,)) for t in range(req.tp)]
+    def rank(stage: int, r: int = 0) -> Device:
+        return rank_device[stage * req.world + r]
+
+    def weight_rows(name: str) -> int:
+        weight = infos.get(name.rsplit(".", 1)[0] + ".weight")
+        return weight[1][0] if weight else 0
 
     counts = _expert_counts(list(sizes))
     seen: set[str] = set()
@@ -611,22 +600,24 @@ def _place_ranks(args: ModelArgs, infos: dict[str, tuple[str, tuple[int, ...]]],
         if where != "gpu":  # the machine's host memory or disk: the whole tensor, once
             (host if where == "host" else disk).add(label, sizes[name])
             continue
-        expert = _EXPERT.match(name)
-        e = int(expert.group(2)) * req.ep // counts[expert.group(1)] if expert else None
-        n = rank_bytes(name, *infos[name], req.tp)
-        for g in ranks_of(stage_of(key), e):
-            g.add(label, n)
+        stage, expert = stage_of(key), _EXPERT.match(name)
+        if split_by_rows(name, weight_rows(name), args, layout):
+            for r in range(req.world):
+                rank(stage, r).add(label, sizes[name] // req.world)
+        elif expert and req.ep > 1:
+            rank(stage, int(expert.group(2)) * req.ep // counts[expert.group(1)]).add(label, sizes[name])
+        else:
+            rank(stage).add(label, sizes[name])
     for key, n in state_bytes(args, req.half, req.context).items():
-        for g in ranks_of(stage_of(key)):
-            g.add("state", n * req.sessions)
-    slot = -(-_largest_expert(sizes) // req.tp)
-    cache = 0 if experts == "gpu" else (req.expert_cache or -(-_bank(args, sizes) // (req.ep * req.tp)))
+        rank(stage_of(key)).add("state", n * req.sessions)
+    slot = _largest_expert(sizes)
+    cache = 0 if experts == "gpu" else (req.expert_cache or _bank(args, sizes))
     for s, layers in enumerate(stages):
-        for g in ranks_of(s):
-            g.add("workspace", (CPU_WORKSPACE if cpu else GPU_WORKSPACE)
-                  + index_scratch(args, list(layers), req.context, req.backend))
-            g.add("cache", cache)
-            g.layers = sorted({*g.layers, *layers})
+        for r in range(req.world):
+            rank(s, r).add("workspace", CPU_WORKSPACE if cpu else GPU_WORKSPACE)
+            rank(s, r).layers = sorted({*rank(s, r).layers, *layers})
+        rank(s).add("workspace", index_scratch(args, list(layers), req.context, req.backend))
+        rank(s).add("cache", cache)
     host.add("reserve", HOST_RESERVE)
     if "engram" in disk.parts:
         host.add("rows", req.engram_cache)

@@ -276,7 +276,11 @@ def stream_mean(h: torch.Tensor) -> torch.Tensor:
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The grouped output projection `wo_a`: x [N, G, D] bf16, w [G, R, D] bf16 -> [N, G, R] bf16 (no
-    activation quantisation)."""
+    activation quantisation). A group's result does not depend on how many groups share the call (a
+    tensor-parallel rank holds some of them), except that MKL takes another kernel for a batch of one: a
+    single group runs as two (itself twice)."""
+    if w.size(0) == 1:
+        return torch.einsum("sgd,grd->sgr", x.repeat(1, 2, 1), w.repeat(2, 1, 1))[:, :1]
     return torch.einsum("sgd,grd->sgr", x, w)
 
 

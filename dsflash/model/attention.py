@@ -13,6 +13,7 @@ import torch
 
 from dsflash.config import ModelArgs
 from dsflash.kernels import Kernels
+from dsflash.kernels.cpu import Weight
 from dsflash.model.common import Chunk
 from dsflash.model.rope import Rope
 from dsflash.model.state import GrowingRows, PositionRing
@@ -189,9 +190,26 @@ class Indexer:
         return out
 
 
+def head_outputs(k: Kernels, rope: Rope, qr: torch.Tensor, source: torch.Tensor, idx: torch.Tensor,
+                 positions: torch.Tensor, wq_b: Weight, sink: torch.Tensor, wo_a: torch.Tensor, head_dim: int
+                 ) -> torch.Tensor:
+    """Some heads' part of the attention sub-layer, up to `wo_a`: their q (wq_b's rows for them) RoPE'd, the
+    sparse attention of each over the source rows [R, head_dim] at idx [N, K], inverse RoPE, then the grouped
+    `wo_a` of the groups they make up (wo_a [groups, o_lora_rank, heads_per_group * head_dim]) -> bf16 [N,
+    groups, o_lora_rank]. Nothing here sums across heads or groups: a tensor-parallel rank's heads give the
+    one-device bits of their columns (model/parallel.py AttentionShard)."""
+    q = k.linear(qr, wq_b).unflatten(-1, (-1, head_dim))
+    rope.rotate(q, positions)
+    o = k.sparse_attn(q, source, sink, idx, head_dim ** -0.5)
+    rope.rotate(o, positions, inverse=True)
+    return k.grouped_linear(o.view(o.size(0), wo_a.size(0), -1), wo_a)
+
+
 class Attention:
     """`writes_source`: False when another side computes this KV source's cache entries (the first
-    decoder layer of a split, whose input the box holds)."""
+    decoder layer of a split, whose input the box holds). Under tensor parallelism the heads' part (wq_b, the
+    sinks, the attention, `wo_a`, `wo_b`) runs over the ranks, each its heads (`self.tp`); the q and kv LoRA, the
+    indexer, the sources and the state stay here."""
 
     def __init__(self, args: ModelArgs, layer: int, w: WeightLoader, prefix: str, ropes: tuple[Rope, Rope],
                  writes_source: bool = True):
@@ -200,14 +218,16 @@ class Attention:
         self.ratio = args.compress_ratios[layer]
         self.eps = args.norm_eps
         self.rope = ropes[1] if self.ratio else ropes[0]
-        self.attn_sink = w.tensor(prefix + "attn_sink").float()
         self.wq_a = w.linear(prefix + "wq_a")
         self.q_norm = w.tensor(prefix + "q_norm.weight")
-        self.wq_b = w.linear(prefix + "wq_b")
         self.wkv = w.linear(prefix + "wkv")
         self.kv_norm = w.tensor(prefix + "kv_norm.weight")
-        self.wo_a = w.tensor(prefix + "wo_a.weight").view(args.o_groups, args.o_lora_rank, -1)
-        self.wo_b = w.linear(prefix + "wo_b")
+        self.tp = w.parallel.attention(w, prefix, self.rope) if w.parallel is not None else None
+        if self.tp is None:
+            self.attn_sink = w.tensor(prefix + "attn_sink").float()
+            self.wq_b = w.linear(prefix + "wq_b")
+            self.wo_a = w.tensor(prefix + "wo_a.weight").view(args.o_groups, args.o_lora_rank, -1)
+            self.wo_b = w.linear(prefix + "wo_b")
         backbone = layer < args.n_layers
         self.is_kv_source = backbone and layer in args.kv_source_layers
         self.is_index_source = backbone and layer in args.index_source_layers
@@ -219,31 +239,33 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         """The attention sub-layer over the chunk's rows: normalised input x [rows, D] -> output [rows, D]."""
-        qr, q, kv = self.projections(x, chunk.positions)
-        return self.output(self.core(x, qr, q, kv, chunk), chunk.positions)
+        qr, kv = self.projections(x, chunk.positions)
+        source, idx = self.core(x, qr, kv, chunk)
+        return self.output(qr, source, idx, chunk.positions)
 
-    def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk
-             ) -> torch.Tensor:
-        """An index layer's selection, then the sparse attention of the queries q [rows, H, head_dim]."""
+    def core(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, chunk: Chunk
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An index layer's selection, then what the queries attend to: (source rows, indices)."""
         if self.indexer is not None:
             self.select(x, qr, chunk)
-        return self.attend(q, kv, chunk)
+        return self.attend(kv, chunk)
 
-    def projections(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(qr, q, window kv) of the rows: q RoPE'd, kv RoPE'd and FP8-valued over all of its channels."""
-        a = self.args
+    def projections(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qr, window kv) of the rows: the q LoRA's normalised latent, and kv RoPE'd and FP8-valued over all of
+        its channels."""
         qr = self.k.rms_norm(self.k.linear(x, self.wq_a), self.q_norm, self.eps)
-        q = self.k.linear(qr, self.wq_b).unflatten(-1, (a.n_heads, a.head_dim))
-        self.rope.rotate(q, positions)
         kv = self.k.rms_norm(self.k.linear(x, self.wkv), self.kv_norm, self.eps)
         self.rope.rotate(kv, positions)
-        return qr, q, self.k.fp8_fake_quant(kv)
+        return qr, self.k.fp8_fake_quant(kv)
 
-    def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Inverse RoPE, grouped `wo_a` (bf16, no activation quantisation), then FP8 `wo_b`."""
-        self.rope.rotate(o, positions, inverse=True)
-        o = o.view(o.size(0), self.args.o_groups, -1)
-        o = self.k.grouped_linear(o, self.wo_a)
+    def output(self, qr: torch.Tensor, source: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor
+               ) -> torch.Tensor:
+        """Every head's attention of the rows (head_outputs), then FP8 `wo_b` (over the ranks' heads under
+        tensor parallelism)."""
+        if self.tp is not None:
+            return self.tp(qr, source, idx, positions)
+        o = head_outputs(self.k, self.rope, qr, source, idx, positions, self.wq_b, self.attn_sink, self.wo_a,
+                         self.args.head_dim)
         return self.k.linear(o.flatten(1), self.wo_b)
 
     def window_ring(self, state) -> PositionRing:
@@ -262,11 +284,11 @@ class Attention:
             chunk.topk = self.indexer.select(x, qr, self.kv_source, chunk, self.rope)
         chunk.picks = self._picks(chunk)
 
-    def attend(self, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        """Attention over the window ring, the chunk's rows and (ratio > 0) the chunk's picks, then the chunk's
-        rows into the ring. Fixed shapes for a row count, positions by device tensors: CUDA graphs capture it
-        (model/transformer.py)."""
-        a, n = self.args, chunk.n
+    def attend(self, kv: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the rows attend to -- the window ring, the chunk's rows and (ratio > 0) the chunk's picks, as
+        (source rows, indices) -- then the chunk's rows into the ring (the source is a copy). Fixed shapes for
+        a row count, positions by device tensors: CUDA graphs capture it (model/transformer.py)."""
+        n = chunk.n
         ring = self.window_ring(chunk.state)
         slots, idx, written = self._window(chunk)
         parts = [ring.data[slots], kv]
@@ -277,9 +299,9 @@ class Attention:
             parts.append(comp)
         # the gather and the concatenation cost ~3 µs of GPU time in a graph; reading the three sources in
         # place doubled the attention kernel's time (docs/rejected-ideas.md)
-        o = self.k.sparse_attn(q, torch.cat(parts), self.attn_sink, idx, a.head_dim ** -0.5)
+        source = torch.cat(parts)
         ring.data[written] = kv[n - written.numel():n]
-        return o
+        return source, idx
 
     def _window(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """window_source of the chunk, made once: alike for every layer (all rings have one capacity)."""

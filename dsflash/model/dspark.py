@@ -50,14 +50,15 @@ class DSparkAttention(Attention):
     def write_context(self, state, main_x: torch.Tensor, positions: torch.Tensor, n: int) -> None:
         self.history(state).write(positions[:n], self.context_kv(main_x, positions)[:n])
 
-    def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    def core(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, chunk: Chunk
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         win = self.args.window_size
         filled = min(win, chunk.p0)  # target positions 0 .. p0-1 have context (a graph: always the window)
         dev = x.device
         idx = torch.cat([torch.arange(filled, device=dev), win + torch.arange(chunk.n, device=dev)])
         idx = idx.expand(chunk.rows, -1)
         source = torch.cat([self.ring(chunk.state, chunk.positions[:1] - 1), kv[: chunk.n]])
-        return self.k.sparse_attn(q, source, self.attn_sink, idx.contiguous(), self.args.head_dim ** -0.5)
+        return source, idx.contiguous()
 
 
 def argmax_sampler(logits: torch.Tensor) -> int:

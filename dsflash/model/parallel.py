@@ -10,13 +10,17 @@ an ordered all-gather brings the parts back to rank 0, which puts them together.
   layer and computes the (row, pick) pairs routed to them; rank 0 places every pair's product at its slot and
   sums them with `k.moe_sum` in ascending expert id, as one device does. A pair's product does not depend on
   which other pairs share the call (`kernels/cpu.py` on batch invariance; the CUDA kernels are row-invariant).
-- tensor parallelism (`Layout.tp`): the linears of `SHARDED_LINEARS` and the head are split by output
-  features (column-parallel: attention's q LoRA, q heads and kv projections, `wo_b`, the shared expert's
-  three, the head by vocabulary). Every output is computed whole on one rank with its whole K and the K
-  ranges of the whole weight (`Weight.k_range_out`), then the shards are concatenated. `wo_b` and the shared
-  expert's `w2` are row-parallel in the usual layout (their K split over ranks, partials all-reduced); here
-  each rank takes the whole gathered input instead, so no fp32 sum changes order. A weight whose output
-  count does not split into equal multiples of 32 rows is kept whole on rank 0.
+- tensor parallelism (`Layout.tp`): attention by heads (`AttentionShard`): rank r holds the q rows (`wq_b`),
+  sinks and `wo_a` groups of its heads and a column shard of `wo_b`; rank 0 broadcasts the q LoRA's latent
+  and what the heads attend to (the shared KV rows and indices: MQA), every rank computes its heads up to
+  `wo_a` (attention.head_outputs: no sum across heads or groups), one all-gather gives every rank the whole
+  `wo_b` input, and each computes its `wo_b` columns with the whole K. The linears of `SHARDED_LINEARS` and
+  the head are split by output features the same way (column-parallel: the q and kv LoRA, the shared expert's
+  three, the head by vocabulary). Every output is computed whole on one rank with its whole K and the K ranges
+  of the whole weight (`Weight.k_range_out`), then the shards are concatenated. `wo_b` and the shared expert's
+  `w2` are row-parallel in the usual layout (their K split over ranks, partials all-reduced); here each rank
+  takes the whole gathered input instead, so no fp32 sum changes order. A weight whose output count does not
+  split into equal multiples of 32 rows (attention: heads or groups that do not divide) is kept whole on rank 0.
 """
 
 from __future__ import annotations
@@ -27,17 +31,18 @@ from dataclasses import dataclass, replace
 import torch
 
 from dsflash.checkpoint.reader import Checkpoint
-from dsflash.config import ConfigError
+from dsflash.config import ConfigError, ModelArgs
 from dsflash.kernels import Kernels
 from dsflash.kernels.cpu import Weight
+from dsflash.model.attention import head_outputs
 from dsflash.model.moe import pair_products
+from dsflash.model.rope import Rope
 from dsflash.model.weights import WeightLoader
 from dsflash.numerics import BLOCK
 from dsflash.parallel.group import Control, Group, RankLost
 
 # the column-parallel linears by name ending (and the head by vocabulary)
-SHARDED_LINEARS = (".attn.wq_a", ".attn.wq_b", ".attn.wkv", ".attn.wo_b",
-                   ".shared_experts.w1", ".shared_experts.w2", ".shared_experts.w3")
+SHARDED_LINEARS = (".attn.wq_a", ".attn.wkv", ".shared_experts.w1", ".shared_experts.w2", ".shared_experts.w3")
 HEAD = "head"
 
 
@@ -75,14 +80,44 @@ def shard_rows(out: int, world: int, rank: int) -> slice | None:
     return slice(rank * size, (rank + 1) * size)
 
 
+def column_parallel(name: str, out: int, world: int) -> bool:
+    """Whether the linear `name` (a checkpoint prefix, `out` output rows) is split by output rows over `world`
+    ranks as a `LinearShard`: one of `SHARDED_LINEARS` or the head, in whole 32-row blocks a rank."""
+    return (name == HEAD or name.endswith(SHARDED_LINEARS)) and shard_rows(out, world, 0) is not None
+
+
+_HEAD_TENSORS = (".attn.wq_b.weight", ".attn.wq_b.scale", ".attn.attn_sink", ".attn.wo_a.weight",
+                 ".attn.wo_b.weight", ".attn.wo_b.scale")
+
+
+def split_by_rows(name: str, weight_rows: int, args: ModelArgs, layout: Layout) -> bool:
+    """Whether checkpoint tensor `name` is split over the ranks by its first dimension, each holding an equal
+    part (an `AttentionShard`'s or `LinearShard`'s tensors; `weight_rows`: the output rows of the linear it
+    belongs to). Any other tensor is held whole: a routed expert by its `expert_range` rank under expert
+    parallelism, everything else by rank 0. What `dsflash plan` counts per rank (engine/plan.py)."""
+    if layout.tp == 1:
+        return False
+    if name.endswith(_HEAD_TENSORS):
+        return splits_heads(args, layout.world)
+    base, _, leaf = name.rpartition(".")
+    return leaf in ("weight", "scale") and column_parallel(base, weight_rows, layout.world)
+
+
+def stored_bytes(w: WeightLoader, name: str) -> int:
+    """The checkpoint's bytes of linear `name` (its weight and, FP8/FP4, its scales)."""
+    return sum(w.raw(name + leaf).nbytes for leaf in (".weight", ".scale") if w.has(name + leaf))
+
+
 class LinearShard:
-    """A column-parallel linear's rows on one rank: x [N, in] -> its [N, out / world] outputs."""
+    """A column-parallel linear's rows on one rank: x [N, in] -> its [N, out / world] outputs. `nbytes`: the
+    checkpoint's bytes of the rows it holds (what `dsflash plan` counts)."""
 
     def __init__(self, w: WeightLoader, name: str, widen: bool, rank: int, world: int):
         self.k = w.k
         self.out = w.raw(name + ".weight").size(0)
         self.weight = w.linear(name, widen, shard_rows(self.out, world, rank))
         self.weight.k_range_out = self.out  # each output sums its K blocks as the whole weight's GEMM does
+        self.nbytes = stored_bytes(w, name) * self.weight.out_features // self.out
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.linear(x, self.weight)
@@ -104,6 +139,7 @@ class ExpertShard:
         self.w13 = self.k.expert_bank([w.linear(f"{name}experts.{e}.{p}") for p in ("w1", "w3") for e in self.experts])
         self.w2 = self.k.expert_bank([w.linear(f"{name}experts.{e}.w2") for e in self.experts])
         self.dim = self.w2[0].out_features
+        self.nbytes = sum(stored_bytes(w, f"{name}experts.{e}.{p}") for e in self.experts for p in ("w1", "w2", "w3"))
 
     def owners(self, ids: torch.Tensor) -> torch.Tensor:
         """The rank holding each pick's expert, over the flattened picks."""
@@ -130,15 +166,56 @@ class ExpertShard:
         return routed.view(*ids.shape, self.dim)
 
 
-Shard = LinearShard | ExpertShard
+def splits_heads(args: ModelArgs, world: int) -> bool:
+    """Whether attention splits by heads over `world` ranks: whole heads and `wo_a` groups a rank, and q and
+    `wo_b` rows in whole 32-row blocks (else each attention layer stays whole on rank 0)."""
+    return (args.n_heads % world == 0 and args.o_groups % world == 0
+            and shard_rows(args.n_heads * args.head_dim, world, 0) is not None
+            and shard_rows(args.dim, world, 0) is not None)
 
 
-def load_shard(spec: dict, w: WeightLoader, rank: int, world: int) -> Shard:
-    """The shard a load message names, read from the checkpoint (this rank's rows or experts only)."""
+class AttentionShard:
+    """One attention layer's heads on one rank (the rank-th n_heads / world of them): their q rows of `wq_b`,
+    their sinks, the `wo_a` groups they make up and `wo_b`'s rank-th rows. (q LoRA latent, source rows,
+    indices, positions) -> its `wo_b` columns [N, dim / world], the heads of every rank gathered in between."""
+
+    def __init__(self, w: WeightLoader, prefix: str, rope: Rope, group: Group):
+        a = w.ckpt.args
+        self.k, self.rope, self.group, self.head_dim = w.k, rope, group, a.head_dim
+        rank, world = group.rank, group.world
+        heads, groups = a.n_heads // world, a.o_groups // world
+        self.wq_b = LinearShard(w, prefix + "wq_b", False, rank, world)
+        self.sink = w.raw(prefix + "attn_sink")[rank * heads:(rank + 1) * heads].to(w.k.device, torch.float32)
+        wo_a = w.raw(prefix + "wo_a.weight").view(a.o_groups, a.o_lora_rank, -1)
+        self.wo_a = wo_a[rank * groups:(rank + 1) * groups].to(w.k.device)
+        self.wo_b = LinearShard(w, prefix + "wo_b", False, rank, world)
+        self.nbytes = (self.wq_b.nbytes + self.wo_b.nbytes + self.sink.numel() * w.raw(prefix + "attn_sink").itemsize
+                       + self.wo_a.nbytes)  # the sinks stored in fp32, wo_a in bf16, as held
+
+    def local(self, qr: torch.Tensor, source: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor
+              ) -> torch.Tensor:
+        self.rope.reserve(int(positions.max()) + 1, positions.device)  # a follower's table grows here
+        o = head_outputs(self.k, self.rope, qr, source, idx, positions, self.wq_b.weight, self.sink, self.wo_a,
+                         self.head_dim)
+        # every rank's groups, in group order: the whole `wo_b` input on every rank
+        return self.wo_b.local(torch.cat(self.group.all_gather(o), dim=1).flatten(1))
+
+    def combine(self, parts: list[torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        return torch.cat(parts, dim=-1)
+
+
+Shard = LinearShard | ExpertShard | AttentionShard
+
+
+def load_shard(spec: dict, w: WeightLoader, group: Group, ropes: Callable[[bool], Rope]) -> Shard:
+    """The shard a load message names, read from the checkpoint (this rank's rows, heads or experts only).
+    `ropes(compressed)`: the rotary table an attention shard rotates by."""
     if spec["kind"] == "linear":
-        return LinearShard(w, spec["name"], spec["widen"], rank, world)
+        return LinearShard(w, spec["name"], spec["widen"], group.rank, group.world)
+    if spec["kind"] == "attention":
+        return AttentionShard(w, spec["name"], ropes(spec["compressed"]), group)
     n, topk = w.ckpt.args.moe_experts(spec["layer"])
-    return ExpertShard(w, spec["name"], n, topk, w.ckpt.args.swiglu_limit, rank, world)
+    return ExpertShard(w, spec["name"], n, topk, w.ckpt.args.swiglu_limit, group.rank, group.world)
 
 
 class ShardedWeight(Weight):
@@ -172,19 +249,29 @@ class Sharding:
         self.layout, self.group, self.controls = layout, group, list(controls)
         self.stop_followers = stop_followers  # (graceful) -> None: the processes rank 0 started, if any
         self.shards: dict[str, Shard] = {}
+        self.held: list[int] = []  # the checkpoint bytes each rank's shards hold, once `ready`
 
-    def _load(self, spec: dict, w: WeightLoader) -> Shard:
+    def _load(self, spec: dict, w: WeightLoader, rope: Rope | None = None) -> Shard:
         self._send({"load": spec})
-        shard = self.shards[spec["name"]] = load_shard(spec, w, 0, self.layout.world)
+        shard = self.shards[spec["name"]] = load_shard(spec, w, self.group, lambda compressed: rope)
         return shard
 
     def linear_weight(self, w: WeightLoader, name: str, widen: bool) -> Weight | None:
         """The column-parallel weight `name` as rank 0 holds it, or None where it is not sharded."""
-        if self.layout.tp == 1 or not (name == HEAD or name.endswith(SHARDED_LINEARS)):
+        if self.layout.tp == 1 or not (name == HEAD or name.endswith(SHARDED_LINEARS)):  # read no other header
             return None
-        if shard_rows(w.raw(name + ".weight").size(0), self.layout.world, 0) is None:
+        if not column_parallel(name, w.raw(name + ".weight").size(0), self.layout.world):
             return None
         return ShardedWeight(name, self._load({"kind": "linear", "name": name, "widen": widen}, w))
+
+    def attention(self, w: WeightLoader, prefix: str, rope: Rope
+                  ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The attention layer at `prefix`'s heads over the group: (q LoRA latent, source rows, indices,
+        positions) -> the sub-layer's output [N, dim]; None where attention is not split (`splits_heads`)."""
+        if self.layout.tp == 1 or not splits_heads(w.ckpt.args, self.layout.world):
+            return None
+        self._load({"kind": "attention", "name": prefix, "compressed": rope.compressed}, w, rope)
+        return lambda qr, source, idx, positions: self.run(prefix, qr, source, idx, positions)
 
     def experts(self, w: WeightLoader, name: str, layer: int
                 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -210,13 +297,16 @@ class Sharding:
         return self.group.lost
 
     def ready(self, timeout_s: float | None = None) -> None:
-        """Wait until every follower has loaded its shards (a follower's load error surfaces here)."""
+        """Wait until every follower has loaded its shards (a follower's load error surfaces here); each
+        says the checkpoint bytes it holds (`held`, by rank: rank 0's shards first)."""
         self._send({"ready": len(self.shards)})
+        self.held = [sum(shard.nbytes for shard in self.shards.values())]
         for rank, control in enumerate(self.controls, 1):
             answer = self._guard(lambda c=control: c.recv(timeout_s))
-            if answer != {"loaded": len(self.shards)}:
+            if not isinstance(answer, dict) or answer.get("loaded") != len(self.shards):
                 self._down()
                 raise RankLost(f"rank {rank} did not load its shards (it answered {answer!r})")
+            self.held.append(answer["bytes"])
 
     def run(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
         """One sharded operation: its name to the followers, its inputs broadcast, every rank's part
@@ -263,11 +353,12 @@ def follow(group: Group, control: Control, ckpt: Checkpoint, k: Kernels) -> None
     rank 0 closes the control line (RankLost when the group fails under it)."""
     w = WeightLoader(ckpt, k)
     shards: dict[str, Shard] = {}
+    ropes = {compressed: Rope(ckpt.args, compressed, k) for compressed in (False, True)}  # one a variant, as rank 0
     while (msg := control.recv()) is not None:
         if "load" in msg:
-            shards[msg["load"]["name"]] = load_shard(msg["load"], w, group.rank, group.world)
+            shards[msg["load"]["name"]] = load_shard(msg["load"], w, group, ropes.__getitem__)
         elif "ready" in msg:
-            control.send({"loaded": len(shards)})
+            control.send({"loaded": len(shards), "bytes": sum(shard.nbytes for shard in shards.values())})
         else:
             inputs = [group.broadcast(torch.empty(shape, dtype=getattr(torch, dtype), device=group.device))
                       for shape, dtype in msg["inputs"]]

@@ -34,7 +34,7 @@ class Rope:
             smooth = 1 - ramp
             freqs = freqs / args.rope_factor * (1 - smooth) + freqs * smooth
         self.freqs = freqs
-        self.dim = dim
+        self.dim, self.compressed = dim, compressed
         self._tables: dict[torch.device, torch.Tensor] = {}
         self.rebuilds = 0  # CUDA graphs read the table by address: a rebuild retires them
         self.k = kernels

@@ -19,6 +19,7 @@ from dsflash.numerics import BLOCK
 
 if TYPE_CHECKING:
     from dsflash.model.expert_cache import ExpertStore
+    from dsflash.model.rope import Rope
 
 
 class Shards(Protocol):
@@ -26,6 +27,9 @@ class Shards(Protocol):
 
     def linear_weight(self, w: WeightLoader, name: str, widen: bool) -> Weight | None:
         """The column-parallel weight `name` (this rank's shard, run over the group), or None: not sharded."""
+
+    def attention(self, w: WeightLoader, prefix: str, rope: Rope) -> Callable[..., torch.Tensor] | None:
+        """The attention layer at `prefix`'s heads over the group, or None where attention is not split."""
 
     def experts(self, w: WeightLoader, name: str, layer: int) -> Callable[..., torch.Tensor] | None:
         """The MoE layer at `name`'s routed experts over the group, or None without expert parallelism."""

@@ -26,15 +26,15 @@ class BlockChunk(Chunk):
 class BlockAttention(DSparkAttention):
     """DSparkAttention's core over a BlockChunk: the indices of decoding's, per anchor."""
 
-    def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, chunk: BlockChunk
-             ) -> torch.Tensor:
+    def core(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, chunk: BlockChunk
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         win, b, anchors = self.args.window_size, chunk.block, chunk.anchors
         context = chunk.contexts[self.stage]
         before = anchors.unsqueeze(1) - win + torch.arange(win, device=x.device)
         own = context.size(0) + torch.arange(anchors.numel() * b, device=x.device).view(-1, b)
         idx = torch.cat([torch.where(before >= 0, before, -1), own], dim=1).repeat_interleave(b, dim=0)
         source = torch.cat([context, kv[: chunk.n]])
-        return self.k.sparse_attn(q, source, self.attn_sink, idx, self.args.head_dim ** -0.5)
+        return source, idx
 
 
 def block_rows(x: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, b: int, noise: int
