@@ -88,8 +88,8 @@ def dequantised(kind: str, codes: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 
 def _e4m3_values(groups: torch.Tensor, dims: int | tuple[int, ...]) -> torch.Tensor:
-    """E4M3 values times the power-of-two scale 2^ceil(log2(amax / 448)) of each block over `dims` (floor
-    1e-4 on amax), float32: codecs' FP8 quantisers, then their dequantisation."""
+    """E4M3 values times the power-of-two scale 2^ceil(log2(amax x 1/448)) of each block over `dims` (the
+    float32 reciprocal, a floor of 1e-4 on amax), float32: codecs' FP8 quantisers, then their dequantisation."""
     s = pow2_scale(groups.abs().amax(dim=dims, keepdim=True).clamp_min(1e-4), E4M3_MAX_INV)
     return e4m3_saturate(groups / s).float() * s
 
