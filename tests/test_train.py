@@ -18,9 +18,19 @@ from dsflash.model.transformer import Tokens, Transformer
 from dsflash.numerics.codecs import E2M1_VALUES, dequant_fp4_rows, quantize_fp4_rows
 from dsflash.tokenizer import BOS_ID, EOS_ID, TINY_CORPUS, build_tiny_tokenizer, compressed_token_map, load_tokenizer
 from dsflash.train import data
-from dsflash.train.backend import TrainState
+from dsflash.train.backend import (
+    ENGRAM,
+    FP4,
+    FP8,
+    GROUP_ROWS,
+    TrainState,
+    dequantised,
+    fake_values,
+    grouped_slots,
+    quantised,
+)
 from dsflash.train.export import export_weights
-from dsflash.train.loop import Plan, Trainer, draft_logits, smoke_args
+from dsflash.train.loop import Plan, Trainer, draft_logits, drop_unrouted_grads, smoke_args
 from dsflash.train.train_cmd import main as train_main
 
 VOCAB = 512
@@ -73,6 +83,81 @@ def test_fp4_rows_quantiser_gives_e2m1_values_on_power_of_two_scales():
     codes = values.view(64, 4, 32) / torch.tensor(2.0) ** (scale.float().view(64, 4, 1) - 127)
     assert set(codes.flatten().tolist()) <= set(E2M1_VALUES.tolist())
     assert bool((values[3, :32] == 0).all())
+
+
+def _awkward_weights(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Rows over 60 binades, an all-zero block, negative zeros, and values on the E2M1 / E4M3 rounding ties."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * torch.logspace(-25, 25, rows).unsqueeze(1)
+    w[0, :32] = 0
+    w[1, :7] = -0.0
+    w[2] = torch.randint(-25, 26, (cols,), generator=g) * 0.25  # E2M1 ties at a scale of 1
+    w[3] = (torch.randint(0, 2**7, (cols,), generator=g) * 2 + 1) * 2.0**-9  # E4M3 mantissa ties
+    return w
+
+
+@pytest.mark.parametrize("kind,shape", [(FP4, (64, 128)), (FP8, (70, 100)), (ENGRAM, (40, 64))])
+def test_batched_fake_quantiser_gives_the_codecs_bits(kind, shape):
+    """The training forward's weights (one call over a stack of same-shape weights, no host reads) are the
+    values the export's codecs write and the loader decodes, bit for bit, sign of zero included."""
+    stack = torch.stack([_awkward_weights(*shape, seed) for seed in range(3)])
+    got = fake_values(kind, stack)
+    for w, values in zip(stack, got, strict=True):
+        assert torch.equal(values.view(torch.int32), dequantised(kind, *quantised(kind, w)).view(torch.int32))
+
+
+def test_masters_requantise_a_weight_only_after_it_changed(data_dir):
+    t = trainer(data_dir, seq_len=96)
+    m = t.masters
+    names = [n for n, k in m.kinds.items() if k == FP4][:2]
+    before = [m.values(n).detach().clone() for n in names]
+    with torch.no_grad():
+        m.params[names[0]].mul_(3.0)  # an optimiser step's in-place update bumps the version
+    after = [m.values(n) for n in names]
+    want = dequantised(FP4, *quantised(FP4, m.params[names[0]].detach())).to(torch.bfloat16)
+    assert torch.equal(after[0], want) and not torch.equal(after[0], before[0])
+    assert torch.equal(after[1], before[1])
+    after[0].float().sum().backward()  # straight through to the master
+    assert torch.equal(m.params[names[0]].grad, torch.ones_like(m.params[names[0]]))
+
+
+def test_grouped_expert_gemm_is_the_per_slot_linear(data_dir):
+    """expert_linear's grouped layout (slots by bank entry, padded groups) gives every slot the training linear
+    of its row and entry, with the gradients of that loop."""
+    t = trainer(data_dir, seq_len=96)
+    k, a = t.k, t.args
+    bank = [k.weight(FP4, t.masters.get(f"layers.0.ffn.experts.{e}.w1.weight"), None)
+            for e in range(a.n_routed_experts)]
+    experts = torch.tensor([[3, 0], [3, 5], [7, 3], [0, 5], [5, 3]])  # entries 1, 2, 4, 6 unused
+    slot_of_row, row_of_slot, ends = grouped_slots(experts.flatten(), len(bank))
+    assert torch.equal(slot_of_row[row_of_slot], torch.arange(experts.numel()))
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    assert bool((starts % GROUP_ROWS == 0).all()) and bool((ends >= starts).all())
+    x = torch.randn(experts.size(0), a.dim, dtype=torch.bfloat16, requires_grad=True)
+    y = k.expert_linear(x, bank, experts, 2)
+    rows = torch.arange(experts.numel()) // 2
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref = torch.cat([k.linear(ref_x[rows[s]].unsqueeze(0), bank[int(e)]) for s, e in enumerate(experts.flatten())])
+    assert torch.allclose(y.float(), ref.float(), rtol=1e-2, atol=1e-3)
+    probe = torch.randn_like(y, dtype=torch.float32)
+    grads = torch.autograd.grad((y.float() * probe).sum(), [x, bank[3].master])
+    ref_grads = torch.autograd.grad((ref.float() * probe).sum(), [ref_x, bank[3].master])
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(g.float(), r.float(), rtol=2e-2, atol=2e-2 * float(r.abs().max()))
+
+
+def test_an_unrouted_expert_gets_no_gradient(data_dir):
+    t = trainer(data_dir, seq_len=96)
+    n = t.args.n_routed_experts
+    for p in t.masters.params.values():
+        p.grad = torch.zeros_like(p)
+    load = torch.ones(n, dtype=torch.int64)
+    load[2] = 0
+    drop_unrouted_grads(t.masters, {0: load})
+    for e in range(n):
+        for w in ("w1", "w2", "w3"):
+            assert (t.masters.params[f"layers.0.ffn.experts.{e}.{w}.weight"].grad is None) == (e == 2), (e, w)
+    assert t.masters.params["layers.1.ffn.experts.2.w1.weight"].grad is not None  # another layer's expert 2
 
 
 def test_a_few_steps_lower_the_validation_nll(data_dir):

@@ -144,16 +144,21 @@ def encode_e4m3(x: Array) -> Array:
     return _like(code.to(torch.uint8), x)
 
 
+def e2m1_magnitude(v: torch.Tensor) -> torch.Tensor:
+    """float32 -> the E2M1 magnitude nearest |v| (round to nearest even, saturating at 6), float32."""
+    a = v.abs().clamp(max=E2M1_MAX)
+    # grid spacing .5 below 2, 1 below 4, 2 up to 6; ties to even multiples = ties to even codes
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.round(a / step) * step
+
+
 def encode_e2m1(x: Array) -> Array:
     """float32 -> 4-bit E2M1 code (bit 3 = sign), round to nearest even, saturating at ±6; the sign
     of zero is kept. NaN has no code and raises."""
     v = _floats(x)
     if bool(torch.isnan(v).any()):
         raise ValueError("E2M1 has no NaN: input contains NaN")
-    a = v.abs().clamp(max=E2M1_MAX)
-    # grid spacing .5 below 2, 1 below 4, 2 up to 6; ties to even multiples = ties to even codes
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    r = torch.round(a / step) * step
+    r = e2m1_magnitude(v)
     code = torch.where(r < 2, r * 2, torch.where(r < 4, r + 2, torch.where(r == 4, 6.0, 7.0)))
     return _like((code.to(torch.int32) | (_sign_bit(v) << 3)).to(torch.uint8), x)
 

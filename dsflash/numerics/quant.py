@@ -40,8 +40,14 @@ _E2M1_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
 
 
 def pow2_scale(amax: torch.Tensor, max_inv: torch.Tensor) -> torch.Tensor:
-    """2^ceil(log2(amax * max_inv)), from the exponent bits plus one when the mantissa is non-zero."""
-    bits = (amax.float() * max_inv).contiguous().view(torch.int32)
+    """2^ceil(log2(amax * max_inv)), the product rounded to float32 first."""
+    return pow2_ceil(amax.float() * max_inv)
+
+
+def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2 x) of a normal positive float32 x (at most 2^127), from the exponent bits plus one when the
+    mantissa is non-zero: codecs.ceil_pow2_e8m0's power of two, without its host-side range checks."""
+    bits = x.contiguous().view(torch.int32)
     exponent = (bits >> 23) & 0xFF
     mantissa = bits & ((1 << 23) - 1)
     return ((exponent + (mantissa != 0).to(torch.int32)) << 23).view(torch.float32)

@@ -8,8 +8,11 @@ What the reference ops (kernels/cpu.py) give autograd, and what this backend cha
   reference's products summed in the matmul's order; the quantisers' rounding passes the gradient straight
   through (`ste`).
 - The weights: fp32 master tensors (`Masters`) behind the checkpoint's names. A linear's FP8 tiles or FP4
-  rows and an Engram table's FP8 rows are re-quantised from the master at every use, as the export writes
-  them (numerics/codecs.py), so the forward sees the bits the saved checkpoint will hold.
+  rows and an Engram table's FP8 rows are re-quantised from the master whenever it changed, as the export
+  writes them (numerics/codecs.py's bits), so the forward sees the bits the saved checkpoint will hold; the
+  weights of one format and shape in one call (`fake_values`: no host reads), once per optimiser step.
+- The routed experts: every (row, expert) pair of a MoE layer in one grouped GEMM per projection
+  (`expert_linear`), instead of the reference's loop over the experts with its host read of their loads.
 - The packed FP4 caches (compressed KV, index keys): the state holds their fake-quantised values instead of
   packed bytes (`TrainState`), so the gradient reaches the compressors through the entries.
 - Sparse attention is the reference's: autograd follows its online softmax, and a softmax of our own (the
@@ -22,6 +25,7 @@ writes) is the reference's own torch code, which autograd follows.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -30,24 +34,39 @@ from dsflash.checkpoint.reader import Checkpoint
 from dsflash.kernels import Kernels, cpu, load_kernels
 from dsflash.kernels.cpu import Weight
 from dsflash.model.state import GrowingRows, SequenceState
+from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import (
+    E2M1_MAX,
+    E4M3_MAX_INV,
     dequant_fp4_rows,
     dequant_fp8_blocks,
     dequant_fp8_rows,
+    e2m1_magnitude,
     quantize_fp4_rows,
     quantize_fp8_blocks,
     quantize_fp8_rows,
 )
-from dsflash.numerics.quant import fp4_fake_quant, fp8_fake_quant
+from dsflash.numerics.quant import e4m3_saturate, fp4_fake_quant, fp8_fake_quant, pow2_ceil, pow2_scale
 
 # how each stored dtype is held as a master, and quantised back (export.py writes these formats)
 FP8, FP4, ENGRAM, PLAIN = "fp8", "fp4", "engram", "plain"
 
 
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = x.dtype
+        return quantised.view_as(quantised)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None
+
+
 def ste(x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
-    """`quantised`'s values exactly with x's gradient (the straight-through estimator). Not x + (q - x): in
-    bf16 that sum rounds twice and misses q."""
-    return quantised.detach() + (x - x.detach())
+    """`quantised`'s values exactly, in its dtype, with x's gradient (the straight-through estimator): no
+    arithmetic in the forward (x + (q - x) rounds twice in bf16 and misses q) and one cast in the backward."""
+    return _StraightThrough.apply(x, quantised.detach())
 
 
 def quantised(kind: str, master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,11 +87,28 @@ def dequantised(kind: str, codes: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return dequant_fp8_rows(codes, scale)
 
 
-def fake_quant(kind: str, master: torch.Tensor) -> torch.Tensor:
-    """The master's values as its stored format holds them, with the master's gradient."""
-    with torch.no_grad():
-        values = dequantised(kind, *quantised(kind, master))
-    return ste(master, values)
+def _e4m3_values(groups: torch.Tensor, dims: int | tuple[int, ...]) -> torch.Tensor:
+    """E4M3 values times the power-of-two scale 2^ceil(log2(amax x 1/448)) of each block over `dims` (the
+    float32 reciprocal, a floor of 1e-4 on amax), float32: codecs' FP8 quantisers, then their dequantisation."""
+    s = pow2_scale(groups.abs().amax(dim=dims, keepdim=True).clamp_min(1e-4), E4M3_MAX_INV)
+    return e4m3_saturate(groups / s).float() * s
+
+
+def fake_values(kind: str, w: torch.Tensor) -> torch.Tensor:
+    """float32 [..., out, in] (one weight, or a stack of weights of one shape) -> its values as the stored
+    format holds them: `dequantised(kind, *quantised(kind, w))`'s bits, each weight of a stack on its own,
+    computed without the codecs' host-side checks (a host read each on a GPU)."""
+    w = w.float()
+    if kind == FP4:  # codecs.quantize_fp4_rows: the scale from amax / 6, divided (not times 1/6)
+        groups = w.unflatten(-1, (-1, BLOCK))
+        s = pow2_ceil(groups.abs().amax(dim=-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-126) / E2M1_MAX)
+        v = groups / s
+        return (torch.copysign(e2m1_magnitude(v), v) * s).flatten(-2)  # decode(encode(v)): the sign of 0 kept
+    if kind == FP8:  # codecs.quantize_fp8_blocks: BLOCK x BLOCK tiles, partial edge tiles included
+        rows, cols = w.shape[-2:]
+        tiles = F.pad(w, (0, -cols % BLOCK, 0, -rows % BLOCK)).unflatten(-2, (-1, BLOCK)).unflatten(-1, (-1, BLOCK))
+        return _e4m3_values(tiles, (-3, -1)).flatten(-2).flatten(-3, -2)[..., :rows, :cols]
+    return _e4m3_values(w.unflatten(-1, (-1, BLOCK)), -1).flatten(-2)
 
 
 class Masters:
@@ -82,7 +118,8 @@ class Masters:
     `get` of a plain (BF16/F32) tensor is the master cast to the stored dtype: a fresh autograd node, so a
     model built for a step differentiates into the masters (a model is built per step; building is cheap next
     to a forward). `get` of a quantised weight or Engram table is a fixed handle tensor with the stored codes'
-    dtype; the training backend's `weight` and `engram_rows` look the master up by the handle."""
+    dtype; the training backend's `weight` and `engram_rows` look the master up by the handle, and a linear
+    reads its stored values from `values`."""
 
     def __init__(self, ckpt: Checkpoint, device: torch.device | str):
         self.args, self.device = ckpt.args, torch.device(device)
@@ -91,6 +128,8 @@ class Masters:
         self.stored_dtype: dict[str, torch.dtype] = {}
         self._handles: dict[str, torch.Tensor] = {}
         self._by_handle: dict[int, str] = {}
+        self._formats: dict[tuple, list[str]] = {}  # (kind, shape) -> the FP8/FP4 linears quantised together
+        self._values: dict[str, tuple[int, torch.Tensor]] = {}  # name -> (its master's version, bf16 values)
         for name in ckpt.names():
             t = ckpt.get(name)
             if t.dtype == torch.float8_e8m0fnu:  # a scale: re-derived from its weight's master
@@ -106,6 +145,8 @@ class Masters:
                 kind, value = PLAIN, t.float()
             self.kinds[name], self.stored_dtype[name] = kind, t.dtype
             self.params[name] = value.to(self.device).requires_grad_(not name.endswith(".gate.bias"))
+            if kind in (FP8, FP4):
+                self._formats.setdefault((kind, tuple(value.shape)), []).append(name)
 
     def names(self) -> list[str]:
         return sorted([*self.params, *(n for n in self._handles if n not in self.params)])
@@ -118,26 +159,42 @@ class Masters:
             return self._handles[name]
         return self.params[name].to(self.stored_dtype[name])
 
-    def master_of(self, handle: torch.Tensor) -> tuple[str, torch.Tensor]:
-        """(name, master) of a quantised tensor's handle (what `get` gave the model)."""
+    def name_of(self, handle: torch.Tensor) -> str:
+        """The name of a quantised tensor's handle (what `get` gave the model)."""
         name = self._by_handle.get(id(handle))
         if name is None:
             raise KeyError("not a handle of these masters: the model was built from another checkpoint")
-        return self.kinds[name], self.params[name]
+        return name
+
+    def values(self, name: str) -> torch.Tensor:
+        """An FP8/FP4 linear's stored values (bf16, which holds them exactly) with its master's gradient.
+        Re-quantised only when the master changed since (its in-place version counter: the optimiser's step),
+        then with every weight of its format and shape in one `fake_values` call."""
+        master = self.params[name]
+        held = self._values.get(name)
+        if held is None or held[0] != master._version:
+            names = self._formats[(self.kinds[name], tuple(master.shape))]
+            with torch.no_grad():
+                stacked = fake_values(self.kinds[name], torch.stack([self.params[n] for n in names]))
+            for n, v in zip(names, stacked.to(torch.bfloat16), strict=True):
+                self._values[n] = (self.params[n]._version, v)
+            held = self._values[name]
+        return ste(master, held[1]) if master.requires_grad and torch.is_grad_enabled() else held[1]
 
     def trainable(self, prefix: str = "") -> list[torch.Tensor]:
         return [p for n, p in self.params.items() if p.requires_grad and n.startswith(prefix)]
 
 
 class TrainWeight(Weight):
-    """A quantised linear's master; `values` re-quantises it (FP8 tiles or FP4 rows), straight through."""
+    """A quantised linear's master; `values` are its stored values (FP8 tiles or FP4 rows), straight through."""
 
-    def __init__(self, kind: str, master: torch.Tensor):
-        self.kind, self.master = kind, master
+    def __init__(self, masters: Masters, name: str):
+        self.masters, self.name = masters, name
+        self.kind, self.master = masters.kinds[name], masters.params[name]
 
     @property
     def values(self) -> torch.Tensor:
-        return fake_quant(self.kind, self.master)
+        return self.masters.values(self.name)
 
     @property
     def scale(self) -> None:
@@ -179,31 +236,86 @@ class TrainState(SequenceState):
         return r
 
 
+class _Rows(torch.autograd.Function):
+    """Rows of x by `index` (index x.size(0): a zero row) whose backward is a gather too, by `inverse` (the
+    row of the result each row of x went to, or the result's row count: none), where each row of x goes to
+    at most one row: no scatter-add, which a deterministic CUDA run does by sorting."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return F.pad(x, (0, 0, 0, 1)).index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return F.pad(grad, (0, 0, 0, 1)).index_select(0, inverse), None, None
+
+
+# rows of one expert in a grouped GEMM start at a multiple of this: 16-byte aligned bf16 operands for CUDA's
+# grouped kernel (its weight gradient slices the rows by expert)
+GROUP_ROWS = 16
+
+
+def grouped_slots(experts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout of a grouped GEMM over slots (experts: the bank entry of each slot, [S]), computed on the
+    device: (the slot of each grouped row or S for padding [S + n * (GROUP_ROWS - 1)], the grouped row of each
+    slot [S], the end of each entry's rows int32 [n]). Entry by entry ascending, its slots in order."""
+    s = experts.numel()
+    order = torch.sort(experts, stable=True).indices
+    counts = torch.bincount(experts, minlength=n)
+    padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+    ends = padded.cumsum(0)
+    by_entry = experts[order]
+    rank = torch.arange(s, device=experts.device) - (counts.cumsum(0) - counts)[by_entry]
+    grouped = (ends - padded)[by_entry] + rank
+    slot_of_row = torch.full((s + n * (GROUP_ROWS - 1),), s, dtype=torch.int64, device=experts.device)
+    slot_of_row[grouped] = order
+    row_of_slot = torch.empty_like(order)
+    row_of_slot[order] = grouped
+    return slot_of_row, row_of_slot, ends.to(torch.int32)
+
+
 def training_kernels(masters: Masters) -> Kernels:
     """The reference record with the training ops above, on the masters' device."""
     base = load_kernels(masters.device, reference=True)
 
     def weight(kind: str, stored: torch.Tensor, scale: torch.Tensor | None) -> Weight:
         if kind in (FP8, FP4):
-            return TrainWeight(*masters.master_of(stored))
+            return TrainWeight(masters, masters.name_of(stored))
         return Weight(kind, stored.to(torch.float32 if kind == "fp32" else torch.bfloat16))
+
+    def act(x: torch.Tensor) -> torch.Tensor:
+        return ste(x, fp8_fake_quant(x.detach()))
 
     def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         if w.kind in (FP8, FP4):
-            xq = ste(x, fp8_fake_quant(x.detach()))
-            return F.linear(xq, w.values.to(torch.bfloat16))
+            return F.linear(act(x), w.values)
         return F.linear(x.to(w.values.dtype), w.values)
 
+    def expert_linear(x: torch.Tensor, bank: list[TrainWeight], experts: torch.Tensor, slots_per_row: int
+                      ) -> torch.Tensor:
+        """kernels/cpu.py's expert_linear (row s: x[s // slots_per_row] @ W_{experts[s]}^T, bf16), every slot
+        in one grouped GEMM: each row's FP8 activation once, then its slots grouped by bank entry."""
+        experts = experts.reshape(-1)
+        slot_of_row, row_of_slot, ends = grouped_slots(experts, len(bank))
+        slots = act(x).unsqueeze(1).expand(-1, slots_per_row, -1).reshape(experts.numel(), -1)
+        w = torch.stack([b.values for b in bank])
+        y = torch._grouped_mm(_Rows.apply(slots, slot_of_row, row_of_slot), w.transpose(1, 2), offs=ends)
+        return _Rows.apply(y, row_of_slot, slot_of_row)
+
     def engram_rows(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        kind, master = masters.master_of(table)
-        return fake_quant(kind, master[ids.flatten()]).view(*ids.shape, -1).to(torch.bfloat16)
+        name = masters.name_of(table)
+        rows = masters.params[name][ids.flatten()]
+        return ste(rows, fake_values(masters.kinds[name], rows.detach())).view(*ids.shape, -1).to(torch.bfloat16)
 
     def fp4_values(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
         return ste(x, fp4_fake_quant(x.detach(), block, e4m3_scale))
 
+    # every MoE chunk through `expert_linear` (model/moe.py's slot path, no host read of the routing)
     return dataclasses.replace(
-        base, name="training", row_tile=1, slot_moe_rows=0, weight=weight, linear=linear,
-        engram_rows=engram_rows,
-        fp8_fake_quant=lambda x: ste(x, fp8_fake_quant(x.detach())), fp4_fake_quant=fp4_values,
+        base, name="training", row_tile=1, slot_moe_rows=sys.maxsize, weight=weight, linear=linear,
+        expert_bank=list, expert_linear=expert_linear, engram_rows=engram_rows,
+        fp8_fake_quant=act, fp4_fake_quant=fp4_values,
         fp4_quant_packed=fp4_values, fp4_dequant_packed=lambda values, d, block, e4m3: values,
         index_scores=torch.no_grad()(cpu.index_scores))

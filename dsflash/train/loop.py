@@ -113,15 +113,35 @@ def learning_rate(peak: float, step: int, progress: float, warmup: int) -> float
     return peak * ramp * decay
 
 
-def balance_biases(masters: Masters, trace: dict, prefix: str) -> None:
+def moe_prefix(args: ModelArgs, layer: int) -> str:
+    """The checkpoint prefix of a backbone layer's or a DSpark stage's MoE."""
+    return f"layers.{layer}.ffn." if layer < args.n_layers else f"mtp.{layer - args.n_layers}.ffn."
+
+
+def expert_loads(args: ModelArgs, trace: dict) -> dict[int, torch.Tensor]:
+    """layer -> the number of routed slots each of its experts took in the step's routing trace."""
+    return {layer: torch.bincount(ids.flatten(), minlength=args.moe_experts(layer)[0])
+            for layer, ids in trace.get("moe_ids", {}).items()}
+
+
+def balance_biases(masters: Masters, loads: dict[int, torch.Tensor]) -> None:
     """Aux-loss-free balancing: each router's bias +- BIAS_RATE by whether its expert was under or over loaded."""
     with torch.no_grad():
-        for layer, ids in trace.get("moe_ids", {}).items():
-            name = f"layers.{layer}.ffn.gate.bias" if prefix == "layers." else \
-                f"mtp.{layer - masters.args.n_layers}.ffn.gate.bias"
-            bias = masters.params[name]
-            load = torch.bincount(ids.flatten(), minlength=bias.numel()).float()
-            bias += BIAS_RATE * torch.sign(load.mean() - load)
+        for layer, load in loads.items():
+            load = load.float()
+            masters.params[moe_prefix(masters.args, layer) + "gate.bias"] += BIAS_RATE * torch.sign(load.mean() - load)
+
+
+def drop_unrouted_grads(masters: Masters, loads: dict[int, torch.Tensor]) -> None:
+    """An expert no slot was routed to gets no gradient (None: AdamW leaves it as it is), as when the forward
+    did not use it; the grouped expert GEMM (backend.expert_linear) gives it zeros. One host read a step."""
+    if not loads:
+        return
+    for layer, used in zip(loads, torch.stack(list(loads.values())).bool().tolist(), strict=True):
+        prefix = moe_prefix(masters.args, layer)
+        for e in (e for e, u in enumerate(used) if not u):
+            for w in ("w1", "w2", "w3"):
+                masters.params[f"{prefix}experts.{e}.{w}.weight"].grad = None
 
 
 class Trainer:
@@ -156,14 +176,16 @@ class Trainer:
                 total += float(F.cross_entropy(out.logits, x[1:]))
         return total / windows
 
-    def _update(self, opt: torch.optim.Optimizer, params: list, loss: torch.Tensor, trace: dict, prefix: str) -> None:
+    def _update(self, opt: torch.optim.Optimizer, params: list, loss: torch.Tensor, trace: dict) -> None:
         """One optimiser step on `loss` (gradients clipped to norm 1), then the routers' bias balance of the
-        MoE layers under `prefix` from the step's routing trace."""
+        MoE layers the step routed through (its routing trace)."""
         loss.backward()
+        loads = expert_loads(self.args, trace)
+        drop_unrouted_grads(self.masters, loads)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        balance_biases(self.masters, trace, prefix)
+        balance_biases(self.masters, loads)
 
     def backbone(self, deadline: float) -> int:
         p, started = self.plan, time.monotonic()
@@ -178,7 +200,7 @@ class Trainer:
             x, trace = self.window(), {}
             out = self.model().forward(TrainState(device=self.device), Tokens(x[:-1]), debug=Debug(trace=trace))
             loss = F.cross_entropy(out.logits, x[1:])
-            self._update(opt, params, loss, trace, "layers.")
+            self._update(opt, params, loss, trace)
             step += 1
             row = {"phase": "backbone", "step": step, "elapsed_s": round(time.monotonic() - started, 2),
                    "lr": lr, "train_loss": float(loss.detach())}
@@ -212,7 +234,7 @@ class Trainer:
                 p.anchors, x.numel() - b - 1), replace=False))).to(self.device)
             trace: dict = {}
             loss, accepted = dspark_loss(model, self.masters, out.main_hidden, x, greedy, anchors, trace)
-            self._update(opt, params, loss, trace, "mtp.")
+            self._update(opt, params, loss, trace)
             step += 1
             self.log.add(phase="dspark", step=step, elapsed_s=round(time.monotonic() - started, 2), lr=lr,
                          train_loss=float(loss.detach()), accepted_per_block=accepted)
