@@ -31,9 +31,11 @@ from dsflash.model.load import load_model
 from dsflash.model.parallel import Layout, expert_range, shard_rows
 from dsflash.model.rope import Rope
 from dsflash.model.state import SequenceState
+from dsflash.model.tiers import Tiers
 from tests.conftest import partly_right_drafter
 
-LAYOUTS = {"ep2": Layout(ep=2), "tp2": Layout(tp=2), "ep2tp2": Layout(ep=2, tp=2)}
+LAYOUTS = {"ep2": Layout(ep=2), "tp2": Layout(tp=2), "ep2tp2": Layout(ep=2, tp=2),
+           "ep2-host": Layout(ep=2), "ep2-disk": Layout(ep=2)}  # the last two: --experts host / disk
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,9 @@ def one(tiny_b_dir):
 def parallel(request, tiny_b_dir):
     """An engine whose halves are sharded over two gloo ranks (the follower a process of its own)."""
     sharding = start_ranks(LAYOUTS[request.param], tiny_b_dir, "cpu", timeout_s=30)
+    tiers = Tiers(experts=request.param.partition("-")[2] or "gpu")
     try:
-        yield Engine.load(tiny_b_dir, max_context=4096, parallel=sharding), sharding
+        yield Engine.load(tiny_b_dir, max_context=4096, parallel=sharding, tiers=tiers), sharding
     finally:
         sharding.close()
 
@@ -279,3 +282,26 @@ def test_split_with_a_parallel_box_equals_one_process(one, tiny_b_dir, layout):
         assert box.health()["layout"] == {"ep": 2 if layout == "--ep" else 1, "tp": 2 if layout == "--tp" else 1}
     finally:
         box.kill()
+
+
+@pytest.mark.parametrize("parallel", ["ep2-host", "ep2-disk"], indirect=True)
+def test_expert_parallel_ranks_run_their_experts_off_the_device(parallel, one):
+    """`--ep 2 --experts host|disk`: each rank keeps its range of every MoE layer in an expert store of its own
+    and runs it from a device cache of its share (4 of the 8 experts: a prefill's wide call takes two groups),
+    bit-identical to one process; the follower holds none of the checkpoint's bytes on its device."""
+    engine, sharding = parallel
+    store = engine.decoder.model.expert_store
+    a = engine.args  # rank 0's ranges: experts 0-3 of each layer, 0-1 of each DSpark stage's 4
+    assert store.slots == 4 and {(i < a.n_layers, e.n, e.first) for i, e in store.layers.items()} == \
+        {(True, 4, 0), (False, 2, 0)}
+    assert sharding.held[1] == 0
+    rng = random.Random(7)
+    ids = [rng.randrange(3, 500) for _ in range(150)]
+    whole = one[1].forward(SequenceState(), torch.tensor(ids)).logits
+    s = engine.session()
+    assert torch.equal(s.prefill(ids[:-3], chunk=150), whole[-4])
+    assert torch.equal(s.step(len(ids) - 3, ids[-3:]), whole[-3:])
+    assert store.stats.misses > 0 and store.stats.evictions > 0
+    x, y = one[0].session(), engine.session()
+    assert list(decode(x, x.prefill(ids[:40]), 8, SamplingParams(), stop=set())) == \
+        list(decode(y, y.prefill(ids[:40]), 8, SamplingParams(), stop=set(), dspark=3))

@@ -31,7 +31,7 @@ from dsflash.checkpoint.expect import expected_tensors
 from dsflash.checkpoint.reader import DTYPE_SIZES, Checkpoint
 from dsflash.config import ModelArgs
 from dsflash.model.attention import INDEXER_ROWS
-from dsflash.model.parallel import Layout, split_by_rows
+from dsflash.model.parallel import Layout, expert_share, split_by_rows
 from dsflash.model.state import ROLLBACK_ROWS
 from dsflash.model.tiers import ENGRAM_CACHE, TIERS
 from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
@@ -497,8 +497,7 @@ def plan(source: Checkpoint | ModelArgs, req: Request) -> Plan:
                              "(--pp, --tp or --ep) to give each rank its part")
     cpu = req.backend == "cpu"
     engrams = [req.engram] if req.engram else (["gpu"] if cpu else ["host", "disk"])
-    # expert parallelism holds each rank's experts resident (model/transformer.py refuses the other tiers)
-    experts = [req.experts] if req.experts else (["gpu"] if cpu or req.ep > 1 else ["gpu", "host", "disk"])
+    experts = [req.experts] if req.experts else (["gpu"] if cpu else ["gpu", "host", "disk"])
     first = None
     for x in experts:
         for e in engrams:
@@ -611,13 +610,17 @@ def _place_ranks(args: ModelArgs, infos: dict[str, tuple[str, tuple[int, ...]]],
     for key, n in state_bytes(args, req.half, req.context).items():
         rank(stage_of(key)).add("state", n * req.sessions)
     slot = _largest_expert(sizes)
-    cache = 0 if experts == "gpu" else (req.expert_cache or _bank(args, sizes))
+    # off the GPUs the experts run from a device cache: the driver's, or with --ep each rank's of its range
+    # (by default its share of one layer's bank: model/parallel.expert_share)
+    cache = 0 if experts == "gpu" else (req.expert_cache or
+                                        _bank(args, sizes) * expert_share(args, req.ep) // args.n_routed_experts)
     for s, layers in enumerate(stages):
         for r in range(req.world):
             rank(s, r).add("workspace", CPU_WORKSPACE if cpu else GPU_WORKSPACE)
             rank(s, r).layers = sorted({*rank(s, r).layers, *layers})
+            if r == 0 or req.ep > 1:
+                rank(s, r).add("cache", cache)
         rank(s).add("workspace", index_scratch(args, list(layers), req.context, req.backend))
-        rank(s).add("cache", cache)
     host.add("reserve", HOST_RESERVE)
     if "engram" in disk.parts:
         host.add("rows", req.engram_cache)

@@ -162,7 +162,8 @@ def _pread(fd: int, buf: torch.Tensor, offset: int, need: int, path: Path) -> No
 @dataclass
 class _Layer:
     prefix: str  # "layers.{i}.ffn.experts."
-    n: int  # routed experts
+    n: int  # routed experts held here
+    first: int = 0  # the checkpoint id of local expert 0 (an expert-parallel rank's range starts there)
     host: list | None = None  # host tier: the w1, w3, w2 banks in host memory (pinned on CUDA)
 
 
@@ -170,13 +171,16 @@ class ExpertStore:
     """The routed experts of one model (all its MoE layers and DSpark stages) on the host or disk tier,
     and the device cache they run from; see the module docstring."""
 
-    def __init__(self, k: Kernels, ckpt, tiers: Tiers, args: ModelArgs):
+    def __init__(self, k: Kernels, ckpt, tiers: Tiers, args: ModelArgs, default_slots: int | None = None):
+        """`default_slots`: the cache's slots without --expert-cache (default: one backbone layer's bank; an
+        expert-parallel rank's share of it)."""
         if tiers.experts not in ("host", "disk"):
             raise ValueError(f"an expert store holds host or disk experts, not {tiers.experts!r}")
         self.k, self.ckpt, self.tier = k, ckpt, tiers.experts
         # default cache: one backbone layer's bank; backbone layers read ahead backbone layers only (the DSpark
         # stages run in drafts, not after the last layer)
-        self.cache_bytes, self.default_slots, self.n_layers = tiers.expert_cache, args.n_routed_experts, args.n_layers
+        self.cache_bytes, self.n_layers = tiers.expert_cache, args.n_layers
+        self.default_slots = default_slots or args.n_routed_experts
         self.cuda = k.device.type == "cuda"
         self.side = torch.cuda.Stream(k.device) if self.cuda else None
         self.reader = _Reader(pinned=self.cuda) if self.tier == "disk" else None
@@ -194,18 +198,19 @@ class ExpertStore:
 
     # -- building -----------------------------------------------------------------------------------
 
-    def register(self, layer: int, w, prefix: str, n: int) -> None:
-        """The `n` routed experts under `prefix` (`layers.{i}.ffn.experts.`) of a MoE layer, from the loader
-        `w`: the host tier copies them to host memory, the disk tier checks their stored dtypes."""
+    def register(self, layer: int, w, prefix: str, n: int, first: int = 0) -> None:
+        """The `n` routed experts under `prefix` (`layers.{i}.ffn.experts.`) of a MoE layer from id `first` on
+        (an expert-parallel rank's range; local ids 0 .. n-1 here), from the loader `w`: the host tier copies
+        them to host memory, the disk tier checks their stored dtypes."""
         if self.w13 is None:
-            self._allocate(w, prefix)
-        entry = _Layer(prefix, n)
+            self._allocate(w, f"{prefix}{first}.")
+        entry = _Layer(prefix, n, first)
         if self.tier == "host":
             entry.host = []
             for name in PROJECTIONS:
                 bank = None
                 for e in range(n):
-                    weight = w.linear(f"{prefix}{e}.{name}")
+                    weight = w.linear(f"{prefix}{first + e}.{name}")
                     if bank is None:
                         bank = self.k.expert_slots(weight, n, True)
                     self.k.expert_put(bank, e, weight)
@@ -213,7 +218,7 @@ class ExpertStore:
             if self.cuda:  # the device-to-host copies done before the side stream reads the pinned banks
                 torch.cuda.current_stream(self.k.device).synchronize()
         else:
-            for e in range(n):
+            for e in range(first, first + n):
                 for name in PROJECTIONS:
                     dtype, _ = self.ckpt.dtype_shape(f"{prefix}{e}.{name}.weight")
                     if dtype not in _KINDS:
@@ -221,9 +226,9 @@ class ExpertStore:
                                               f"FP4, the checkpoint stores {dtype}")
         self.layers[layer] = entry
 
-    def _allocate(self, w, prefix: str) -> None:
-        """The device slots, shaped like the first layer's expert 0."""
-        w1, w2 = w.linear(prefix + "0.w1"), w.linear(prefix + "0.w2")
+    def _allocate(self, w, expert: str) -> None:
+        """The device slots, shaped like the first layer's first expert (`expert`: its prefix)."""
+        w1, w2 = w.linear(expert + "w1"), w.linear(expert + "w2")
         self.slot_bytes = 2 * nbytes(w1) + nbytes(w2)
         self.slots = self.default_slots if self.cache_bytes is None else self.cache_bytes // self.slot_bytes
         if self.slots < 1:
@@ -352,16 +357,17 @@ class ExpertStore:
     def _read(self, key: Key) -> Stored:
         """An expert's stored codes and scales from the checkpoint's files (a pool thread)."""
         layer, e = key
+        entry = self.layers[layer]
         out, total = [], 0
         for name in PROJECTIONS:
             parts = []
             for suffix in (".weight", ".scale"):
-                tensor = f"{self.layers[layer].prefix}{e}.{name}{suffix}"
+                tensor = f"{entry.prefix}{entry.first + e}.{name}{suffix}"
                 dtype, shape = self.ckpt.dtype_shape(tensor)
                 raw = self.reader.read(*self.ckpt.byte_range(tensor))
                 total += raw.numel()
                 parts.append(raw.view(_DTYPES[dtype]).view(shape))
-            out.append((_KINDS[self.ckpt.dtype_shape(f"{self.layers[layer].prefix}{e}.{name}.weight")[0]], *parts))
+            out.append((_KINDS[self.ckpt.dtype_shape(f"{entry.prefix}{entry.first + e}.{name}.weight")[0]], *parts))
         with self._stats_lock:
             self.stats.bytes_read += total
         return out

@@ -4,6 +4,8 @@ unbiased scores (normalised, x route_scale), SwiGLU experts with clamps, routing
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +15,9 @@ from dsflash.kernels.cpu import Weight, topk_lowest_index
 from dsflash.model.common import Chunk
 from dsflash.model.weights import WeightLoader
 from dsflash.numerics import exact_div
+
+if TYPE_CHECKING:
+    from dsflash.model.expert_cache import ExpertStore
 
 
 class Gate:
@@ -103,6 +108,24 @@ def pair_products(k: Kernels, x: torch.Tensor, weights: torch.Tensor, pairs: tor
     return k.expert_linear(h, w2, entries, 1)
 
 
+def store_products(k: Kernels, store: ExpertStore, layer: int, x: torch.Tensor, weights: torch.Tensor,
+                   pairs: torch.Tensor, experts: torch.Tensor, n: int, topk: int, limit: float,
+                   groups: tuple[list[list[int]], bool] | None = None) -> torch.Tensor:
+    """pair_products of some (row, pick) pairs whose experts (`experts`, the store's ids of `layer`, one a pair;
+    the layer holding `n` there) live in the expert store: group by group (`ExpertStore.groups`), each group's
+    experts acquired into the device slots and its pairs run from them, the next group read ahead. bf16
+    [pairs, D] in the pairs' order, each pair's bits its resident product's. `groups`: `store.groups`'s answer
+    for these experts when the caller has it."""
+    groups, wide = groups or store.groups(experts, n)
+    out = x.new_empty(pairs.numel(), x.size(1))
+    for g, group in enumerate(groups):
+        slot = store.acquire(layer, group, groups[g + 1] if g + 1 < len(groups) else None, wide)[experts]
+        mine = torch.nonzero(slot >= 0).flatten()
+        out[mine] = pair_products(k, x, weights, pairs[mine], slot[mine], store.w13, store.w2, store.slots, topk,
+                                  limit)
+    return out
+
+
 class Expert:
     def __init__(self, k: Kernels, w1: Weight, w2: Weight, w3: Weight, swiglu_limit: float):
         self.k = k
@@ -133,9 +156,11 @@ class MoE:
         self.store = w.experts
         # expert parallelism: this rank holds a range of the experts, the others theirs (model/parallel.py)
         self.ep = w.parallel.experts(w, prefix, layer) if w.parallel is not None else None
-        if self.store is not None:
+        if self.ep is not None:  # this rank's range: the shard holds it (in the store when off the device)
+            pass
+        elif self.store is not None:
             self.store.register(layer, w, f"{prefix}experts.", n)
-        elif self.ep is None:
+        else:
             self.w13 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.{name}") for name in ("w1", "w3")
                                            for e in range(n)])
             self.w2 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.w2") for e in range(n)])
@@ -191,17 +216,12 @@ class MoE:
         the call, on either backend), their rows put back in place, then one sum in slot order: the
         resident bits (the reference's per-expert loop adds each row's experts in the same ascending order)."""
         store = self.store
-        groups, wide = store.groups(ids, self.n_experts)
+        groups, wide = planned = store.groups(ids, self.n_experts)
         if len(groups) == 1:
             return self.from_slots(x, weights, store.acquire(self.layer, groups[0], wide=wide)[ids])
-        routed = x.new_empty((*ids.shape, x.size(1)))
-        for g, experts in enumerate(groups):
-            slot = store.acquire(self.layer, experts, groups[g + 1] if g + 1 < len(groups) else None, wide)[ids]
-            pairs = torch.nonzero(slot.flatten() >= 0).flatten()
-            routed.view(-1, x.size(1))[pairs] = pair_products(self.k, x, weights, pairs, slot.flatten()[pairs],
-                                                              store.w13, store.w2, store.slots, self.topk,
-                                                              self.args.swiglu_limit)
-        return self.k.moe_sum(routed, self.shared(x))
+        routed = store_products(self.k, store, self.layer, x, weights, torch.arange(ids.numel(), device=ids.device),
+                                ids.flatten(), self.n_experts, self.topk, self.args.swiglu_limit, planned)
+        return self.k.moe_sum(routed.view(*ids.shape, -1), self.shared(x))
 
     def _routed_by_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each used expert over its rows, experts in ascending id (the reference's summation order)."""

@@ -35,8 +35,10 @@ from dsflash.config import ConfigError, ModelArgs
 from dsflash.kernels import Kernels
 from dsflash.kernels.cpu import Weight
 from dsflash.model.attention import head_outputs
-from dsflash.model.moe import pair_products
+from dsflash.model.expert_cache import ExpertStore
+from dsflash.model.moe import pair_products, store_products
 from dsflash.model.rope import Rope
+from dsflash.model.tiers import Tiers
 from dsflash.model.weights import WeightLoader
 from dsflash.numerics import BLOCK
 from dsflash.parallel.group import Control, Group, RankLost
@@ -69,6 +71,11 @@ class Layout:
 def expert_range(n: int, world: int, rank: int) -> range:
     """The routed expert ids rank `rank` holds: a contiguous range, the ranks' ranges covering 0 .. n-1."""
     return range(n * rank // world, n * (rank + 1) // world)
+
+
+def expert_share(args: ModelArgs, world: int) -> int:
+    """An expert-parallel rank's default expert-cache slots: its share of one backbone layer's bank."""
+    return -(-args.n_routed_experts // world)
 
 
 def shard_rows(out: int, world: int, rank: int) -> slice | None:
@@ -128,17 +135,24 @@ class LinearShard:
 
 class ExpertShard:
     """One MoE layer's routed experts of one rank (`expert_range`): the products of the (row, pick) pairs routed
-    to them, padded to the busiest rank's pair count (every rank computes every rank's count from the ids)."""
+    to them, padded to the busiest rank's pair count (every rank computes every rank's count from the ids).
+    With the loader's expert store (`--experts host|disk`) the range lives in this rank's store and runs from
+    its device slots (`store_products`), as one device's tiered experts do."""
 
-    def __init__(self, w: WeightLoader, name: str, n: int, topk: int, limit: float, rank: int, world: int):
+    def __init__(self, w: WeightLoader, name: str, layer: int, n: int, topk: int, limit: float, rank: int,
+                 world: int):
         if n < world:
             raise ConfigError(f"--ep {world}: {name} has {n} routed experts; --ep must not exceed the expert count")
         self.k, self.topk, self.limit, self.rank, self.world = w.k, topk, limit, rank, world
+        self.layer, self.store = layer, w.experts
         self.experts = expert_range(n, world, rank)
         self.bounds = torch.tensor([expert_range(n, world, r).start for r in range(1, world)], device=w.k.device)
+        if self.store is not None:
+            self.store.register(layer, w, f"{name}experts.", len(self.experts), self.experts.start)
+            self.nbytes = 0  # on the host or disk tier: none of the checkpoint's bytes on the device
+            return
         self.w13 = self.k.expert_bank([w.linear(f"{name}experts.{e}.{p}") for p in ("w1", "w3") for e in self.experts])
         self.w2 = self.k.expert_bank([w.linear(f"{name}experts.{e}.w2") for e in self.experts])
-        self.dim = self.w2[0].out_features
         self.nbytes = sum(stored_bytes(w, f"{name}experts.{e}.{p}") for e in self.experts for p in ("w1", "w2", "w3"))
 
     def owners(self, ids: torch.Tensor) -> torch.Tensor:
@@ -149,21 +163,25 @@ class ExpertShard:
         owners = self.owners(ids)
         width = int(torch.bincount(owners, minlength=self.world).max())
         pairs = torch.nonzero(owners == self.rank).flatten()
-        out = x.new_zeros(width, self.dim)
+        out = x.new_zeros(width, x.size(1))
         if pairs.numel():
-            out[: pairs.numel()] = pair_products(self.k, x, weights, pairs, ids.flatten()[pairs] - self.experts.start,
-                                                 self.w13, self.w2, len(self.experts), self.topk, self.limit)
+            local = ids.flatten()[pairs] - self.experts.start
+            out[: pairs.numel()] = (
+                store_products(self.k, self.store, self.layer, x, weights, pairs, local, len(self.experts), self.topk,
+                               self.limit) if self.store is not None else
+                pair_products(self.k, x, weights, pairs, local, self.w13, self.w2, len(self.experts), self.topk,
+                              self.limit))
         return out
 
     def combine(self, parts: list[torch.Tensor], x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                 ) -> torch.Tensor:
         """Every pair's product at its (row, slot): [N, k, D], slots in the ids' order (ascending expert id)."""
         owners = self.owners(ids)
-        routed = x.new_empty(ids.numel(), self.dim)
+        routed = x.new_empty(ids.numel(), x.size(1))
         for rank, part in enumerate(parts):
             pairs = torch.nonzero(owners == rank).flatten()
             routed[pairs] = part[: pairs.numel()]
-        return routed.view(*ids.shape, self.dim)
+        return routed.view(*ids.shape, x.size(1))
 
 
 def splits_heads(args: ModelArgs, world: int) -> bool:
@@ -215,7 +233,7 @@ def load_shard(spec: dict, w: WeightLoader, group: Group, ropes: Callable[[bool]
     if spec["kind"] == "attention":
         return AttentionShard(w, spec["name"], ropes(spec["compressed"]), group)
     n, topk = w.ckpt.args.moe_experts(spec["layer"])
-    return ExpertShard(w, spec["name"], n, topk, w.ckpt.args.swiglu_limit, group.rank, group.world)
+    return ExpertShard(w, spec["name"], spec["layer"], n, topk, w.ckpt.args.swiglu_limit, group.rank, group.world)
 
 
 class ShardedWeight(Weight):
@@ -279,7 +297,10 @@ class Sharding:
         products [N, k, D]; None without expert parallelism."""
         if self.layout.ep == 1:
             return None
-        self._load({"kind": "experts", "name": name, "layer": layer}, w)
+        spec = {"kind": "experts", "name": name, "layer": layer}
+        if w.experts is not None:  # off the device: each rank keeps its range in a store of its own
+            spec["tiers"] = {"experts": w.experts.tier, "expert_cache": w.experts.cache_bytes}
+        self._load(spec, w)
         return lambda x, weights, ids: self.run(name, x, weights, ids)
 
     def kernels(self, k: Kernels) -> Kernels:
@@ -356,6 +377,10 @@ def follow(group: Group, control: Control, ckpt: Checkpoint, k: Kernels) -> None
     ropes = {compressed: Rope(ckpt.args, compressed, k) for compressed in (False, True)}  # one a variant, as rank 0
     while (msg := control.recv()) is not None:
         if "load" in msg:
+            tiers = msg["load"].get("tiers")
+            if tiers is not None and w.experts is None:  # rank 0's experts are off its device: these too
+                w.experts = ExpertStore(k, ckpt, Tiers(experts=tiers["experts"], expert_cache=tiers["expert_cache"]),
+                                        ckpt.args, expert_share(ckpt.args, group.world))
             shards[msg["load"]["name"]] = load_shard(msg["load"], w, group, ropes.__getitem__)
         elif "ready" in msg:
             control.send({"loaded": len(shards), "bytes": sum(shard.nbytes for shard in shards.values())})

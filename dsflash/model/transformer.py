@@ -33,7 +33,7 @@ from dsflash.model.engram import Engram, EngramLayout
 from dsflash.model.engram_tables import Gathered, Lookup, TableStats
 from dsflash.model.expert_cache import ExpertStore
 from dsflash.model.mhc import Block, FfnInput, hc_pre
-from dsflash.model.parallel import Sharding
+from dsflash.model.parallel import Sharding, expert_share
 from dsflash.model.rope import Rope
 from dsflash.model.state import ROLLBACK_ROWS, SequenceState
 from dsflash.model.tiers import RESIDENT, Tiers
@@ -132,13 +132,12 @@ class Transformer:
             if len(spans) > 1:
                 raise ValueError("--pp with --ep or --tp: layer ranges and a parallel layout in one half are not "
                                  "combined in this build")
-            if parallel.layout.ep > 1 and tiers.experts != "gpu":
-                raise ValueError(f"--ep {parallel.layout.ep} with --experts {tiers.experts}: expert parallelism "
-                                 "holds each rank's experts resident (--experts gpu)")
             kernels = [parallel.kernels(k) for k in kernels]
-        # routed experts on the host or disk tier: one store and device cache for every MoE layer here
-        self.expert_store = (ExpertStore(kernels[0], ckpt, tiers, args) if tiers.experts != "gpu"
-                             else None)
+        # routed experts on the host or disk tier: one store and device cache for every MoE layer here (an
+        # expert-parallel rank's store holds its range of each, and by default a cache of its share)
+        ep = parallel.layout.ep if parallel is not None else 1
+        self.expert_store = (ExpertStore(kernels[0], ckpt, tiers, args, expert_share(args, ep))
+                             if tiers.experts != "gpu" else None)
         self.ranges = [_Range(r, k, WeightLoader(ckpt, k, self.expert_store, parallel))
                        for (r, _), k in zip(spans, kernels, strict=True)]
         first, last = self.ranges[0], self.ranges[-1]
