@@ -33,6 +33,7 @@ def smoke_checkpoint(data_dir, tmp_path_factory):  # noqa: F811
     return out / "checkpoint"
 
 
+@pytest.mark.slow  # the smoke run and its decodings: ~20-30 s each on 2 cores
 def test_nll_of_the_checkpoint_is_the_trainers(data_dir, smoke_checkpoint):  # noqa: F811
     """The CPU reference's NLL of the saved weights is the one training measured on the same window."""
     measured = quality.nll(smoke_checkpoint, data.load_tokens(data_dir, "test"), 1, 96)
@@ -41,6 +42,7 @@ def test_nll_of_the_checkpoint_is_the_trainers(data_dir, smoke_checkpoint):  # n
     assert 0 < measured < np.log(512) + 1
 
 
+@pytest.mark.slow  # the smoke run and its decodings: ~20-30 s each on 2 cores
 def test_drafting_is_measured_on_output_identical_to_plain_decoding(data_dir, smoke_checkpoint):  # noqa: F811
     engine = Engine.load(smoke_checkpoint, max_context=1024)
     prompts = quality.python_prompts(data.load_tokens(data_dir, "test"), 2, 24)
@@ -49,6 +51,7 @@ def test_drafting_is_measured_on_output_identical_to_plain_decoding(data_dir, sm
     assert 1.0 <= d.tokens_per_cycle <= 4.0 and 0.0 <= d.accept_rate <= 1.0 and d.speedup > 0
 
 
+@pytest.mark.slow  # with the two above: the smoke run's fixture then runs in the slow set only
 def test_needles_sit_the_asked_distance_back(smoke_checkpoint):
     engine = Engine.load(smoke_checkpoint, max_context=1024)
     tokenizer = load_tokenizer(smoke_checkpoint)
