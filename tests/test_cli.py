@@ -80,20 +80,21 @@ def test_make_checkpoint_then_check_golden_refuses_a_non_case(tmp_path):
 @pytest.mark.slow  # ~13 s on 2 cores: every bench command once
 def test_bench_commands_write_results(tmp_path):
     r = dsflash("bench", "all", "--preset", "tiny-a", "--device", "cpu", "--context", "80", "--rows", "1,3",
-                "--lengths", "100", "--reps", "1", "--compare-full", "--reference-layers", "1", "--out", str(tmp_path))
+                "--lengths", "300", "--reps", "1", "--compare-full", "--reference-layers", "1", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     (result,) = tmp_path.glob("engine-all-tiny-a-*.json")
     data = json.loads(result.read_text())
     for key in ("gpu", "commit", "command", "checkpoint", "box_step_ms", "back_step_ms", "prefill_tok_s",
                 "full_tok_s", "snapshot_bytes_per_token", "reference_speedup"):
         assert key in data, key
-    assert set(data["prefill_tok_s"]) == {"100"}  # by prompt length (--lengths), not by step context
-    assert data["decoder_rows"]["100"] < 100  # the encoder-only prefill ran the decoder on the tail only
+    assert set(data["prefill_tok_s"]) == {"300"}  # by prompt length (--lengths), not by step context
+    assert data["decoder_rows"]["300"] < 300  # the encoder-only prefill ran the decoder on the tail only
+    # (300 tokens: the tail triangle, window + 64 rollback rows + a window a layer, is longer than 100)
     # the growing caches are held packed: per source, a 288/68-B-style entry and key per `ratio` tokens
     a = preset("tiny-a")
-    want = sum((packed_width(a.head_dim, 16) + packed_width(a.index_head_dim, 32)) * (100 // a.compress_ratios[s])
-               for s in a.kv_source_layers) / 100
-    assert data["cache_bytes_per_token"]["100"] == want
+    want = sum((packed_width(a.head_dim, 16) + packed_width(a.index_head_dim, 32)) * (300 // a.compress_ratios[s])
+               for s in a.kv_source_layers) / 300
+    assert data["cache_bytes_per_token"]["300"] == want
     assert data["cuda_graphs"] is True
     for args, name in ((["--prefill"], "engine-profile-prefill-tiny-a-*.md"), ([], "engine-profile-tiny-a-*.md")):
         r = dsflash("bench", "profile", "--preset", "tiny-a", "--device", "cpu", "--context", "70", "--rows", "2",
