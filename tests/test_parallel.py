@@ -13,8 +13,6 @@ import sys
 import pytest
 import torch
 
-from dsflash.bench.model import build_engine
-from dsflash.bench.synthetic import synthetic_args
 from dsflash.checkpoint.expect import expected_tensors
 from dsflash.checkpoint.reader import DTYPE_SIZES
 from dsflash.cli import main
@@ -246,16 +244,25 @@ def test_generate_with_ep_gives_the_one_process_tokens(tiny_b_dir, tmp_path):
 def test_bench_runs_an_expert_parallel_layout(tmp_path):
     """`dsflash bench --ep 2` starts its follower over the same synthetic tensors (drawn by name, so every
     process holds the same ones): the sharded engine's logits are one process's, and the results say the
-    layout."""
-    args = synthetic_args("tiny-b")
-    ids = list(range(3, 40))
-    want = build_engine(args, "cpu", cuda_graphs=False).session().prefill(ids)
-    sharding = start_ranks(Layout(ep=2), None, "cpu", timeout_s=30, source=["--synthetic", "tiny-b"])
-    try:
-        got = build_engine(args, "cpu", cuda_graphs=False, parallel=sharding).session().prefill(ids)
-    finally:
-        sharding.close()
-    assert torch.equal(got, want)
+    layout. The comparison runs in a process of its own: this one may hold a module fixture's rank group."""
+    check = """
+import torch
+from dsflash.bench.model import build_engine
+from dsflash.bench.synthetic import synthetic_args
+from dsflash.engine.ranks import start_ranks
+from dsflash.model.parallel import Layout
+
+args, ids = synthetic_args("tiny-b"), list(range(3, 40))
+want = build_engine(args, "cpu", cuda_graphs=False).session().prefill(ids)
+sharding = start_ranks(Layout(ep=2), None, "cpu", timeout_s=60, source=["--synthetic", "tiny-b"])
+try:
+    got = build_engine(args, "cpu", cuda_graphs=False, parallel=sharding).session().prefill(ids)
+finally:
+    sharding.close()
+assert torch.equal(got, want), "the ep2 bench engine's logits differ from one process's"
+"""
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, env=os.environ)
+    assert r.returncode == 0, r.stderr
     assert main(["bench", "step", "--preset", "tiny-b", "--device", "cpu", "--context", "40", "--rows", "1",
                  "--reps", "1", "--warmup-s", "0", "--ep", "2", "--out", str(tmp_path)]) == 0
     result = json.loads(next(tmp_path.glob("engine-step-tiny-b-ep2-*.json")).read_text())
