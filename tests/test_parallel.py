@@ -15,7 +15,6 @@ import torch
 
 from dsflash.checkpoint.expect import expected_tensors
 from dsflash.checkpoint.reader import DTYPE_SIZES
-from dsflash.cli import main
 from dsflash.config import PRESETS, ConfigError
 from dsflash.engine.plan import WEIGHT_PARTS, GiB, Request, plan
 from dsflash.engine.ranks import start_ranks
@@ -263,8 +262,10 @@ assert torch.equal(got, want), "the ep2 bench engine's logits differ from one pr
 """
     r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, env=os.environ)
     assert r.returncode == 0, r.stderr
-    assert main(["bench", "step", "--preset", "tiny-b", "--device", "cpu", "--context", "40", "--rows", "1",
-                 "--reps", "1", "--warmup-s", "0", "--ep", "2", "--out", str(tmp_path)]) == 0
+    r = subprocess.run([sys.executable, "-m", "dsflash.cli", "bench", "step", "--preset", "tiny-b", "--device", "cpu",
+                        "--context", "40", "--rows", "1", "--reps", "1", "--warmup-s", "0", "--ep", "2", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300, env=os.environ)
+    assert r.returncode == 0, r.stderr
     result = json.loads(next(tmp_path.glob("engine-step-tiny-b-ep2-*.json")).read_text())
     assert result["layout"]["ep"] == 2 and result["box_step_ms"]
 
