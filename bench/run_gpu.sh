@@ -5,7 +5,10 @@
 # bench, then the step benchmark without CUDA graphs and a profile of one graphed step (ab = the step
 # benchmark with and without CUDA graphs, and the profile). `... open` runs the measurements the open
 # questions of docs/perf-record.md need first: the prefill profile and the sparse-attention head split;
-# `... prefill-gap` the prefill profile and prefill up to 512K tokens.
+# `... prefill-gap` the prefill profile and prefill up to 512K tokens. `... h22` is issue 22's check in one call
+# (< 5 min): the CUDA kernel tests (their fidelity lines in $out/kernels-tolerances-cuda1.jsonl, the FP8/FP4 ones
+# printed, for FIDELITY.md), the model tests (golden PASS on CUDA in replay and own-selection modes, the five
+# invariants bit-exact), then box/back steps at L = 1, 5 (8K context) and the encoder-only prefill of 8K and 32K.
 # `... patch FILE` A/Bs a variant of the kernel package dsflash/kernels/cuda/ against this tree (FILE: a copy
 # of the package folder, or a patch from the repository root, applied with `git apply` or `patch -p1` to take
 # the patched package, then reverted): the GEMM experiment (DIFF where the variant's bits differ) and the
@@ -24,6 +27,16 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
     | grep -E "^E  |^tests/.*Error|FAILED|passed|failed" | tail -30
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py -s 2>&1 \
     | grep -E "tier|passed|failed|Error|assert" | tail -15
+fi
+if [ "$part" = h22 ]; then
+  tol="$out/kernels-tolerances-cuda1.jsonl" && rm -f "$tol"
+  DSFLASH_TOL_REPORT="$tol" timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py 2>&1 \
+    | grep -E "^E  |^tests/.*Error|FAILED|passed|failed" | tail -30
+  grep -E '"(linear|expert_linear) fp[48]' "$tol" | cut -c1-170
+  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py -s 2>&1 \
+    | grep -E "tier|PASS|FAIL|passed|failed|Error|assert" | tail -15
+  timeout 100 python -m dsflash.cli bench all --preset bench --experts 48 --device cuda --context 8192 --rows 1,5 \
+    --lengths 8192,32768 --reps 3 --warmup-s 1 --out "$out" 2>&1 | tail -14
 fi
 if [ "$part" = all ] || [ "$part" = bench ]; then
   timeout 200 python -m dsflash.cli bench all --preset bench --experts 48 --device cuda --context 8192,32768 \

@@ -50,8 +50,8 @@ from dsflash.model.engram import engram_gate
 from dsflash.model.mhc import hc_post, hc_pre
 from dsflash.kernels.cuda import configs, experts
 from dsflash.numerics import BLOCK
-from dsflash.numerics.quant import fp8_act_codes, k_range_blocks
-from test_kernels_cuda import act_for, attn_inputs, rand_act, rand_weight
+from dsflash.numerics.quant import k_range_blocks
+from test_kernels_cuda import act_for, attn_inputs, dequantized_matmul, rand_act, rand_weight
 
 g = torch.Generator().manual_seed(0)
 def rel(a, b):
@@ -62,7 +62,8 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
     x = rand_act(5, k, g)
     full = cuda.linear(x, wc)
     assert (k_range_blocks(n, k // BLOCK) < k // BLOCK) == (k == 1280), k  # 1280: two K ranges
-    assert rel(full, cpu.linear(x, w)) < 1e-5, (kind, rel(full, cpu.linear(x, w)))
+    # one fp32 accumulation over the exactly dequantised operands (numpy's fp32 matmul per K block here)
+    assert rel(full, dequantized_matmul(x, w)) < 1e-5, (kind, rel(full, dequantized_matmul(x, w)))
     # every route that must not change bits, and a row's bits whatever the other rows
     for m in (1, 5):
         assert torch.equal(cuda.linear(x[:m], wc, spread=False), full[:m]), (kind, m)
@@ -70,6 +71,8 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
         assert torch.equal(cuda.linear(x[:m], wc, fuse_quant=True), full[:m]), (kind, m)
         if kind == "fp4":
             assert torch.equal(cuda.linear(x[:m], wc, preconvert=True), full[:m]), (kind, m)
+        assert torch.equal(cuda.linear(x[:m], wc, dequantise=True), full[:m]), (kind, m)
+    assert torch.equal(cuda.dequant_weight(wc), (w.values * w.scale.repeat_interleave(BLOCK, 1)).bfloat16())
     assert torch.equal(cuda.linear(x[3:4], wc), full[3:4])
     wide = configs.linear_config(kind, n, k)  # the 64-row tiles of large M, on a decode-sized call
     assert wide != configs.linear_config(kind, n, k, 5) and torch.equal(cuda.linear(x, wc, config=wide), full)
@@ -82,7 +85,7 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
         for slot, e in enumerate(ids.flatten().tolist()):
             row = xs[slot // per_row: slot // per_row + 1]
             assert torch.equal(got[slot:slot + 1], cuda.linear(row, bank[e])), (kind, per_row, slot)
-            assert rel(got[slot:slot + 1], cpu.linear(row, weights[e])) < 1e-5
+            assert rel(got[slot:slot + 1], dequantized_matmul(row, weights[e])) < 1e-5
         assert rel(got, cpu.expert_linear(xs, cpu.expert_bank(weights), ids, per_row)) < 1e-5
     # a prefill's many slots share per-expert tiles (the threshold lowered: the interpreter is slow): the
     # one-row programs' bits, with an expert that has no slot, the fused and the separate quantisation; an FP4
@@ -211,12 +214,6 @@ hc_scale, hc_base = torch.rand(3, generator=g), torch.randn(24, generator=g) * 0
 for got, ref in zip(cuda.hc_split_sinkhorn(mixes, hc_scale, hc_base, 4, 20, 1e-6),
                     cpu.hc_split_sinkhorn(mixes, hc_scale, hc_base, 4, 20, 1e-6)):
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6), float((got - ref).abs().max())
-# activation quantisation: bit-exact with numerics/quant.py
-xq = rand_act(5, 192, g)
-xq[0, :BLOCK] = 0
-codes, words = cuda.quant_act(xq)
-ref_codes, ref_scales = fp8_act_codes(xq)
-assert torch.equal(codes.float(), ref_codes) and torch.equal(cuda.act_scales(words, 192), ref_scales)
 # the compressor's pooling: numpy's exp stands in for expf, so within rounding of the CPU's softmax
 rows = torch.randn(9, 2, 2, 64, generator=g) * 3
 got = cuda.softmax_pool(rows[:, :, 0], rows[:, :, 1])
@@ -403,17 +400,30 @@ def test_new_kernels_compile_for_sm90():
 
     from dsflash.kernels.cuda import configs, elementwise, gemm, indexer, router
 
-    def check(fn, pointers, constexprs):
+    def check(fn, pointers, constexprs, warps=4):
         sig = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
         src = ASTSource(fn=fn, signature=sig,
                         constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-        assert compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
+        assert compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
 
-    pointers = {"x_ptr": "*fp8e4nv", "xs_ptr": "*i32", "w_ptr": "*u8", "ws_ptr": "*i32", "y_ptr": "*bf16",
-                "part_ptr": "*fp32", "slot_ptr": "*i32", "tile_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"}
-    check(gemm._bs_gemm_kernel, pointers, {"FP4": True, "FUSE_QUANT": False, "SCALE_ROWS": 1, "SCALE_E8M0": True,
-                                           "SPREAD": False, "SLOTS": False, "GROUPED": True, "BM": 64, "BN": 64,
-                                           "GROUP_M": 8, "RANGES": True})
+    # the block-scaled GEMM's routes: prefill tiles of FP4 experts and of FP8 (128x128, two warpgroups), decode
+    # tiles with the quantisation fused and the K ranges spread; a large call's weight dequantised first
+    for fp4, deq, fuse, spread, slots, grouped, (bm, bn, warps) in (
+            (True, False, False, False, False, True, (64, 64, 4)),
+            (False, False, False, False, False, False, (128, 128, 8)),
+            (False, True, False, False, False, False, (128, 128, 8)),
+            (False, False, True, True, False, False, (16, 64, 2)),
+            (True, False, True, True, True, False, (16, 64, 2))):
+        pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16" if deq else "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32",
+                    "y_ptr": "*bf16", "part_ptr": "*fp32", "slot_ptr": "*i32", "tile_ptr": "*i32", "stride_we": "i64",
+                    "stride_wse": "i64"}
+        check(gemm._bs_gemm_kernel, pointers, {"FP4": fp4, "DEQUANTISED": deq, "FUSE_QUANT": fuse,
+                                               "SCALE_ROWS": 1 if fp4 else 32,
+                                               "SPREAD": spread, "SLOTS": slots, "GROUPED": grouped, "BM": bm,
+                                               "BN": bn, "GROUP_M": 8, "RANGES": not spread}, warps)
+    for fp4 in (False, True):
+        check(gemm._dequant_weight_kernel, {"w_ptr": "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32", "o_ptr": "*bf16"},
+              {"FP4": fp4, "SCALE_ROWS": 1 if fp4 else 32, "BN": configs.DEQUANT_WEIGHT_BN})
     for cand, group in ((False, 1), (True, 8)):
         check(indexer._topk_kernel, {"s_ptr": "*bf16", "vis_ptr": "*i64", "o_ptr": "*i8" if cand else "*i64"},
               {"GROUP": group, "CAND": cand, "BLOCK": configs.TOPK_BLOCK // group})

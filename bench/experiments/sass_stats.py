@@ -33,6 +33,8 @@ VARIANTS = [
     ("fp4 decode slots, spread", True, True, True, False, True, configs.linear_config("fp4", 2304, 5120, 1)),
     ("fp8 prefill, one range", False, False, False, False, False, configs.linear_config("fp8", 32768, 1280)),
     ("fp8 prefill, several ranges", False, False, False, True, False, configs.linear_config("fp8", 5120, 8192)),
+    ("fp8 prefill >= 4K rows, ranges", False, False, False, True, False,
+     configs.linear_config("fp8", 5120, 8192, configs.LARGE_TILE_MIN_M)),
     ("fp4 prefill, several ranges", True, False, False, True, False, configs.linear_config("fp4", 2304, 5120)),
 ]
 
@@ -60,11 +62,14 @@ def compile_variant(fp4: bool, spread: bool, slots: bool, ranges: bool, fuse: bo
     fn = gemm_module()._bs_gemm_kernel
     names = fn.arg_names
     sig = {name: "i32" for name in names}
-    sig.update({"x_ptr": "*bf16" if fuse else "*fp8e4nv", "xs_ptr": "*bf16" if fuse else "*i32", "tile_ptr": "*i32",
+    codes_in = "xs_ptr" in names  # the per-block kernel of the trees before CUDA_NUMERICS 1 took E4M3 codes
+    sig.update({"x_ptr": "*fp8e4nv" if codes_in and not fuse else "*bf16", "tile_ptr": "*i32",
                 "w_ptr": "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32", "y_ptr": "*bf16", "part_ptr": "*fp32",
                 "slot_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"})
+    if codes_in:
+        sig["xs_ptr"] = "*bf16" if fuse else "*i32"
     sig.update({name: "*i32" for name in ("cnt_ptr",) if name in names})  # a variant's tile counters
-    constexprs = {"FP4": fp4, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else BLOCK, "SCALE_E8M0": True,
+    constexprs = {"FP4": fp4, "DEQUANTISED": False, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else BLOCK, "SCALE_E8M0": True,
                   "SPREAD": spread, "SLOTS": slots, "GROUPED": False, "BM": cfg.BM, "BN": cfg.BN,
                   "GROUP_M": cfg.GROUP_M,
                   "RANGES": ranges, "EVEN": True}

@@ -33,7 +33,7 @@ from dsflash.model.state import ROLLBACK_ROWS, PositionRing, SequenceState
 from dsflash.model.tiers import RESIDENT, Tiers, sum_stats
 from dsflash.model.transformer import Streams, Transformer
 from dsflash.model.vision import TEXT
-from dsflash.numerics import NUMERICS_VERSION
+from dsflash.numerics import numerics_version
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,9 @@ def default_device() -> str:
 
 def engine_identity(model: Transformer) -> str:
     """The model identity both sides of a split compare: the whole checkpoint's config and tensor index
-    (either half loads the same files) and the numerics version."""
-    return f"{model_identity(model.args, model.ckpt)}-n{NUMERICS_VERSION}"
+    (either half loads the same files) and the numerics version of the model's kernel backend (CUDA's GEMMs
+    sum in another order than the reference's: their snapshots, cache entries and link peers never mix)."""
+    return f"{model_identity(model.args, model.ckpt)}-n{numerics_version(model.k.name)}"
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """CUDA backend (Triton): the CPU reference's kernels with the same signatures and numerics, one module per op
 family; `kernels(device)` builds the backend's `Kernels`.
 
-- gemm: activation quantisation, the block-scaled FP8/FP4 and the plain bf16/fp32 GEMMs, `linear`,
+- gemm: the block-scaled FP8/FP4 GEMM (exactly dequantised operands) and the plain bf16/fp32 GEMM, `linear`,
   `grouped_linear`; weights: the kernels' weight layout (`CudaWeight`) and FP4 -> E4M3 widening;
   experts: the routed experts' bank and `expert_linear`
 - attention: `sparse_attn`; indexer: `index_scores`, `topk_indices`, `candidate_blocks`; router: `moe_route`
@@ -42,16 +42,15 @@ from .elementwise import (
     swiglu,
 )
 from .experts import ExpertBank, expert_bank, expert_linear, expert_put, expert_slots
-from .gemm import act_scales, grouped_linear, linear, quant_act
+from .gemm import dequant_weight, grouped_linear, linear
 from .indexer import candidate_blocks, index_scores, topk_indices
 from .mhc import collapse, expand, hc_split_sinkhorn
 from .quant import fp4_dequant_packed, fp4_fake_quant, fp4_quant_packed, fp8_fake_quant
 from .router import moe_route
 from .weights import CudaWeight, fp4_words, to_cuda_weight, weight_from_codes
 
-__all__ = ["kernels", "CudaWeight", "ExpertBank", "to_cuda_weight", "fp4_words", "quant_act",
-           "act_scales", "linear", "grouped_linear", "expert_bank", "expert_slots",
-           "expert_put", "expert_linear", "sparse_attn",
+__all__ = ["kernels", "CudaWeight", "ExpertBank", "to_cuda_weight", "fp4_words", "linear", "dequant_weight",
+           "grouped_linear", "expert_bank", "expert_slots", "expert_put", "expert_linear", "sparse_attn",
            "hc_split_sinkhorn", "index_scores", "topk_indices", "candidate_blocks", "moe_route", "mean_square",
            "row_sum", "small_sum", "stream_mean", "rms_norm", "rms_scale", "fp8_fake_quant", "fp4_fake_quant",
            "fp4_quant_packed", "fp4_dequant_packed", "collapse", "expand", "moe_sum", "swiglu", "softmax_pool",

@@ -1,15 +1,17 @@
 """Every tile configuration and row/size threshold of the CUDA kernels, in one place.
 
-Batch invariance: a row's bits never depend on how many rows share the call. Every kernel's tile
-shape, K step and K split is a function of the weight's (N, K) or of the head/dim sizes only (never
-of M), there is no autotuning and no atomics, and each output element is computed by the same
-instruction sequence wherever its row sits in a tile. The M-dependent choices below give identical bits
-by construction and are tested to: fusing the activation quantisation into the GEMM (the quantisation is
-exact bit arithmetic); for M <= 16, 16-row tiles, and running the K ranges as separate programs whose
-sums a second kernel adds in range order (one program adds them in the same order); for M <= 64, the
-attention's output channels over several programs (each computes the same scores); for M >= 128,
-widening FP4 weights to E4M3 once per call instead of per tile; for plain GEMMs of M >= 512, N-wide tiles
-(the same MMA per output element) with the shape-fixed K ranges added in one program.
+Batch invariance: a row's bits never depend on how many rows share the call. Every kernel's tile shape, K step
+and K split is a function of the weight's (N, K) or of the head/dim sizes only (never of M), there is no
+autotuning and no atomics, and each output element is computed by the same instruction sequence wherever its
+row sits in a tile. The M-dependent choices below give identical bits by construction and are tested to:
+fusing the activation quantisation into the GEMM (the quantisation is exact bit arithmetic); for M <= 16,
+16-row tiles (mma.sync, where larger tiles take wgmma: both must add each 16-wide k step's products to the
+fp32 accumulator alike, which the GPU tests check on every layer shape), and running the K ranges as separate
+programs whose sums a second kernel adds in range order (one program adds them in the same order); for M <=
+64, the attention's output channels over several programs (each computes the same scores); for M >= 128,
+widening FP4 weights to E4M3 once per call instead of per tile; for FP8/FP4 linears of M >= 4096, the weight
+dequantised to bf16 once per call (the tiles' own operands); for plain GEMMs of M >= 512, N-wide tiles (the
+same MMA per output element) with the shape-fixed K ranges added in one program.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ NARROW_TILE_MAX_M = 16  # up to this many rows FP8/FP4 GEMMs use 16-row tiles (s
 LARGE_TILE_MIN_M = 4096  # from this many rows FP8 GEMMs use 128x128 tiles (same bits as 64-row ones)
 SPREAD_MAX_M = 16  # up to this many rows a GEMM's K ranges run as separate programs (sums added in order)
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
-ACT_QUANT_ROWS = 32  # rows per program of the standalone activation quantisation
-ACT_QUANT_BLOCKS = 8  # ... and K blocks per program
+# from this many rows an FP8/FP4 linear dequantises its weight to bf16 once per call (dequant_weight; writing and
+# reading 2 bytes a weight costs ~4 % of the GEMM at 8,192 rows, predicted, not yet measured) instead of in every
+# row tile's load path: the same operands, so the same bits (tested)
+DEQUANT_WEIGHT_MIN_M = 4096
+DEQUANT_WEIGHT_BN = 64  # weight rows per program of that dequantisation
 FP4_WIDEN_WORDS = 1024  # FP4 weight words per program of the widening to E4M3
 ORDERED_SUM_SMALL = 1 << 17  # outputs up to which the in-order sum of K-range partials takes small programs
 
@@ -44,9 +49,11 @@ class LinearConfig:
 
 def linear_config(kind: str, n: int, k: int, m: int | None = None) -> LinearConfig:
     """The tile config for a weight of this kind and shape: a function of (kind, N, K) only. M picks between
-    FP8/FP4 configs whose bits are equal (measured on every V4.1 layer shape:
-    bench/results/mma-tiles-2026-11-30.txt; tested by tests/test_kernels_cuda.py), so a row's result never
-    depends on M."""
+    FP8/FP4 configs whose bits are equal: every config runs the same bf16 dots over the same K blocks into
+    one fp32 accumulator per K range (gemm.py), so a row's result never depends on M (the GPU tests
+    `test_a_rows_bits_are_the_same_at_every_m` and `test_narrow_and_large_tiles_give_the_wide_tiles_bits`
+    check it on every layer shape; the per-block kernel before CUDA_NUMERICS 1 measured the same for its
+    fresh-accumulator blocks: bench/results/mma-tiles-2026-11-30.txt)."""
     if kind in ("fp8", "fp4"):
         if m is not None and m <= NARROW_TILE_MAX_M:
             # 16-row tiles (mma.sync): 1.3-2x faster than the 64-row wgmma tiles at M <= 16

@@ -18,7 +18,7 @@ from .configs import (
     LinearConfig,
     linear_config,
 )
-from .gemm import block_scaled_gemm, quant_act
+from .gemm import act_operand, block_scaled_gemm
 from .weights import CudaWeight, fp4_to_fp8, to_cuda_weight
 
 
@@ -34,10 +34,6 @@ class ExpertBank:
 
     def __getitem__(self, e: int) -> CudaWeight:
         return CudaWeight(self.kind, self.values[e], self.scale[e], self.scale_rows)
-
-    @property
-    def scale_e8m0(self) -> bool:
-        return self.scale.dtype == torch.int32
 
 
 def expert_bank(weights: list[Weight]) -> ExpertBank:
@@ -85,9 +81,8 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
     y = torch.empty((slots.numel(), n), dtype=torch.bfloat16, device=x.device)
     if slots.numel() == 0:
         return y
-    x = x.contiguous()
     fuse = x.size(0) <= FUSE_QUANT_MAX_M
-    a, a_s = (x, x) if fuse else quant_act(x)
+    a = act_operand(x, fuse)
     if config is None and slots.numel() >= EXPERT_TILE_MIN_SLOTS:
         # a prefill's slots: each expert's slots share 64-row tiles (the same bits as one-row tiles, tested)
         cfg = linear_config(bank.kind, n, x.size(1))
@@ -105,11 +100,11 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
             part = bank if not widen else ExpertBank(
                 "fp8", fp4_to_fp8(bank.values[lo:hi].flatten(0, 1)).view(hi - lo, n, -1), bank.scale[lo:hi],
                 bank.scale_rows)
-            block_scaled_gemm(a, a_s, part.values, part, y, fp4=part.kind == "fp4", fuse=fuse, cfg=cfg, spread=False,
+            block_scaled_gemm(a, part.values, part, y, fp4=part.kind == "fp4", fuse=fuse, cfg=cfg, spread=False,
                               slots=order, slots_per_row=slots_per_row, tiles=tiles, experts=(lo, hi))
         return y
     cfg = config or linear_config(bank.kind, n, x.size(1), m=1)  # each slot is a one-row product
-    block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, spread=spread,
+    block_scaled_gemm(a, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, spread=spread,
                       slots=slots, slots_per_row=slots_per_row)
     return y
 

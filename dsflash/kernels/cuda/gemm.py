@@ -1,16 +1,16 @@
-"""The GEMMs: activation quantisation, the block-scaled FP8/FP4 GEMM, the plain bf16/fp32 GEMM, the in-order
-sum of K-range partials; `linear` and `grouped_linear`.
+"""The GEMMs: the block-scaled FP8/FP4 GEMM, the plain bf16/fp32 GEMM, the in-order sum of K-range partials;
+`linear` and `grouped_linear`.
 
-Numerics (spec §3, as dsflash/kernels/cpu.py):
-- FP8/FP4 linear: the activation is quantised to E4M3 per 32 values with a power-of-two scale (the
-  exponent-bit trick, bit-exact with numerics/quant.py), each 32-wide K block's product is one
-  tensor-core dot with a fresh fp32 accumulator, scaled by a_s * b_s and added in K order to the fp32
-  sum of its K range (ranges fixed by the weight's shape, quant.k_range_blocks), the range sums added in
-  order, then rounded once to bf16, as the CPU does. With power-of-two scales the scaling is exact, so
-  a difference from the CPU can only come from inside a block's 32-term dot (tensor-core vs CPU fp32
-  summation; measured: FIDELITY.md); the MMA takes f16 operands: E4M3 codes convert exactly, FP4 weight
-  codes are stored in a word layout (`fp4_words`) that shifts and masks turn into f16 pairs of value / 2^14
-  (every E2M1 value is an f16 value; the 2^14 goes into the exact power-of-two weight scale).
+Numerics (spec §3: the dequantised matmul of Q8(x) and W up to fp32 summation order; the CUDA backend's own
+summation order, numerics.CUDA_NUMERICS, not the CPU reference's per-block one):
+- FP8/FP4 linear: the activation is quantised to E4M3 per 32 values with a power-of-two scale (bit-exact
+  with numerics/quant.py) and dequantised, the weight's E4M3 / E2M1 codes are dequantised by their E8M0
+  scales; both are exact in bf16 (a code of at most 4 significant bits times a power of two), so the
+  product is a bf16 tensor-core dot over the exact operands, accumulated in fp32 over each K range (ranges
+  fixed by the weight's shape, quant.k_range_blocks) from a fresh accumulator, the range sums added in
+  order, then rounded once to bf16. FP4 weight codes are stored in a word layout (`fp4_words`) that shifts
+  and masks turn into f16 pairs of value / 2^14 (every E2M1 value is an f16 value; the 2^14 goes into the
+  power-of-two scale).
 - bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
   3xTF32 tensor-core products by default, IEEE fp32 FMA dots on request); output in the weight's dtype.
 """
@@ -27,8 +27,8 @@ from dsflash.numerics.quant import K_RANGE_GROUP, k_range_blocks
 
 from .common import FP_FUSION, TL_BLOCK, quant_tile
 from .configs import (
-    ACT_QUANT_BLOCKS,
-    ACT_QUANT_ROWS,
+    DEQUANT_WEIGHT_BN,
+    DEQUANT_WEIGHT_MIN_M,
     FP4_PRECONVERT_M,
     FUSE_QUANT_MAX_M,
     PLAIN_WIDE_MIN_M,
@@ -39,65 +39,18 @@ from .configs import (
     plain_k_per_split,
     plain_wide_config,
 )
+from .quant import fp8_fake_quant
 from .weights import CudaWeight, fp4_to_fp8, to_cuda_weight
 
 _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
 
 
 # ---------------------------------------------------------------------------------------------
-# activation quantisation (the standalone kernel; the fused GEMM prologue is common.quant_tile)
-# ---------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["M"])
-def _act_quant_kernel(x_ptr, q_ptr, e_ptr, M, KB, stride_xm, stride_qm,
-                      BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < M
-    for j in tl.static_range(BLOCK_KB):
-        kb = pid_k * BLOCK_KB + j
-        if kb < KB:
-            cols = kb * TL_BLOCK + tl.arange(0, TL_BLOCK)
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=rmask[:, None], other=0.0)
-            q, e, _s = quant_tile(x.to(tl.float32))
-            tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=rmask[:, None])
-            # byte kb % 4 of word (kb // 4, row): words [ceil(KB/4), M]
-            tl.store(e_ptr + ((kb // 4) * M + rows).to(tl.int64) * 4 + kb % 4, e.to(tl.uint8), mask=rmask)
-
-
-def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 [M, K] -> (E4M3 codes float8_e4m3fn [M, K], scale words int32 [ceil(K/128), M]: byte j of
-    word c is the E8M0 exponent of row's K block 4c+j, padded with 127). Bit-exact with
-    quant.fp8_act_codes; `act_scales` decodes the words to its [M, K/32] float32 form."""
-    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.size(1) % BLOCK == 0
-    x = x.contiguous()
-    m, k = x.shape
-    kb = k // BLOCK
-    kc = triton.cdiv(kb, K_RANGE_GROUP)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    e = torch.empty((kc, m, K_RANGE_GROUP), dtype=torch.uint8, device=x.device)
-    if kb % K_RANGE_GROUP:
-        e[-1] = 127  # bytes past the last K block: 2^0
-    if m:
-        grid = (triton.cdiv(m, ACT_QUANT_ROWS), triton.cdiv(kb, ACT_QUANT_BLOCKS))
-        _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=ACT_QUANT_ROWS,
-                                BLOCK_KB=ACT_QUANT_BLOCKS, num_warps=4, enable_fp_fusion=FP_FUSION)
-    return q, e.view(torch.int32)[..., 0]
-
-
-def act_scales(words: torch.Tensor, k: int) -> torch.Tensor:
-    """Scale words [ceil(K/128), M] -> float32 scales [M, K/32] (for tests)."""
-    e = words.contiguous().unsqueeze(-1).view(torch.uint8)  # [KC, M, 4]
-    e = e.permute(1, 0, 2).reshape(words.size(1), -1)[:, : k // BLOCK]
-    return (e.to(torch.int32) << 23).view(torch.float32)
-
-
-# ---------------------------------------------------------------------------------------------
-# block-scaled FP8/FP4 GEMM
+# block-scaled FP8/FP4 GEMM: one fp32 accumulation per K range over exactly dequantised operands
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _fp4_word_values(w, BN: tl.constexpr):
-    """A block's FP4 words [BN, 4] (fp4_words) -> the f16 operand [32, BN]: each value / 2^14."""
+    """A block's FP4 words [BN, 4] (fp4_words) -> the f16 values [32, BN]: each value / 2^14."""
     i = tl.arange(0, 4)[None, None, :]
     # register i of a word: elements 2i and 2i + 1 as its two f16 halves
     r = ((w[:, :, None] << (3 * i)) & 0x0E000E00) | ((w[:, :, None] << i) & -2147450880)  # 0x80008000
@@ -127,60 +80,72 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4: tl.constexpr):
-    """K block kb's activation and weight tiles as stored (zeros past the KB blocks of K)."""
-    kin = kb < KB
-    a = tl.load(x_rows + kb * TL_BLOCK, mask=mmask[:, None] & kin, other=0.0)
+def _weight_rows(w_ptr, rn, stride_wn, FP4: tl.constexpr):
+    """Pointers to K block 0 of the weight rows rn: FP4 [BN, 4] words, else [32, BN] elements (K down)."""
     if FP4:
-        w = tl.load(w_rows + kb * 4, mask=nmask[:, None] & kin, other=0)
+        rows = (w_ptr + rn[:, None].to(tl.int64) * stride_wn).to(tl.pointer_type(tl.int32)) + tl.arange(0, 4)[None, :]
     else:
-        w = tl.load(w_rows + kb * TL_BLOCK, mask=nmask[None, :] & kin, other=0.0)
-    return a, w
+        rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn + tl.arange(0, TL_BLOCK)[:, None]
+    return rows
 
 
 @triton.jit
-def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, FP4: tl.constexpr,
-                FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr):
-    """One K block's scaled product dot32(A, B) * a_s * b_s, fp32 [BM, BN]; j: the block's byte in the
-    chunk's scale words."""
-    if FUSE_QUANT:
-        a, _e, a_s = quant_tile(a.to(tl.float32))
-    else:
-        a_s = _word_scale(aw, j)
+def _load_weight(w_rows, kb, KB, nmask, FP4: tl.constexpr):
+    """K block kb's weight tile as stored (zeros past the KB blocks of K)."""
     if FP4:
-        b = _fp4_word_values(w, BN)
+        w = tl.load(w_rows + kb * 4, mask=nmask[:, None] & (kb < KB), other=0)
     else:
+        w = tl.load(w_rows + kb * TL_BLOCK, mask=nmask[None, :] & (kb < KB), other=0.0)
+    return w
+
+
+@triton.jit
+def _act_operand(a, FUSE_QUANT: tl.constexpr):
+    """A K block's activation tile -> Q8(x) in bf16 [BM, 32]: as loaded (the caller passed fp8_fake_quant's
+    values) or, FUSE_QUANT, quantised here from the raw bf16 rows; code x power-of-two scale is exact in
+    bf16 (E4M3's 4 significant bits, a scale of at least 2^-22), so these are fp8_fake_quant's bits."""
+    if FUSE_QUANT:
+        q, _e, s = quant_tile(a.to(tl.float32))
+        a = (q.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+    return a
+
+
+@triton.jit
+def _weight_operand(w, bw, j: tl.constexpr, FP4: tl.constexpr, DEQUANTISED: tl.constexpr, BN: tl.constexpr):
+    """A K block's weight tile as stored, with its chunk's scale words [BN] (the block's E8M0 byte j) ->
+    the dequantised weight in bf16 [32, BN], exactly: an E4M3 / E2M1 code times a power of two within
+    bf16's normal range (to_cuda_weight checks the scales' range). DEQUANTISED: stored so already."""
+    if DEQUANTISED:
         b = w
-    if SCALE_E8M0:
-        b_s = _word_scale(bw, j)
     else:
-        b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
-    if FP4:  # the f16 operand holds value / 2^14 (exact, and so is the MMA's sum: all scaled alike)
-        b_s = b_s * 16384.0
-    # f16 operands hold every E4M3 (2^-9 ... 448) and E2M1 code exactly (E4M3 -> f16 is one hardware
-    # conversion per pair), and the f16 MMA accumulates in fp32, so the block's 32 exact products are
-    # summed like the CPU reference's fp32 GEMM (the FP8 MMA keeps fewer accumulator bits and moved every
-    # golden battery row off the reference)
-    partial = tl.dot(a.to(tl.float16), b.to(tl.float16))
-    # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's (partial * a_s) * b_s,
-    # exact too; the caller's add is the only rounding
-    return partial * (a_s[:, None] * b_s[None, :])
+        s = _word_scale(bw, j)
+        if FP4:  # the f16 values are value / 2^14 (exact); the 2^14 joins the scale
+            v = _fp4_word_values(w, BN).to(tl.float32)
+            s = s * 16384.0
+        else:
+            v = w.to(tl.float32)
+        b = (v * s[None, :]).to(tl.bfloat16)
+    return b
 
 
-@triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk", "expert_lo", "expert_hi"])
-def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, KB, chunks_per_split,
-                    stride_xm, stride_wn, stride_wsk, stride_ym, stride_xs, stride_pk, stride_we, stride_wse,
+@triton.jit(do_not_specialize=["M", "stride_pk", "expert_lo", "expert_hi"])
+def _bs_gemm_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, KB, chunks_per_split,
+                    stride_xm, stride_wn, stride_wsk, stride_ym, stride_pk, stride_we, stride_wse,
                     slots_per_row, expert_lo, expert_hi,
-                    FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                    SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
+                    FP4: tl.constexpr, DEQUANTISED: tl.constexpr, FUSE_QUANT: tl.constexpr,
+                    SCALE_ROWS: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
-    """y[M, N] = the block-scaled product (see linear), fp32 sums rounded once to bf16. K runs in chunks of
-    4 blocks (one scale word); the chunks form ranges of `chunks_per_split` (quant.k_range_blocks, fixed by
-    the weight's shape): each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
+    """y[M, N] = Q8(x) @ deq(W)^T (see linear), rounded once to bf16. Both operands are dequantised exactly
+    to bf16 in the load path and every K block's bf16 tensor-core dot accumulates into one fp32
+    accumulator per K range: the ranges (chunks_per_split chunks of 4 blocks, quant.k_range_blocks) are
+    fixed by the weight's shape, each runs in K order from a fresh accumulator, and the range sums are
+    added in range order. So a row's bits depend on (N, K) only: the same dots in the same order at every M
+    and tile shape (the MMA of one output element does not depend on the tile's other rows or columns).
     The loads are plain, so that Triton's pipeliner streams them through shared memory (cp.async,
-    num_stages deep): a register double buffer measured 2-3x slower at large M (bench/results).
+    num_stages deep).
+    DEQUANTISED: w_ptr holds the weight's bf16 operands (dequant_weight: the same values, so the same bits).
     SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
-    adds in range order -- the bits of one program looping over the ranges.
+    adds in range order -- the bits of one program looping over the ranges (RANGES).
     SLOTS (routed experts): program_id(2) is slot s, one output row computed as a one-row call would
     compute it, with activation row s // slots_per_row and expert slot[s] of a stacked weight bank.
     GROUPED (routed experts, many slots): program_id(2) is tile t of up to BM slots of one expert
@@ -193,7 +158,6 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
         w_ptr += e * stride_we
         ws_ptr += e * stride_wse
         x_ptr += (s // slots_per_row).to(tl.int64) * stride_xm
-        xs_ptr += s // slots_per_row
         y_ptr += s.to(tl.int64) * stride_ym
         part_ptr += s.to(tl.int64) * N
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
@@ -217,51 +181,38 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
         in_rows = out_rows // slots_per_row
         KC = tl.where(count > 0, KC, 0)  # the table's spare tiles and other experts' tiles do no work
     x_rows = x_ptr + in_rows[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    if FP4:  # the block's 4 words per weight row
-        w_rows = ((w_ptr + rn[:, None].to(tl.int64) * stride_wn).to(tl.pointer_type(tl.int32))
-                  + tl.arange(0, 4)[None, :])
-    else:
-        w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    w_rows = _weight_rows(w_ptr, rn, stride_wn, FP4)
     ws_cols = ws_ptr + rn // SCALE_ROWS
-    xs_rows = xs_ptr + in_rows
     c_lo = 0
     c_hi = KC
     if SPREAD:
         c_lo = tl.program_id(1) * chunks_per_split
         c_hi = tl.minimum(c_lo + chunks_per_split, KC)
-    if not FUSE_QUANT:
-        aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
-    if SCALE_E8M0:
+    if not DEQUANTISED:
         bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
     # one loop over the chunks (a loop per range would drain Triton's load pipeline at every range end).
-    # RANGES (the program crosses range ends): `total` sums the current range, added to `acc` where the
-    # range ends -- a second accumulator, ~70 more registers on 64x64 tiles, so only where needed
+    # `acc` is the current range's accumulator, the dots' own; RANGES (the program crosses range ends):
+    # `total` takes each range's sum where the range ends
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if RANGES:
         total = tl.zeros([BM, BN], dtype=tl.float32)
     for c in range(c_lo, c_hi):
-        more = c + 1 < c_hi
-        aw = 0
         bw = 0
-        if not FUSE_QUANT:
-            aw = aw_next
-            aw_next = tl.load(xs_rows + (c + 1) * stride_xs, mask=mmask & more, other=_ONE_WORD)
-        if SCALE_E8M0:
+        if not DEQUANTISED:
             bw = bw_next
-            bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
+            bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & (c + 1 < c_hi), other=_ONE_WORD)
         for j in tl.static_range(4):
             kb = c * 4 + j
-            a, w = _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4)
-            # a block past K adds +0 to a sum that is never -0
-            term = _block_term(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
-            if RANGES:
-                total += term
-            else:
-                acc += term
+            a = tl.load(x_rows + kb * TL_BLOCK, mask=mmask[:, None] & (kb < KB), other=0.0)
+            w = _load_weight(w_rows, kb, KB, nmask, FP4)
+            # a block past K adds exact zeros
+            acc = tl.dot(_act_operand(a, FUSE_QUANT), _weight_operand(w, bw, j, FP4, DEQUANTISED, BN), acc)
         if RANGES:
             if ((c + 1) % chunks_per_split == 0) | (c + 1 == KC):  # the range ends
-                acc += total
-                total = tl.zeros([BM, BN], dtype=tl.float32)
+                total += acc
+                acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if RANGES:
+        acc = total
     # SPREAD: acc is this program's range sum, stored for _ordered_sum_kernel
     mask = mmask[:, None] & nmask[None, :]
     if SPREAD:
@@ -269,6 +220,34 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
         tl.store(part, acc, mask=mask)
     else:
         tl.store(y_ptr + out_rows[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _dequant_weight_kernel(w_ptr, ws_ptr, o_ptr, N, K, KB, stride_wn, stride_wsk, FP4: tl.constexpr,
+                           SCALE_ROWS: tl.constexpr, BN: tl.constexpr):
+    """o [N, K] bf16 = the GEMM's weight operands (_weight_operand) for BN rows and one chunk of 4 K blocks."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    nmask = rn < N
+    c = tl.program_id(1)
+    w_rows = _weight_rows(w_ptr, rn, stride_wn, FP4)
+    bw = tl.load(ws_ptr + rn // SCALE_ROWS + c * stride_wsk, mask=nmask, other=_ONE_WORD)
+    for j in tl.static_range(4):
+        kb = c * 4 + j
+        b = _weight_operand(_load_weight(w_rows, kb, KB, nmask, FP4), bw, j, FP4, False, BN)
+        o = o_ptr + rn[None, :].to(tl.int64) * K + kb * TL_BLOCK + tl.arange(0, TL_BLOCK)[:, None]
+        tl.store(o, b, mask=nmask[None, :] & (kb < KB))
+
+
+def dequant_weight(w: CudaWeight) -> torch.Tensor:
+    """An FP8/FP4 weight's exact bf16 values [N, K]: for large calls, whose row tiles would each dequantise
+    the same weight tiles again (DEQUANT_WEIGHT_MIN_M); the GEMM then reads them as they are."""
+    n, k = w.out_features, w.in_features
+    out = torch.empty((n, k), dtype=torch.bfloat16, device=w.values.device)
+    grid = (triton.cdiv(n, DEQUANT_WEIGHT_BN), triton.cdiv(k // BLOCK, K_RANGE_GROUP))
+    _dequant_weight_kernel[grid](w.values, w.scale, out, n, k, k // BLOCK, w.values.stride(0), w.scale.stride(0),
+                                 FP4=w.kind == "fp4", SCALE_ROWS=w.scale_rows, BN=DEQUANT_WEIGHT_BN, num_warps=4,
+                                 enable_fp_fusion=FP_FUSION)
+    return out
 
 
 @triton.jit
@@ -323,14 +302,16 @@ def _ordered_sum(part: torch.Tensor, y: torch.Tensor, terms: int) -> None:
                                                       num_warps=warps, enable_fp_fusion=FP_FUSION)
 
 
-def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
-                      fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
+def block_scaled_gemm(a: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
+                      fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None, dequantised: bool = False,
                       slots: torch.Tensor | None = None, slots_per_row: int = 1,
                       tiles: torch.Tensor | None = None, experts: tuple[int, int] | None = None) -> None:
     """Launch the block-scaled GEMM into y (and the sum of the K ranges when they run as separate programs).
-    With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]; with
-    `tiles` too (experts.py's expert tiles), `slots` is the slot order grouped by expert and tile t takes up
-    to BM of them, only those of `experts` (lo, hi) when given, the bank then holding experts lo .. hi - 1."""
+    `a`: the bf16 activation, raw (`fuse`: the kernel quantises it) or Q8(x) (act_operand); `wv`: the
+    weight's stored values, or (`dequantised`) dequant_weight's bf16 operands. With `slots`,
+    y's row s is activation row s // slots_per_row times the bank's expert slots[s]; with `tiles` too
+    (experts.py's expert tiles), `slots` is the slot order grouped by expert and tile t takes up to BM of
+    them, only those of `experts` (lo, hi) when given, the bank then holding experts lo .. hi - 1."""
     n, k = y.size(1), a.size(1)
     kb = k // BLOCK
     # a tensor-parallel shard sums by its whole weight's K ranges (an expert bank has no such field)
@@ -347,19 +328,25 @@ def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: W
     programs = rows if stacked else tiles.size(0) if tiles is not None else 1
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), splits if spread else 1, programs)
     lo, hi = experts or (0, wv.size(0))  # without `experts`: all of a bank's experts (unused without tiles)
-    _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if slots is not None else y,
+    _bs_gemm_kernel[grid](a, wv, w.scale, y, part, slots if slots is not None else y,
                           tiles if tiles is not None else y, m, n, kb, cps,
-                          a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0),
-                          a_s.stride(0) if not fuse else m, rows * n,
+                          a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0), rows * n,
                           wv.stride(0) if slots is not None else 0, w.scale.stride(0) if slots is not None else 0,
-                          slots_per_row, lo, hi, FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
-                          SCALE_E8M0=w.scale_e8m0,
+                          slots_per_row, lo, hi, FP4=fp4 and not dequantised, DEQUANTISED=dequantised,
+                          FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
                           SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM, BN=cfg.BN,
                           GROUP_M=cfg.GROUP_M,
                           RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                           enable_fp_fusion=FP_FUSION)
     if spread:
         _ordered_sum(part, y, splits)
+
+
+def act_operand(x: torch.Tensor, fuse: bool) -> torch.Tensor:
+    """The activation as the block-scaled GEMM takes it: raw bf16 rows when the kernel quantises them itself
+    (`fuse`: a few rows, one launch less), else Q8(x) in bf16 (fp8_fake_quant: the same values)."""
+    x = x.contiguous()
+    return x if fuse else fp8_fake_quant(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,14 +431,15 @@ def _plain_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, kind: str, gr
 
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
            config: LinearConfig | None = None, fuse_quant: bool | None = None,
-           spread: bool | None = None, preconvert: bool | None = None,
+           spread: bool | None = None, preconvert: bool | None = None, dequantise: bool | None = None,
            fp32_precision: str = "tf32x3") -> torch.Tensor:
     """y = x @ W^T by the weight's storage kind (see cpu.linear). x: [M, in] on CUDA. fp8/fp4 take a
     bf16 activation and give bf16; bf16/fp32 weights give their own dtype. A non-CUDA-layout Weight
     is converted on the fly (convert once with to_cuda_weight instead).
-    Keyword overrides are for tests and benchmarks: `config` (tile config), and three choices that
-    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs) and `preconvert`
-    (widen FP4 to E4M3 before the GEMM); `fp32_precision` for fp32 weights: "tf32x3" (default: three
+    Keyword overrides are for tests and benchmarks: `config` (tile config), and four choices that
+    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs), `preconvert`
+    (widen FP4 to E4M3 before the GEMM) and `dequantise` (the weight's bf16 operands made once before the
+    GEMM, which then reads them); `fp32_precision` for fp32 weights: "tf32x3" (default: three
     TF32 tensor-core products, measured closer to the CPU's fp32 than the alternative and 3-4.5x
     faster) or "ieee" (fp32 FMA dots, one long K chain per output)."""
     if not isinstance(w, CudaWeight) or w.values.device != x.device:
@@ -466,13 +454,15 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
         y = out if out is not None else torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
         if m == 0:
             return y
-        x = x.contiguous()
         fuse = m <= FUSE_QUANT_MAX_M if fuse_quant is None else fuse_quant
-        a, a_s = (x, x) if fuse else quant_act(x)  # fused: a_s unused
         wv, fp4 = w.values, w.kind == "fp4"
-        if fp4 and (m >= FP4_PRECONVERT_M if preconvert is None else preconvert):
+        dequantised = m >= DEQUANT_WEIGHT_MIN_M if dequantise is None else dequantise
+        if dequantised:
+            wv = dequant_weight(w)
+        elif fp4 and (m >= FP4_PRECONVERT_M if preconvert is None else preconvert):
             wv, fp4 = fp4_to_fp8(wv), False
-        block_scaled_gemm(a, a_s, wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, spread=spread)
+        block_scaled_gemm(act_operand(x, fuse), wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, spread=spread,
+                          dequantised=dequantised)
         return y
     dtype = torch.float32 if w.kind == "fp32" else torch.bfloat16
     # a bf16 activation of an fp32 weight is widened here: widened in the kernel, 3xTF32 gives other bits

@@ -28,11 +28,10 @@ class CudaWeight(Weight):
     `values` in that dtype [out, in]; an fp32 weight stored as bf16 in the checkpoint
     (the head, the router: widened by the model) keeps bf16 values, widened exactly tile by tile in the
     kernel -- half the bytes, the same values (another k order inside the MMA: FIDELITY.md).
-    `scale` (fp8/fp4), when every scale is a normal power of two (always, for checkpoint weights):
-    int32 words [ceil(in/128), ceil(out/scale_rows)], byte j of word c holding the E8M0 exponent
-    (2^(byte-127)) of K block 4c+j, padded with 127; otherwise float32 [4*ceil(in/128),
-    ceil(out/scale_rows)] padded with 1.0 (a slower path). `scale_rows` weight rows share one scale
-    (32 for FP8's 32x32 tiles when the scales allow it, else 1).
+    `scale` (fp8/fp4): int32 words [ceil(in/128), ceil(out/scale_rows)], byte j of word c holding the E8M0
+    exponent (2^(byte-127)) of K block 4c+j, padded with 127 (every scale a power of two within
+    SCALE_EXPONENTS: checkpoint scales are). `scale_rows` weight rows share one scale (32 for FP8's 32x32
+    tiles when the scales allow it, else 1).
     """
 
     scale_rows: int = 1
@@ -40,10 +39,6 @@ class CudaWeight(Weight):
     @property
     def in_features(self) -> int:
         return self.values.size(1) * (2 if self.kind == "fp4" else 1)
-
-    @property
-    def scale_e8m0(self) -> bool:
-        return self.scale is not None and self.scale.dtype == torch.int32
 
 
 # An FP4 weight's 8 elements per int32 word: element 2i + h's magnitude (3 bits) at bits 16h + 9 - 3i and
@@ -65,23 +60,32 @@ def fp4_words(packed: torch.Tensor) -> torch.Tensor:
     return words.to(torch.int32).contiguous().view(torch.uint8).view(packed.shape)
 
 
-def _pack_scales(scale: torch.Tensor) -> torch.Tensor:
-    """float32 [rows, KB] -> K-block-major int32 words [ceil(KB/4), rows] of E8M0 bytes when every scale
-    is exactly 2^(b-127) with b in 1..254, else float32 [4*ceil(KB/4), rows] padded with 1.0."""
+# The GEMM dequantises a code times its scale exactly in bf16 (gemm.py): the product must stay normal and
+# finite (E4M3 codes 2^-9 .. 448, E2M1 0.5 .. 6; the FP4 kernel also forms scale x 2^14 in fp32), so a scale
+# is a power of two from 2^-117 to 2^113 (every checkpoint's scale by far: E8M0 bytes of ~2^-20 .. 2^0)
+SCALE_EXPONENTS = (-117, 113)
+
+
+def _pack_scales(scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """float32 [rows, KB] -> K-block-major int32 words [ceil(KB/4), rows] of E8M0 bytes (2^(byte-127)), padded
+    with 127; every scale must be a power of two within SCALE_EXPONENTS."""
     rows, kb = scale.shape
     pad = -kb % K_RANGE_GROUP
     bits = scale.contiguous().view(torch.int32)
     exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-    if bool(((mantissa == 0) & (exponent >= 1) & (exponent <= 254) & (bits >= 0)).all()):
-        e = torch.nn.functional.pad(exponent.to(torch.uint8), (0, pad), value=127)
-        return e.t().contiguous().view(-1, K_RANGE_GROUP, rows).permute(0, 2, 1).contiguous().view(torch.int32)[..., 0]
-    return torch.nn.functional.pad(scale, (0, pad), value=1.0).t().contiguous()
+    lo, hi = (127 + e for e in SCALE_EXPONENTS)
+    bad = (mantissa != 0) | (exponent < lo) | (exponent > hi) | (bits < 0)
+    if bool(bad.any()):
+        raise ValueError(f"{kind} weight scale: the CUDA backend takes powers of two from 2^{SCALE_EXPONENTS[0]} "
+                         f"to 2^{SCALE_EXPONENTS[1]} (E8M0), got {float(scale.flatten()[bad.flatten().nonzero()[0]])}")
+    e = torch.nn.functional.pad(exponent.to(torch.uint8), (0, pad), value=127)
+    return e.t().contiguous().view(-1, K_RANGE_GROUP, rows).permute(0, 2, 1).contiguous().view(torch.int32)[..., 0]
 
 
 def weight_from_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, device: torch.device) -> CudaWeight:
     """A checkpoint weight straight from its stored codes, with no float detour: fp8 E4M3 [out, in] with
     E8M0 tile scales [ceil(out/32), in/32], or fp4 bytes [out, in/2] with E8M0 scales [out, in/32]."""
-    packed = _pack_scales(scale.to(device).float())
+    packed = _pack_scales(scale.to(device).float(), kind)
     if kind == "fp8":
         return CudaWeight("fp8", codes.to(device).contiguous(), packed, BLOCK)
     return CudaWeight("fp4", fp4_words(codes.to(device).view(torch.uint8)), packed, 1)
@@ -121,7 +125,7 @@ def to_cuda_weight(w: Weight, device: torch.device | str | None = None) -> CudaW
         if not torch.equal(decode_e2m1(codes), vals):
             raise ValueError("fp4 weight values are not all E2M1 values")
         values = fp4_words(pack_fp4(codes).to(device))
-    return CudaWeight(w.kind, values, _pack_scales(scale).to(device), rows)
+    return CudaWeight(w.kind, values, _pack_scales(scale, w.kind).to(device), rows)
 
 
 @triton.jit
