@@ -428,6 +428,22 @@ def test_to_cuda_weight_roundtrip():
             kc.to_cuda_weight(cpu.Weight("fp4", w4.values, bad))
 
 
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+def test_gemm_operands_are_code_times_scale_on_the_gpu(kind):
+    """The GEMM's weight operand (a code widened to bf16 times its scale by the GPU's bf16 multiply; FP4's
+    0.5 an f16 subnormal before the widening) is code x scale exactly at both ends of the scale range, as
+    dequant_weight writes it for every route; the fused activation operand gives fp8_fake_quant's bits."""
+    g = gen(11)
+    for e in (-117, -9, 113):
+        w = rand_weight(kind, 96, 256, g)
+        w = cpu.Weight(kind, w.values, torch.full_like(w.scale, 2.0 ** e))
+        want = (w.values * w.scale.repeat_interleave(BLOCK, 1)).bfloat16()
+        assert torch.equal(kc.dequant_weight(kc.to_cuda_weight(w)).cpu().view(torch.int16), want.view(torch.int16)), e
+    wc = kc.to_cuda_weight(rand_weight(kind, 2304, 5120, g))
+    x = (rand_act(9, 5120, g) * torch.exp2(torch.arange(-40, 50, 10.0)).unsqueeze(1)).bfloat16().to(DEV)
+    assert torch.equal(kc.linear(x, wc, fuse_quant=True), kc.linear(x, wc, fuse_quant=False))
+
+
 INVARIANCE_SHAPES = [("fp8", 1280, 5120), ("fp4", 2304, 5120), ("fp8", 96, 160), ("bf16", 1024, 4096),
                      ("fp32", 384, 5120), ("fp32", 24, 20480)]
 

@@ -290,6 +290,69 @@ def test_fused_elementwise_kernels_in_the_model_under_the_interpreter(golden_cas
 
 
 
+GEMM_SCRIPT = """
+import interpreter_fixes  # noqa: F401  (before any kernel runs)
+import torch
+from dsflash.kernels import cpu, cuda
+from dsflash.kernels.cuda import configs
+from dsflash.numerics import BLOCK
+from dsflash.numerics.quant import k_range_blocks
+from test_kernels_cuda import dequantized_matmul, rand_weight
+
+g = torch.Generator().manual_seed(1)
+# the weight operand (an E4M3 / E2M1 code times its E8M0 scale, a bf16 product) is exact at both ends of
+# weights.SCALE_EXPONENTS, FP4's 2^14 offset included: every route's operand, as dequant_weight writes it
+for kind, n, k in (("fp8", 64, 128), ("fp4", 40, 128)):
+    for e in (-117, 113, -3):
+        w = rand_weight(kind, n, k, g)
+        w = cpu.Weight(kind, w.values, torch.full_like(w.scale, 2.0 ** e))
+        want = (w.values * w.scale.repeat_interleave(BLOCK, 1)).bfloat16()
+        assert torch.equal(cuda.dequant_weight(cuda.to_cuda_weight(w, "cpu")).view(torch.int16),
+                           want.view(torch.int16)), (kind, e)
+# a decode call (<= 16 rows: 16-row tiles, the activation quantised in the GEMM, the K ranges as programs) gives
+# the bits of the prefill routes (64-row tiles over fp8_fake_quant's Q8(x), the weight dequantised first) for
+# activation rows of very different scales, zeros and -0 included, on one K range and on several, with the
+# loads masked (N not a multiple of the tile, K not of 128) and unmasked (EVEN: the layer shapes)
+for kind, n, k, ranges in (("fp8", 96, 256, 1), ("fp8", 64, 1280, 2), ("fp4", 40, 1280, 2), ("fp4", 64, 1152, 2)):
+    assert -(-(k // BLOCK) // k_range_blocks(n, k // BLOCK)) == ranges, (kind, n, k)
+    w = rand_weight(kind, n, k, g)
+    wc = cuda.to_cuda_weight(w, "cpu")
+    x = torch.randn(24, k, generator=g) * torch.exp2(torch.randint(-24, 24, (24, 1), generator=g).float())
+    x[2] = 0.0
+    x[3, : k // 2] = -0.0
+    x[5, 7] = 3e4  # one block's amax far above its neighbours'
+    x = x.bfloat16()
+    full = cuda.linear(x, wc)
+    assert torch.equal(cuda.linear(x, wc, dequantise=True), full) and not full.isnan().any()
+    even = k % (4 * BLOCK) == 0 and n % configs.linear_config(kind, n, k).BN == 0
+    assert even == (n == 64), (kind, n, k)
+    if even:  # the same weight through the masked loads: a tile twice as wide as N
+        masked = configs.LinearConfig(BM=16, BN=128, BK=32, num_warps=2, num_stages=2)
+        assert torch.equal(cuda.linear(x[:5], wc, config=masked), full[:5]), kind
+    for m in (1, 5, 8, 16):
+        for first in (0, 7):
+            rows = slice(first, first + m)
+            assert torch.equal(cuda.linear(x[rows], wc).view(torch.int16), full[rows].view(torch.int16)), (kind, m)
+    # each row against the exact dequantised matmul (rows of their own scales: row by row)
+    ref = dequantized_matmul(x, w)
+    for r in range(24):
+        assert float((full[r].float() - ref[r].float()).norm()) <= 1e-5 * float(ref[r].float().norm()), (kind, r)
+print("ok")
+"""
+
+
+# ~40 s on 2 cores (slow set)
+@pytest.mark.slow
+def test_decode_gemm_gives_the_prefill_bits_under_the_fixed_interpreter():
+    """The FP8/FP4 GEMM's operands (code x E8M0 scale, Q8(x) as code x power-of-two scale, each a bf16 product)
+    are exact at the scale range's ends, and a decode call's rows carry the bits of the prefill's routes at
+    M = 1, 5, 8, 16 on one and on several K ranges."""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
+    r = subprocess.run([sys.executable, "-c", GEMM_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_fp4_word_layout_decodes_to_the_checkpoint_codes():
     """fp4_words puts element 2i + h's magnitude at bit 16h + 9 - 3i and its sign at 16h + 15 - i; a
     (sign, magnitude << 9) f16 pattern times 2^14 is the E2M1 value, -0 included."""
@@ -407,7 +470,8 @@ def test_new_kernels_compile_for_sm90():
         assert compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
 
     # the block-scaled GEMM's routes: prefill tiles of FP4 experts and of FP8 (128x128, two warpgroups), decode
-    # tiles with the quantisation fused and the K ranges spread; a large call's weight dequantised first
+    # tiles with the quantisation fused and the K ranges spread (loads unmasked, EVEN, and masked); a large call's
+    # weight dequantised first
     for fp4, deq, fuse, spread, slots, grouped, (bm, bn, warps) in (
             (True, False, False, False, False, True, (64, 64, 4)),
             (False, False, False, False, False, False, (128, 128, 8)),
@@ -420,7 +484,8 @@ def test_new_kernels_compile_for_sm90():
         check(gemm._bs_gemm_kernel, pointers, {"FP4": fp4, "DEQUANTISED": deq, "FUSE_QUANT": fuse,
                                                "SCALE_ROWS": 1 if fp4 else 32,
                                                "SPREAD": spread, "SLOTS": slots, "GROUPED": grouped, "BM": bm,
-                                               "BN": bn, "GROUP_M": 8, "RANGES": not spread}, warps)
+                                               "BN": bn, "GROUP_M": 8, "RANGES": not spread,
+                                               "EVEN": not slots}, warps)
     for fp4 in (False, True):
         check(gemm._dequant_weight_kernel, {"w_ptr": "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32", "o_ptr": "*bf16"},
               {"FP4": fp4, "SCALE_ROWS": 1 if fp4 else 32, "BN": configs.DEQUANT_WEIGHT_BN})

@@ -60,9 +60,10 @@ def _fp4_word_values(w, BN: tl.constexpr):
 
 
 @triton.jit
-def _word_scale(word, j: tl.constexpr):
-    """E8M0 byte j of an int32 word -> float32 2^(byte-127)."""
-    return (((word >> (8 * j)) & 0xFF) << 23).to(tl.float32, bitcast=True)
+def _word_scale(word, j: tl.constexpr, EXTRA: tl.constexpr):
+    """E8M0 byte j of an int32 word [BN] -> bf16 2^(byte-127+EXTRA), built from its bits (exact: the scales are
+    powers of two within weights.SCALE_EXPONENTS, so byte + EXTRA stays a normal exponent for EXTRA <= 14)."""
+    return ((((word >> (8 * j)) & 0xFF) + EXTRA) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -90,9 +91,15 @@ def _weight_rows(w_ptr, rn, stride_wn, FP4: tl.constexpr):
 
 
 @triton.jit
-def _load_weight(w_rows, kb, KB, nmask, FP4: tl.constexpr):
-    """K block kb's weight tile as stored (zeros past the KB blocks of K)."""
-    if FP4:
+def _load_weight(w_rows, kb, KB, nmask, FP4: tl.constexpr, EVEN: tl.constexpr):
+    """K block kb's weight tile as stored (zeros past the KB blocks of K). EVEN: every tile row and every
+    block of every chunk exists (N a multiple of BN, KB of 4), so the loads need no mask."""
+    if EVEN:
+        if FP4:
+            w = tl.load(w_rows + kb * 4)
+        else:
+            w = tl.load(w_rows + kb * TL_BLOCK)
+    elif FP4:
         w = tl.load(w_rows + kb * 4, mask=nmask[:, None] & (kb < KB), other=0)
     else:
         w = tl.load(w_rows + kb * TL_BLOCK, mask=nmask[None, :] & (kb < KB), other=0.0)
@@ -103,10 +110,11 @@ def _load_weight(w_rows, kb, KB, nmask, FP4: tl.constexpr):
 def _act_operand(a, FUSE_QUANT: tl.constexpr):
     """A K block's activation tile -> Q8(x) in bf16 [BM, 32]: as loaded (the caller passed fp8_fake_quant's
     values) or, FUSE_QUANT, quantised here from the raw bf16 rows; code x power-of-two scale is exact in
-    bf16 (E4M3's 4 significant bits, a scale of at least 2^-22), so these are fp8_fake_quant's bits."""
+    bf16 (E4M3's 4 significant bits, a scale of at least 2^-22), so these are fp8_fake_quant's bits. The
+    product is a bf16 multiply (packed pairs; exact, so the fp32 product rounded to bf16 had the same bits)."""
     if FUSE_QUANT:
-        q, _e, s = quant_tile(a.to(tl.float32))
-        a = (q.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+        q, e, _s = quant_tile(a.to(tl.float32))
+        a = q.to(tl.float32).to(tl.bfloat16) * (e << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, None]
     return a
 
 
@@ -114,17 +122,16 @@ def _act_operand(a, FUSE_QUANT: tl.constexpr):
 def _weight_operand(w, bw, j: tl.constexpr, FP4: tl.constexpr, DEQUANTISED: tl.constexpr, BN: tl.constexpr):
     """A K block's weight tile as stored, with its chunk's scale words [BN] (the block's E8M0 byte j) ->
     the dequantised weight in bf16 [32, BN], exactly: an E4M3 / E2M1 code times a power of two within
-    bf16's normal range (to_cuda_weight checks the scales' range). DEQUANTISED: stored so already."""
+    bf16's normal range (to_cuda_weight checks the scales' range). The code is widened to bf16 (exact) and
+    multiplied by its scale in bf16, one packed instruction for two elements (exact: a normal product of at
+    most 4 significant bits) where an fp32 multiply a value cost one each: the same operand values on every
+    route, so the same bits. DEQUANTISED: stored so already."""
     if DEQUANTISED:
         b = w
+    elif FP4:  # the f16 values are value / 2^14 (exact in bf16 too); the 2^14 joins the scale
+        b = _fp4_word_values(w, BN).to(tl.float32).to(tl.bfloat16) * _word_scale(bw, j, 14)[None, :]
     else:
-        s = _word_scale(bw, j)
-        if FP4:  # the f16 values are value / 2^14 (exact); the 2^14 joins the scale
-            v = _fp4_word_values(w, BN).to(tl.float32)
-            s = s * 16384.0
-        else:
-            v = w.to(tl.float32)
-        b = (v * s[None, :]).to(tl.bfloat16)
+        b = w.to(tl.float32).to(tl.bfloat16) * _word_scale(bw, j, 0)[None, :]
     return b
 
 
@@ -134,7 +141,8 @@ def _bs_gemm_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M
                     slots_per_row, expert_lo, expert_hi,
                     FP4: tl.constexpr, DEQUANTISED: tl.constexpr, FUSE_QUANT: tl.constexpr,
                     SCALE_ROWS: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr,
+                    EVEN: tl.constexpr):
     """y[M, N] = Q8(x) @ deq(W)^T (see linear), rounded once to bf16. Both operands are dequantised exactly
     to bf16 in the load path and every K block's bf16 tensor-core dot accumulates into one fp32
     accumulator per K range: the ranges (chunks_per_split chunks of 4 blocks, quant.k_range_blocks) are
@@ -144,6 +152,8 @@ def _bs_gemm_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M
     The loads are plain, so that Triton's pipeliner streams them through shared memory (cp.async,
     num_stages deep).
     DEQUANTISED: w_ptr holds the weight's bf16 operands (dequant_weight: the same values, so the same bits).
+    EVEN (N a multiple of BN and KB of 4, every layer shape): the loads drop the masks that would only have
+    added exact zeros (16 % of a decode tile's instructions).
     SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
     adds in range order -- the bits of one program looping over the ranges (RANGES).
     SLOTS (routed experts): program_id(2) is slot s, one output row computed as a one-row call would
@@ -203,8 +213,12 @@ def _bs_gemm_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M
             bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & (c + 1 < c_hi), other=_ONE_WORD)
         for j in tl.static_range(4):
             kb = c * 4 + j
-            a = tl.load(x_rows + kb * TL_BLOCK, mask=mmask[:, None] & (kb < KB), other=0.0)
-            w = _load_weight(w_rows, kb, KB, nmask, FP4)
+            if EVEN:
+                amask = mmask[:, None]
+            else:
+                amask = mmask[:, None] & (kb < KB)
+            a = tl.load(x_rows + kb * TL_BLOCK, mask=amask, other=0.0)
+            w = _load_weight(w_rows, kb, KB, nmask, FP4, EVEN)
             # a block past K adds exact zeros
             acc = tl.dot(_act_operand(a, FUSE_QUANT), _weight_operand(w, bw, j, FP4, DEQUANTISED, BN), acc)
         if RANGES:
@@ -233,7 +247,7 @@ def _dequant_weight_kernel(w_ptr, ws_ptr, o_ptr, N, K, KB, stride_wn, stride_wsk
     bw = tl.load(ws_ptr + rn // SCALE_ROWS + c * stride_wsk, mask=nmask, other=_ONE_WORD)
     for j in tl.static_range(4):
         kb = c * 4 + j
-        b = _weight_operand(_load_weight(w_rows, kb, KB, nmask, FP4), bw, j, FP4, False, BN)
+        b = _weight_operand(_load_weight(w_rows, kb, KB, nmask, FP4, False), bw, j, FP4, False, BN)
         o = o_ptr + rn[None, :].to(tl.int64) * K + kb * TL_BLOCK + tl.arange(0, TL_BLOCK)[:, None]
         tl.store(o, b, mask=nmask[None, :] & (kb < KB))
 
@@ -336,8 +350,8 @@ def block_scaled_gemm(a: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Ten
                           FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
                           SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM, BN=cfg.BN,
                           GROUP_M=cfg.GROUP_M,
-                          RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                          enable_fp_fusion=FP_FUSION)
+                          RANGES=splits > 1 and not spread, EVEN=kb % K_RANGE_GROUP == 0 and n % cfg.BN == 0,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
     if spread:
         _ordered_sum(part, y, splits)
 
