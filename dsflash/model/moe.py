@@ -156,11 +156,10 @@ class MoE:
         self.store = w.experts
         # expert parallelism: this rank holds a range of the experts, the others theirs (model/parallel.py)
         self.ep = w.parallel.experts(w, prefix, layer) if w.parallel is not None else None
-        if self.ep is not None:  # this rank's range: the shard holds it (in the store when off the device)
-            pass
-        elif self.store is not None:
+        # with expert parallelism the shard holds this rank's range (in the store when off the device)
+        if self.ep is None and self.store is not None:
             self.store.register(layer, w, f"{prefix}experts.", n)
-        else:
+        elif self.ep is None:
             self.w13 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.{name}") for name in ("w1", "w3")
                                            for e in range(n)])
             self.w2 = self.k.expert_bank([w.linear(f"{prefix}experts.{e}.w2") for e in range(n)])
