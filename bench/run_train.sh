@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 21's training run on one H200 in one device call (at most 600 s), from the repository root. Carry the
 # data as `.train-gpu`: what `dsflash train-data --out .train-data` wrote, less the text (the train/validation/
-# test *.tokens.npy, engram_map.json, manifest.json, tokens.json, tokenizer.json; ~14 MB):
-#   mkdir -p .train-gpu && cp .train-data/{engram_map.json,manifest.json,tokenizer.json,tokens.json,*.npy} .train-gpu/
+# test *.tokens.npy, engram_map.json, facts.json, manifest.json, tokens.json, tokenizer.json; ~16 MB):
+#   mkdir -p .train-gpu && cp .train-data/{engram_map.json,facts.json,manifest.json,tokenizer.json,tokens.json,*.npy} .train-gpu/
 # and run `bash bench/run_train.sh` with carry [".train-gpu"]. Writes $OUT/run/: the checkpoint in shards of at most
 # 15 MiB (the GPU machine returns files of at most 16 MiB, 8 of them), train.json, loss.csv, loss.png. The
 # checkpoint's tokenizer.json is the data's and stays behind (the ninth file): on the dev machine

@@ -17,7 +17,7 @@ from dsflash.model.state import SequenceState
 from dsflash.model.transformer import Tokens, Transformer
 from dsflash.numerics.codecs import E2M1_VALUES, dequant_fp4_rows, quantize_fp4_rows
 from dsflash.tokenizer import BOS_ID, EOS_ID, TINY_CORPUS, build_tiny_tokenizer, compressed_token_map, load_tokenizer
-from dsflash.train import data
+from dsflash.train import data, vocab
 from dsflash.train.backend import (
     ENGRAM,
     FP4,
@@ -31,6 +31,7 @@ from dsflash.train.backend import (
 )
 from dsflash.train.export import export_weights
 from dsflash.train.loop import Plan, Trainer, draft_logits, drop_unrouted_grads, smoke_args
+from dsflash.train.quality import NEEDLE_WORDS
 from dsflash.train.train_cmd import main as train_main
 
 VOCAB = 512
@@ -158,6 +159,32 @@ def test_an_unrouted_expert_gets_no_gradient(data_dir):
         for w in ("w1", "w2", "w3"):
             assert (t.masters.params[f"layers.0.ffn.experts.{e}.{w}.weight"].grad is None) == (e == 2), (e, w)
     assert t.masters.params["layers.1.ffn.experts.2.w1.weight"].grad is not None  # another layer's expert 2
+
+
+def find(x: list[int], part: list[int], start: int = 0) -> int:
+    return next((i for i in range(start, len(x) - len(part) + 1) if x[i:i + len(part)] == part), -1)
+
+
+def test_windows_carry_recall_facts_apart_and_the_text_elsewhere(data_dir):
+    """Each 512-token span of a window states one made-up fact and asks for it again >= 64 tokens later (the
+    needle gate's words never among them); every other token is the train text's."""
+    tok = load_tokenizer(data_dir)
+    facts = vocab.recall_facts(tok, vocab.answer_words([data.Document("kjv", "x", TINY_CORPUS)]), 50, seed=1)
+    assert all(not tok.decode(f["answer"]).strip().lower().startswith(tuple(w.lower() for w in NEEDLE_WORDS))
+               for f in facts)
+    token_map, classes = data.load_engram_map(data_dir)
+    make = lambda facts: Trainer(smoke_args(len(token_map), classes), token_map,  # noqa: E731
+                                 data.load_tokens(data_dir, "train"), data.load_tokens(data_dir, "validation"),
+                                 Plan(seq_len=2047, fact_span=512), "cpu", facts)
+    x, plain = make(facts).window().tolist(), make([]).window().tolist()
+    written = np.zeros(len(x), dtype=bool)
+    for s0 in range(0, 2048, 512):
+        fact = next(f for f in facts if s0 <= find(x, f["statement"], s0) < s0 + 128)
+        a = find(x, fact["statement"], s0)
+        b = find(x, fact["cue"] + fact["answer"], a + len(fact["statement"]) + 64)
+        assert a + len(fact["statement"]) + 64 <= b <= s0 + 512 - len(fact["cue"] + fact["answer"])
+        written[a:a + len(fact["statement"])] = written[b:b + len(fact["cue"] + fact["answer"])] = True
+    assert all(u == v for u, v, w in zip(x, plain, written, strict=True) if not w)
 
 
 def test_a_few_steps_lower_the_validation_nll(data_dir):

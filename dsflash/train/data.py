@@ -32,6 +32,7 @@ HELD_OUT = 0.05  # of each source's documents, for validation and again for test
 # standard-library folders that are tests, tools or data rather than library code
 STDLIB_SKIP = ("test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo", "ensurepip")
 ENGRAM_MAP = "engram_map.json"  # tokenizer.json's compressed-token map (dsflash/train/vocab.py writes it)
+FACTS = "facts.json"  # made-up facts and their cues as ids, for the trainer's recall practice (vocab.py)
 MAX_DOC_BYTES = 200_000  # a generated table (unicode data, the Python grammar) is not code to learn from
 
 
@@ -172,3 +173,9 @@ def load_engram_map(data_dir: Path) -> tuple[list[int], int]:
     """(token id -> compressed id, the number of compressed ids) of the data's tokenizer."""
     d = json.loads((Path(data_dir) / ENGRAM_MAP).read_text())
     return d["map"], d["classes"]
+
+
+def load_facts(data_dir: Path) -> list[dict[str, list[int]]]:
+    """The recall facts vocab.py wrote ([] for a data directory made before they existed)."""
+    path = Path(data_dir) / FACTS
+    return json.loads(path.read_text()) if path.exists() else []

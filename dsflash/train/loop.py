@@ -31,6 +31,7 @@ from dsflash.train.blocks import BlockAttention, BlockChunk, block_rows
 
 PAD_ID = 2  # tokenizer.PAD_ID (not imported: that module needs `tokenizers`, which the GPU machine lacks)
 BIAS_RATE = 0.005
+FACT_MIN_GAP = 64  # tokens from a recall fact's statement to its cue, at least
 
 
 def trained_args(vocab_size: int, classes: int) -> ModelArgs:
@@ -79,6 +80,7 @@ class Plan:
     anchors: int = 256  # DSpark blocks per step
     eval_every: int = 50
     eval_windows: int = 4  # validation windows of seq_len tokens
+    fact_span: int = 2048  # tokens a window holds per recall fact (its statement, then its cue and answer)
     seed: int = 0
 
 
@@ -146,8 +148,8 @@ def drop_unrouted_grads(masters: Masters, loads: dict[int, torch.Tensor]) -> Non
 
 class Trainer:
     def __init__(self, args: ModelArgs, token_map: list[int], train: np.ndarray, validation: np.ndarray,
-                 plan: Plan, device: torch.device | str):
-        self.args, self.token_map, self.plan = args, token_map, plan
+                 plan: Plan, device: torch.device | str, facts: list[dict[str, list[int]]] = ()):
+        self.args, self.token_map, self.plan, self.facts = args, token_map, plan, list(facts)
         self.device = torch.device(device)
         torch.manual_seed(plan.seed)
         self.rng = np.random.default_rng(plan.seed)
@@ -161,8 +163,28 @@ class Trainer:
         return Transformer(self.args, self.masters, self.token_map, kernels=self.k)
 
     def window(self) -> torch.Tensor:
+        """seq_len + 1 train tokens from a random start, with recall facts written over them (`write_facts`)."""
         start = int(self.rng.integers(0, self.train_tokens.numel() - self.plan.seq_len - 1))
-        return self.train_tokens[start:start + self.plan.seq_len + 1].to(self.device)
+        x = self.train_tokens[start:start + self.plan.seq_len + 1].clone()
+        if self.facts and self.plan.fact_span:
+            self.write_facts(x)
+        return x.to(self.device)
+
+    def write_facts(self, x: torch.Tensor) -> None:
+        """One fact in each `fact_span` tokens of x: its statement in the span's first quarter, its cue and
+        answer at a random later place at least FACT_MIN_GAP tokens on (so 64 to ~2000 tokens apart), written
+        over the text; the validation and test windows get none."""
+        span = self.plan.fact_span
+        for s0 in range(0, x.numel() - span + 1, span):
+            fact = self.facts[int(self.rng.integers(len(self.facts)))]
+            statement, ask = fact["statement"], fact["cue"] + fact["answer"]
+            last = s0 + span - len(ask)  # the cue's last start
+            a = s0 + int(self.rng.integers(0, span // 4))
+            if a + len(statement) + FACT_MIN_GAP > last:
+                continue
+            b = int(self.rng.integers(a + len(statement) + FACT_MIN_GAP, last + 1))
+            x[a:a + len(statement)] = torch.tensor(statement)
+            x[b:b + len(ask)] = torch.tensor(ask)
 
     def nll(self, tokens: torch.Tensor, windows: int) -> float:
         """Mean next-token NLL (nats) over `windows` evenly spaced windows of seq_len + 1 tokens."""

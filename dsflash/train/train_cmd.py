@@ -46,7 +46,7 @@ def run(ns: argparse.Namespace) -> int:
     plan = Plan(seq_len=ns.seq_len, budget_s=ns.budget - SAVE_RESERVE_S, steps=ns.steps, dspark_steps=ns.dspark_steps,
                 seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows)
     trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
-                      plan, device)
+                      plan, device, data.load_facts(ns.data))
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     end = t0 + plan.budget_s
