@@ -110,8 +110,8 @@ def test_the_shipped_checkpoint_is_the_built_in_one(shipped, run, ship_data, see
         assert (shipped / f.name).read_bytes() == f.read_bytes(), f.name
     sums = dict(reversed(line.split("  ")) for line in (shipped / builtin.SUMS).read_text().splitlines())
     assert set(sums) == {f.name for f in shipped.iterdir()} - {builtin.SUMS}
-    assert {"train.json", quality.HELDOUT} <= set(sums)
-    sample = quality.Heldout.read(shipped / quality.HELDOUT, None)
+    assert {"train.json", builtin.HELDOUT} <= set(sums)
+    sample = quality.Heldout.read(shipped / builtin.HELDOUT, None)
     full = quality.Heldout.from_data(ship_data, load_tokenizer(ckpt))
     for part in ("filler", "code"):
         got, want = getattr(sample, part), getattr(full, part)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from dsflash.bench.common import commit, machine, prompt, sync, timed_rounds
+from dsflash.bench.drafts import add_parser as add_drafts
 from dsflash.bench.synthetic import synthetic_args, synthetic_spec
 from dsflash.bench.tiers import add_parser as add_tiers
 from dsflash.config import V41_FLASH, ModelArgs
@@ -439,6 +440,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for what in ("step", "prefill", "all", "profile", "link"):
         add_parser(bsub, what)
     add_tiers(bsub)
+    add_drafts(bsub)
     k = bsub.add_parser("kernels", help="each CUDA kernel at real shapes against the measured ceilings")
     k.add_argument("rest", nargs=argparse.REMAINDER, help="the options of python -m dsflash.bench.kernels")
     k.set_defaults(func=lambda ns: __import__("dsflash.bench.kernels", fromlist=["main"]).main(ns.rest))

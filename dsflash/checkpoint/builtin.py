@@ -27,6 +27,7 @@ from dsflash.config import PRESETS, ConfigError
 BUILTIN_SEED = 0
 TRAINED = Path(__file__).with_name("trained")
 SUMS = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` in the directory checks it too
+HELDOUT = "heldout.npz"  # the test-split sample the quality gates and `bench dspark` read (train/quality.py)
 
 
 def file_digest(path: Path) -> str:

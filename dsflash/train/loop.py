@@ -148,14 +148,17 @@ def drop_unrouted_grads(masters: Masters, loads: dict[int, torch.Tensor]) -> Non
 
 class Trainer:
     def __init__(self, args: ModelArgs, token_map: list[int], train: np.ndarray, validation: np.ndarray,
-                 plan: Plan, device: torch.device | str, facts: list[dict[str, list[int]]] = ()):
+                 plan: Plan, device: torch.device | str, facts: list[dict[str, list[int]]] = (),
+                 init: Path | None = None):
+        """`init`: a checkpoint to go on training (an earlier run's export, its trained norms and router
+        biases kept), instead of the seeded start."""
         self.args, self.token_map, self.plan, self.facts = args, token_map, plan, list(facts)
         self.device = torch.device(device)
         torch.manual_seed(plan.seed)
         self.rng = np.random.default_rng(plan.seed)
         self.train_tokens = torch.from_numpy(train.astype(np.int64))
         self.validation = torch.from_numpy(validation.astype(np.int64))
-        self.masters = init_masters(args, plan.seed, self.device)
+        self.masters = Masters(Checkpoint(init), self.device) if init else init_masters(args, plan.seed, self.device)
         self.k = training_kernels(self.masters)
         self.log = Log()
 

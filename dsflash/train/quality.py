@@ -3,12 +3,11 @@ item 5): test-split NLL per token, a needle recalled from several windows and co
 DSpark acceptance on held-out Python with the output checked token-identical to plain decoding.
 `dsflash quality` prints them; tests/test_quality.py holds them to bounds.
 
-They read the test split of `dsflash train-data`, or a sample of it (`HELDOUT`) that ships beside the
+They read the test split of `dsflash train-data`, or a sample of it (`checkpoint.builtin.HELDOUT`) that ships beside the
 built-in checkpoint, so that the gates run on a fresh clone with no download."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,9 +15,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dsflash.bench.drafts import drafting, python_prompts
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
-from dsflash.engine.spec import DecodeStats, decode
+from dsflash.engine.spec import decode
 from dsflash.model.load import load_model
 from dsflash.model.state import SequenceState
 from dsflash.model.transformer import Tokens
@@ -26,8 +26,7 @@ from dsflash.model.transformer import Tokens
 NEEDLE = "The secret password of the old lighthouse keeper is {word}."
 NEEDLE_CUE = "\nThe secret password of the old lighthouse keeper is"
 NEEDLE_WORDS = ("marigold", "Tuesday", "copper", "Jonathan", "seventeen")
-HELDOUT = "heldout.npz"
-SAMPLE_TOKENS = 32768  # of each part of a sample: 64 KB of uint16 ids
+SAMPLE_TOKENS = 16384  # of each part of a sample: 32 KB of uint16 ids (the gates read at most 8K of each)
 
 
 @dataclass
@@ -107,45 +106,6 @@ def needles(engine: Engine, tokenizer, filler: np.ndarray, distance: int, n: int
         answer = tokenizer.decode(list(decode(s, s.prefill(ids), n, SamplingParams(), stop=set())))
         out.append(Needle(word, len(fill), answer, answer.strip().lower().startswith(word.lower())))
     return out
-
-
-@dataclass
-class Drafting:
-    prompts: int
-    generated: int
-    accept_rate: float
-    tokens_per_cycle: float
-    plain_s: float
-    dspark_s: float
-    identical: bool  # every prompt's drafted output equals its plain decoding
-
-    @property
-    def speedup(self) -> float:
-        return self.plain_s / self.dspark_s if self.dspark_s else 0.0
-
-
-def drafting(engine: Engine, prompts: list[list[int]], n: int, depth: int) -> Drafting:
-    """Greedy decoding of each prompt plainly and with DSpark drafts of up to `depth`: acceptance, tokens per
-    verify cycle, both decode times, and whether the outputs are token-identical."""
-    stats, identical, times = DecodeStats(), True, [0.0, 0.0]
-    for ids in prompts:
-        outputs = []
-        for i, k in enumerate((0, depth)):
-            s = engine.session()
-            first = s.prefill(ids)
-            t0 = time.perf_counter()
-            outputs.append(list(decode(s, first, n, SamplingParams(), stop=set(), dspark=k,
-                                       stats=stats if k else None)))
-            times[i] += time.perf_counter() - t0
-        identical &= outputs[0] == outputs[1]
-    return Drafting(len(prompts), stats.generated, stats.accept_rate, stats.tokens_per_cycle, times[0], times[1],
-                    identical)
-
-
-def python_prompts(tokens: np.ndarray, count: int, length: int) -> list[list[int]]:
-    """`count` prompts of `length` tokens, evenly spaced through a split's tokens."""
-    starts = np.linspace(0, tokens.size - length - 1, count).astype(int)
-    return [tokens[s:s + length].astype(np.int64).tolist() for s in starts]
 
 
 def report(model_dir: Path, data: Path, device: str = "cpu", seq_len: int = 2048, windows: int = 4,

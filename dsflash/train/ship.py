@@ -5,7 +5,7 @@
 checks the run's checkpoint (the weights against their manifest, the tokenizer against the data's and its
 V4.1 markers as single ids, a CPU reference forward and a short greedy continuation of a prompt), then copies
 it into the package (checkpoint.builtin.TRAINED, dsflash/checkpoint/trained/) with the run's train.json, a
-held-out sample of the test split for the quality gates (quality.HELDOUT) and SHA256SUMS of every file,
+held-out sample of the test split for the quality gates (builtin.HELDOUT) and SHA256SUMS of every file,
 written last. The copy is made beside the old one and checked as the built-in loader checks it before it
 replaces it, so an interrupted ship leaves the old one (or none), never half of each.
 """
@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from dsflash.checkpoint import builtin
+from dsflash.checkpoint.builtin import HELDOUT
 from dsflash.checkpoint.manifest import MANIFEST, verify_weights
 from dsflash.checkpoint.reader import INDEX, Checkpoint, CheckpointError
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.spec import decode
 from dsflash.tokenizer import BOS_ID, SPECIAL_TOKENS, load_tokenizer
-from dsflash.train.quality import HELDOUT, Heldout
+from dsflash.train.quality import Heldout
 
 PROMPT = "To be, or not to be, that is the question:\n"
 CONTINUATION = 24  # greedy tokens shown after PROMPT

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from dsflash.checkpoint.reader import Checkpoint
 from dsflash.engine.placement import size_arg
 from dsflash.train import data
 from dsflash.train.backend import Masters
@@ -42,11 +43,12 @@ def run(ns: argparse.Namespace) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
     token_map, classes = data.load_engram_map(ns.data)
     make_args = smoke_args if ns.smoke else trained_args
-    args = make_args(len(token_map), classes)
+    args = Checkpoint(ns.init).args if ns.init else make_args(len(token_map), classes)
     plan = Plan(seq_len=ns.seq_len, budget_s=ns.budget - SAVE_RESERVE_S, steps=ns.steps, dspark_steps=ns.dspark_steps,
-                seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows)
+                seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows, lr=ns.lr, dspark_lr=ns.lr,
+                dspark_share=ns.dspark_share)
     trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
-                      plan, device, data.load_facts(ns.data))
+                      plan, device, data.load_facts(ns.data), ns.init)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     end = t0 + plan.budget_s
@@ -55,6 +57,9 @@ def run(ns: argparse.Namespace) -> int:
     dspark_steps = trainer.dspark(end)
     test = torch.from_numpy(data.load_tokens(ns.data, "test").astype("int64"))
     result = summary(trainer, steps, dspark_steps, time.monotonic() - t0)
+    if ns.init:  # the run this one went on from, as its train.json says (shipped checkpoints keep it inside)
+        earlier = next((p for p in (ns.init / "train.json", ns.init.parent / "train.json") if p.is_file()), None)
+        result["continued_from"] = json.loads(earlier.read_text()) if earlier else str(ns.init)
     result["validation_nll"] = trainer.nll(trainer.validation, plan.eval_windows)
     result["test_nll"] = trainer.nll(test, plan.eval_windows)
     ckpt = export_dir(trainer.masters, args, Path(ns.data), out / "checkpoint", ns.shard_size)
@@ -99,6 +104,10 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=50, help="validation NLL every N backbone steps")
     parser.add_argument("--eval-windows", type=int, default=4, help="windows of --seq-len tokens per NLL")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
+    parser.add_argument("--init", type=Path, help="go on training this checkpoint (an earlier run's) instead")
+    parser.add_argument("--lr", type=float, default=Plan.lr, help="peak learning rate of both phases")
+    parser.add_argument("--dspark-share", type=float, default=Plan.dspark_share,
+                        help="of the budget, for the DSpark stages")
     parser.add_argument("--device", help="torch device (default: cuda when available)")
     parser.add_argument("--smoke", action="store_true", help="the tests' narrow configuration (CPU seconds)")
     parser.add_argument("--shard-size", type=size_arg, default=SHARD_BYTES, metavar="SIZE",
