@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One batched GPU session: CUDA kernel and model invariants, then the engine benchmarks. Run on the GPU
 # The GPU machine takes a working tree of at most 64 MiB: tests/golden (46 MB) and the shipped model
 # dsflash/checkpoint/trained (30 MB) do not fit together, so move the one a call does not need out of the
 # checkout for that call (runs with the golden cases: the model; training with --init: the golden cases).
+# One batched GPU session: CUDA kernel and model invariants, then the engine benchmarks. Run on the GPU
 # machine from the repository root with the golden cases in $DSFLASH_GOLDEN_DIR; results land in
 # ${OUT:-bench/results}. `bench/run_gpu.sh tests`, `... bench` or `... ab` run one part; all = tests,
 # bench, then the step benchmark without CUDA graphs and a profile of one graphed step (ab = the step

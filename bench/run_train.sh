@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 21's training run on one H200 in one device call (at most 600 s), from the repository root. Carry the
 # The GPU machine takes a working tree of at most 64 MiB: tests/golden (46 MB) and the shipped model
 # dsflash/checkpoint/trained (30 MB) do not fit together, so move the one a call does not need out of the
 # checkout for that call (runs with the golden cases: the model; training with --init: the golden cases).
+# Issue 21's training run on one H200 in one device call (at most 600 s), from the repository root. Carry the
 # data as `.train-gpu`: what `dsflash train-data --out .train-data` wrote, less the text (the train/validation/
 # test *.tokens.npy, engram_map.json, facts.json, manifest.json, tokens.json, tokenizer.json; ~16 MB):
 #   mkdir -p .train-gpu && cp .train-data/{engram_map.json,facts.json,manifest.json,tokenizer.json,tokens.json,*.npy} .train-gpu/
