@@ -3,8 +3,9 @@ item 5): test-split NLL per token, a needle recalled from several windows and co
 DSpark acceptance on held-out Python with the output checked token-identical to plain decoding.
 `dsflash quality` prints them; tests/test_quality.py holds them to bounds.
 
-They read the test split of `dsflash train-data`, or a sample of it (`checkpoint.builtin.HELDOUT`) that ships beside the
-built-in checkpoint, so that the gates run on a fresh clone with no download."""
+They read the test split of `dsflash train-data`, or a sample of it (`checkpoint.builtin.HELDOUT`) that ships
+beside the built-in checkpoint, so that the gates run on a fresh clone with no download. The drafting
+measurement is `dsflash bench dspark`'s (bench/drafts.py)."""
 
 from __future__ import annotations
 
