@@ -8,13 +8,14 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
 from dsflash.model.state import SequenceState
-from dsflash.model.transformer import Tokens, Transformer
+from dsflash.model.transformer import Debug, Tokens, Transformer
 from dsflash.numerics.codecs import E2M1_VALUES, dequant_fp4_rows, quantize_fp4_rows
 from dsflash.tokenizer import BOS_ID, EOS_ID, TINY_CORPUS, build_tiny_tokenizer, compressed_token_map, load_tokenizer
 from dsflash.train import data, vocab
@@ -176,13 +177,16 @@ def test_windows_carry_recall_facts_apart_and_the_text_elsewhere(data_dir):
     make = lambda facts: Trainer(smoke_args(len(token_map), classes), token_map,  # noqa: E731
                                  data.load_tokens(data_dir, "train"), data.load_tokens(data_dir, "validation"),
                                  Plan(seq_len=2047, fact_span=512), "cpu", facts)
-    x, plain = make(facts).window().tolist(), make([]).window().tolist()
+    (x, answers), (plain, none) = make(facts).window(), make([]).window()
+    x, plain = x.tolist(), plain.tolist()
+    assert none.numel() == 0 and answers.numel() == 4
     written = np.zeros(len(x), dtype=bool)
     for s0 in range(0, 2048, 512):
         fact = next(f for f in facts if s0 <= find(x, f["statement"], s0) < s0 + 128)
         a = find(x, fact["statement"], s0)
         b = find(x, fact["cue"] + fact["answer"], a + len(fact["statement"]) + 64)
         assert a + len(fact["statement"]) + 64 <= b <= s0 + 512 - len(fact["cue"] + fact["answer"])
+        assert int(answers[s0 // 512]) + 1 == b + len(fact["cue"])  # where the answer's first token is predicted
         written[a:a + len(fact["statement"])] = written[b:b + len(fact["cue"] + fact["answer"])] = True
     assert all(u == v for u, v, w in zip(x, plain, written, strict=True) if not w)
 
@@ -195,6 +199,34 @@ def test_a_few_steps_lower_the_validation_nll(data_dir):
     assert after < before - 0.25, (before, after)
     biases = [p for n, p in t.masters.params.items() if n.endswith(".gate.bias")]
     assert any(bool(b.abs().sum() > 0) for b in biases)  # the balancing moved the routers' biases
+
+
+def test_the_indexer_learns_the_main_attentions_distribution(data_dir):
+    """The next-token loss cannot reach the indexer (its scores only pick indices); its KL to the main attention
+    gives gradients to the indexer's own weights and to nothing else, and steps on it lower it."""
+    t = trainer(data_dir, seq_len=96, steps=1, index_rows=64)
+    x = t.window()[0]
+    model, state, trace = t.model(), TrainState(device="cpu"), {}
+    out = model.forward(state, Tokens(x[:-1]), debug=Debug(trace=trace))
+    F.cross_entropy(out.logits, x[1:]).backward()
+    index_params = {n for n in t.masters.params if ".indexer." in n}
+    assert {n.split(".")[1] for n in index_params} == {str(i) for i in t.args.index_source_layers}
+    assert all(t.masters.params[n].grad is None for n in index_params)
+    opt = torch.optim.Adam([t.masters.params[n] for n in sorted(index_params)], lr=3e-3)
+    kls = []
+    for _ in range(12):
+        for p in t.masters.params.values():
+            p.grad = None
+        model, state, trace = t.model(), TrainState(device="cpu"), {}
+        model.forward(state, Tokens(x[:-1]), debug=Debug(trace=trace))
+        kl = t.indexer_loss(model, state, trace)
+        kl.backward()
+        if not kls:
+            assert {n for n, p in t.masters.params.items() if p.grad is not None and p.grad.abs().sum() > 0} == \
+                index_params
+        kls.append(float(kl))
+        opt.step()
+    assert kls[0] > 0 and kls[-1] < 0.8 * kls[0], kls
 
 
 def test_training_forward_is_the_reference_forward_of_the_exported_checkpoint(data_dir, tmp_path):

@@ -110,7 +110,9 @@ class SourceWriter:
         state holds them (numerics/packing.py)."""
         latent = self.compressor(x, chunk)
         group_pos = group_start(chunk, self.ratio) + torch.arange(latent.size(0), device=latent.device) * self.ratio
-        k = self.k.rms_norm(self.k.linear(latent, self.wk), self.k_norm, self.eps)
+        # the keys only choose indices: they learn from the indexer's own loss alone (train/indexer.py), which
+        # must not reach the compressor and the layers below through them (a no-op in inference)
+        k = self.k.rms_norm(self.k.linear(latent.detach(), self.wk), self.k_norm, self.eps)
         self.rope.rotate(k, group_pos)
         self.rope.rotate(latent, group_pos)
         return self.k.fp4_quant_packed(latent, *ENTRY), self.k.fp4_quant_packed(k, *INDEX_KEY)
@@ -154,6 +156,17 @@ class Indexer:
         self.is_candidate_source = layer == args.candidate_source_layer
         self.uses_candidates = 0 <= args.candidate_source_layer < layer
 
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: Rope
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' index queries, RoPE'd and FP4-valued [rows, index heads, index_head_dim], and their heads'
+        weights [rows, index heads], from the attention input x and the q LoRA latent qr."""
+        a = self.args
+        q = self.k.linear(qr, self.wq_b).unflatten(-1, (a.index_n_heads, a.index_head_dim))
+        rope.rotate(q, positions)
+        q = self.k.fp4_fake_quant(q, *INDEX_KEY)  # the index queries take the index keys' FP4 format
+        weights = self.k.linear(x, self.weights_proj) * (a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5)
+        return q, weights
+
     def select(self, x: torch.Tensor, qr: torch.Tensor, source: int, chunk: Chunk, rope: Rope) -> torch.Tensor:
         """[rows, index_topk] entries of KV source `source` per query, ascending, -1 padded."""
         a = self.args
@@ -164,10 +177,7 @@ class Indexer:
         # every index layer reading this source in this chunk scores the same keys: decoded once
         keys = chunk.shared(("index keys", source, packed.size(0)),
                             lambda: self.k.fp4_dequant_packed(packed, a.index_head_dim, *INDEX_KEY))
-        q = self.k.linear(qr, self.wq_b).unflatten(-1, (a.index_n_heads, a.index_head_dim))
-        rope.rotate(q, chunk.positions)
-        q = self.k.fp4_fake_quant(q, *INDEX_KEY)  # the index queries take the index keys' FP4 format
-        weights = self.k.linear(x, self.weights_proj) * (a.index_head_dim ** -0.5 * a.index_n_heads ** -0.5)
+        q, weights = self.queries(x, qr, chunk.positions, rope)
         k = min(a.index_topk, keys.size(0))
         out = torch.empty((chunk.rows, a.index_topk), dtype=torch.int64, device=keys.device)
         visible = ((chunk.positions + 1) // self.ratio).unsqueeze(-1)
@@ -278,6 +288,9 @@ class Attention:
         a = self.args
         if self.source_writer is not None:
             self.source_writer(x, chunk)
+        if chunk.trace is not None:  # what the indexer scored from (training distils the indexer from it)
+            n = chunk.n
+            chunk.trace.setdefault("indexer_inputs", {})[self.layer] = (chunk.positions[:n], x[:n], qr[:n])
         if chunk.source(self.kv_source)[0].n == 0:
             chunk.topk = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64, device=x.device)
         else:

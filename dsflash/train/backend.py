@@ -291,7 +291,9 @@ def training_kernels(masters: Masters) -> Kernels:
     def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         if w.kind in (FP8, FP4):
             return F.linear(act(x), w.values)
-        return F.linear(x.to(w.values.dtype), w.values)
+        # a copy: autograd saves the input for the weight's gradient, and the forward may rotate it in place
+        # afterwards (the compressor's latent after the index keys' wk, which the indexer's KL differentiates)
+        return F.linear(x.to(w.values.dtype, copy=True), w.values)
 
     def expert_linear(x: torch.Tensor, bank: list[TrainWeight], experts: torch.Tensor, slots_per_row: int
                       ) -> torch.Tensor:

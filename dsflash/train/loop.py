@@ -28,6 +28,7 @@ from dsflash.model.transformer import Debug, Tokens, Transformer
 from dsflash.model.weights import WeightLoader
 from dsflash.train.backend import Masters, TrainState, training_kernels
 from dsflash.train.blocks import BlockAttention, BlockChunk, block_rows
+from dsflash.train.indexer import indexer_kl, query_rows
 
 PAD_ID = 2  # tokenizer.PAD_ID (not imported: that module needs `tokenizers`, which the GPU machine lacks)
 BIAS_RATE = 0.005
@@ -81,6 +82,8 @@ class Plan:
     eval_every: int = 50
     eval_windows: int = 4  # validation windows of seq_len tokens
     fact_span: int = 2048  # tokens a window holds per recall fact (its statement, then its cue and answer)
+    index_rows: int = 256  # query rows a step fits the indexer on (indexer.py); 0: the indexer stays as it is
+    index_weight: float = 1.0  # of the indexer's KL beside the next-token loss
     seed: int = 0
 
 
@@ -156,6 +159,7 @@ class Trainer:
         self.device = torch.device(device)
         torch.manual_seed(plan.seed)
         self.rng = np.random.default_rng(plan.seed)
+        self.index_generator = torch.Generator().manual_seed(plan.seed)
         self.train_tokens = torch.from_numpy(train.astype(np.int64))
         self.validation = torch.from_numpy(validation.astype(np.int64))
         self.masters = Masters(Checkpoint(init), self.device) if init else init_masters(args, plan.seed, self.device)
@@ -165,19 +169,20 @@ class Trainer:
     def model(self) -> Transformer:
         return Transformer(self.args, self.masters, self.token_map, kernels=self.k)
 
-    def window(self) -> torch.Tensor:
-        """seq_len + 1 train tokens from a random start, with recall facts written over them (`write_facts`)."""
+    def window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """seq_len + 1 train tokens from a random start with recall facts written over them (`write_facts`), and
+        the positions of x[1:] whose targets are the facts' answers' first tokens (the ones recall decides)."""
         start = int(self.rng.integers(0, self.train_tokens.numel() - self.plan.seq_len - 1))
         x = self.train_tokens[start:start + self.plan.seq_len + 1].clone()
-        if self.facts and self.plan.fact_span:
-            self.write_facts(x)
-        return x.to(self.device)
+        answers = self.write_facts(x) if self.facts and self.plan.fact_span else []
+        return x.to(self.device), torch.tensor(answers, dtype=torch.int64, device=self.device)
 
-    def write_facts(self, x: torch.Tensor) -> None:
+    def write_facts(self, x: torch.Tensor) -> list[int]:
         """One fact in each `fact_span` tokens of x: its statement in the span's first quarter, its cue and
         answer at a random later place at least FACT_MIN_GAP tokens on (so 64 to ~2000 tokens apart), written
-        over the text; the validation and test windows get none."""
-        span = self.plan.fact_span
+        over the text; the validation and test windows get none. Returns where each answer's first token is
+        predicted (its position - 1)."""
+        span, answers = self.plan.fact_span, []
         for s0 in range(0, x.numel() - span + 1, span):
             fact = self.facts[int(self.rng.integers(len(self.facts)))]
             statement, ask = fact["statement"], fact["cue"] + fact["answer"]
@@ -188,6 +193,8 @@ class Trainer:
             b = int(self.rng.integers(a + len(statement) + FACT_MIN_GAP, last + 1))
             x[a:a + len(statement)] = torch.tensor(statement)
             x[b:b + len(ask)] = torch.tensor(ask)
+            answers.append(b + len(fact["cue"]) - 1)
+        return answers
 
     def nll(self, tokens: torch.Tensor, windows: int) -> float:
         """Mean next-token NLL (nats) over `windows` evenly spaced windows of seq_len + 1 tokens."""
@@ -212,6 +219,15 @@ class Trainer:
         opt.zero_grad(set_to_none=True)
         balance_biases(self.masters, loads)
 
+    def indexer_loss(self, model: Transformer, state: TrainState, trace: dict) -> torch.Tensor:
+        """The indexer's KL to the main attention (indexer.py) on `index_rows` query rows past the window (whose
+        queries read compressed entries only there); zero without index layers or with index_rows 0."""
+        n, first = self.plan.seq_len, self.args.window_size
+        if not self.plan.index_rows or "indexer_inputs" not in trace or n <= first:
+            return torch.zeros((), device=self.device)
+        rows = query_rows(n, self.plan.index_rows, first, self.index_generator, self.device)
+        return indexer_kl(model, state, trace, rows)
+
     def backbone(self, deadline: float) -> int:
         p, started = self.plan, time.monotonic()
         params = self.masters.trainable()
@@ -222,13 +238,16 @@ class Trainer:
             lr = learning_rate(p.lr, step, progress, p.warmup)
             for group in opt.param_groups:
                 group["lr"] = lr
-            x, trace = self.window(), {}
-            out = self.model().forward(TrainState(device=self.device), Tokens(x[:-1]), debug=Debug(trace=trace))
+            (x, answers), trace, state, model = self.window(), {}, TrainState(device=self.device), self.model()
+            out = model.forward(state, Tokens(x[:-1]), debug=Debug(trace=trace))
             loss = F.cross_entropy(out.logits, x[1:])
-            self._update(opt, params, loss, trace)
+            kl = self.indexer_loss(model, state, trace)
+            self._update(opt, params, loss + p.index_weight * kl, trace)
             step += 1
             row = {"phase": "backbone", "step": step, "elapsed_s": round(time.monotonic() - started, 2),
-                   "lr": lr, "train_loss": float(loss.detach())}
+                   "lr": lr, "train_loss": float(loss.detach()), "index_kl": float(kl.detach())}
+            if answers.numel():  # greedy recall of the window's facts: their answers' first tokens right
+                row["fact_recall"] = float((out.logits[answers].argmax(-1) == x[1:][answers]).float().mean())
             if step % p.eval_every == 0:
                 row["val_loss"] = self.nll(self.validation, p.eval_windows)
             self.log.add(**row)
@@ -249,7 +268,7 @@ class Trainer:
             lr = learning_rate(p.dspark_lr, step, progress, p.warmup)
             for group in opt.param_groups:
                 group["lr"] = lr
-            x = self.window()[:-1]
+            x = self.window()[0][:-1]
             model = self.model()
             with torch.no_grad():
                 out = model.forward(TrainState(device=self.device), Tokens(x))

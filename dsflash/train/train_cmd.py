@@ -46,7 +46,8 @@ def run(ns: argparse.Namespace) -> int:
     args = Checkpoint(ns.init).args if ns.init else make_args(len(token_map), classes)
     plan = Plan(seq_len=ns.seq_len, budget_s=ns.budget - SAVE_RESERVE_S, steps=ns.steps, dspark_steps=ns.dspark_steps,
                 seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows, lr=ns.lr, dspark_lr=ns.lr,
-                dspark_share=ns.dspark_share)
+                dspark_share=ns.dspark_share, fact_span=ns.fact_span, index_rows=ns.index_rows,
+                index_weight=ns.index_weight)
     trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
                       plan, device, data.load_facts(ns.data), ns.init)
     out = Path(ns.out)
@@ -108,6 +109,12 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=Plan.lr, help="peak learning rate of both phases")
     parser.add_argument("--dspark-share", type=float, default=Plan.dspark_share,
                         help="of the budget, for the DSpark stages")
+    parser.add_argument("--fact-span", type=int, default=Plan.fact_span,
+                        help="tokens of a training window per recall fact (0: none)")
+    parser.add_argument("--index-rows", type=int, default=Plan.index_rows,
+                        help="query rows a step fits the indexer on (0: the indexer is not trained)")
+    parser.add_argument("--index-weight", type=float, default=Plan.index_weight,
+                        help="weight of the indexer's KL beside the next-token loss")
     parser.add_argument("--device", help="torch device (default: cuda when available)")
     parser.add_argument("--smoke", action="store_true", help="the tests' narrow configuration (CPU seconds)")
     parser.add_argument("--shard-size", type=size_arg, default=SHARD_BYTES, metavar="SIZE",
