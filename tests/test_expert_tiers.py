@@ -96,7 +96,8 @@ def test_reads_ahead_count_and_a_cache_too_small_is_refused():
     ckpt = Checkpoint(CASE)
     model = load_model(CASE, tiers=Tiers(experts="disk", expert_cache=2 * expert_bytes(ckpt)))
     model.forward(SequenceState(), IDS[:40])
-    model.expert_store.close()  # the reads in flight finished (and counted)
+    for store in model.expert_stores:
+        store.close()  # the reads in flight finished (and counted)
     stats = model.tier_stats()["experts"]
     # each loaded expert read once (a read ahead taken, not repeated), plus the reads ahead not routed to
     assert stats["prefetched"] > stats["ahead_unused"], stats
@@ -163,7 +164,7 @@ def test_cached_experts_are_bit_identical_on_cuda(tier):
     3-row steps route to more experts than the cache holds: eager)."""
     resident = Engine.load(CASE, device="cuda", max_context=512)
     probe = load_model(CASE, device="cuda", tiers=Tiers(experts=tier))
-    slot_bytes = probe.expert_store.slot_bytes
+    slot_bytes = probe.expert_stores[0].slot_bytes
     del probe
     engine = Engine.load(CASE, device="cuda", max_context=512, tiers=Tiers(experts=tier, expert_cache=3 * slot_bytes))
     assert engine.decoder.graphs is not None and resident.decoder.graphs is not None
@@ -218,13 +219,15 @@ def test_segmented_steps_with_cached_experts_are_bit_identical_on_cpu(tier):
     assert stats["evictions"] > 0 and stats["misses"] > 0, stats
 
 
-def test_segmented_drafts_with_cached_experts_are_bit_identical_on_cpu():
+@pytest.mark.parametrize("ranges", [None, [(range(0, 3), "cpu"), (range(3, 6), "cpu")]], ids=["one", "pp2"])
+def test_segmented_drafts_with_cached_experts_are_bit_identical_on_cpu(ranges):
     """A DSpark draft the way its CUDA graphs run it with the stages' experts off the device (a graph per
     stage, the experts loaded between them), uncaptured on the CPU: the eager resident draft's tokens,
-    logits and confidences, with one segment per stage and a last."""
+    logits and confidences, with one segment per stage and a last. Over two layer ranges (--pp 2: the
+    forwards eager) the stages' experts come from the last range's store."""
     eager = load_model(CASE)
     tiers = Tiers(experts="disk", expert_cache=4 * expert_bytes(Checkpoint(CASE)))
-    model = load_model(CASE, tiers=tiers)
+    model = load_model(CASE, tiers=tiers, ranges=ranges)
     graphs = SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False)
     segments = []
     run = graphs.run
@@ -239,3 +242,4 @@ def test_segmented_drafts_with_cached_experts_are_bit_identical_on_cpu():
     for (tokens, logits, confidence), (tokens2, logits2, confidence2) in zip(*results, strict=True):
         assert tokens == tokens2 and torch.equal(logits, logits2) and torch.equal(confidence, confidence2)
     assert segments == list(range(model.args.n_mtp_layers + 1)) * 2
+    assert model.dspark.stages[0].ffn.store is model.ranges[-1].w.experts

@@ -1,8 +1,8 @@
 """Layer ranges over devices in one process (`Transformer(ranges=)`, `--pp N --gpus LIST`): each layer's
 weights and state on its range's device, the streams moved at the boundaries, the KV sources read across
-them; bit-identical to one device. On the CPU every range is on `cpu` and the boundaries run the same code
-(copies included); the CUDA tests at the end map the ranges to two GPUs, or to one GPU three times
-(`--gpus 0,0,0`)."""
+them, the routed experts off the device in an expert store a range; bit-identical to one device. On the CPU
+every range is on `cpu` and the boundaries run the same code (copies included); the CUDA tests at the end
+map the ranges to two GPUs, or to one GPU three times (`--gpus 0,0,0`)."""
 
 import argparse
 import json
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dsflash.bench.model import build_engine
+from dsflash.checkpoint.reader import Checkpoint
 from dsflash.cli import main
 from dsflash.config import preset
 from dsflash.engine.placement import layer_devices
@@ -22,8 +23,10 @@ from dsflash.engine.spec import decode
 from dsflash.model import state as state_module
 from dsflash.model.load import load_model
 from dsflash.model.state import SequenceState
+from dsflash.model.tiers import Tiers
 from dsflash.model.transformer import Transformer
 from tests.conftest import TEXT_CASE
+from tests.test_expert_tiers import expert_bytes
 
 CASE = TEXT_CASE  # tiny-a: 6 layers, the split at 3, KV sources 1 and 3, Engram at 0 and 1, DSpark taps 4, 5
 # uneven on purpose: Engram layer 1 off the hashing range, the taps 4 and 5 in two ranges, source 3 read across
@@ -47,9 +50,20 @@ def engines():
     return Engine.load(CASE), Engine.load(CASE, ranges=THIRDS)
 
 
+@pytest.fixture(scope="module", params=["gpu", "host", "disk"], ids=["resident", "host", "disk"])
+def ranged(request, engines) -> Engine:
+    """The engine over THIRDS with the routed experts resident, or on the host or disk tier through a 3-slot
+    cache a range (fewer than a layer's 4 experts: every range's calls load in groups and evict)."""
+    if request.param == "gpu":
+        return engines[1]
+    tiers = Tiers(experts=request.param, expert_cache=3 * expert_bytes(Checkpoint(CASE)))
+    return Engine.load(CASE, ranges=THIRDS, tiers=tiers)
+
+
 def _tensors(obj, seen: set[int]):
     """The tensors an object of the model holds (its weights), walking attributes and containers; not the
-    kernels, the checkpoint, the shared RoPE tables or the config."""
+    kernels, the checkpoint, the shared RoPE tables, the config or an expert store (its host tier's banks
+    are host memory: a store's device is its kernels')."""
     if id(obj) in seen or obj is None or isinstance(obj, (int, float, str, bool, range)):
         return
     seen.add(id(obj))
@@ -63,7 +77,7 @@ def _tensors(obj, seen: set[int]):
             yield from _tensors(v, seen)
     elif hasattr(obj, "__dict__"):
         for key, v in vars(obj).items():
-            if key not in ("k", "ckpt", "rope", "ropes", "args", "w"):
+            if key not in ("k", "ckpt", "rope", "ropes", "args", "w", "store"):
                 yield from _tensors(v, seen)
 
 
@@ -124,11 +138,11 @@ def test_halves_over_ranges_hand_off_the_same_streams(engines):
         assert torch.equal(x, y)
 
 
-def test_steps_and_rollbacks_equal_the_unsplit_engine(engines, whole):
+def test_steps_and_rollbacks_equal_the_unsplit_engine(ranged, whole):
     rng = random.Random(5)
     ids = prompt(70, seed=5)
     ref = whole.forward(SequenceState(), torch.tensor(ids)).logits
-    s = engines[1].session()
+    s = ranged.session()
     assert torch.equal(s.prefill(ids[:23], chunk=9), ref[22])
     while s.pos < len(ids):
         real = ids[s.pos:s.pos + rng.randint(1, 4)]
@@ -149,6 +163,37 @@ def test_dspark_decoding_equals_the_unsplit_plain_decoding(engines, params):
         for k in (0, 2):
             s = ranged.session()
             assert list(decode(s, s.prefill(ids), 12, params, stop=set(), dspark=k)) == want, (seed, k)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_each_range_runs_its_experts_from_a_store_on_its_device(tier):
+    """Experts off the device over UNEVEN: each range's MoE layers (on the last range also DSpark's stages)
+    in a store of its own, built by the range's kernels with a cache of the --expert-cache size each (2
+    slots: fewer than the experts any layer here routes to); a prefill in two chunks and DSpark greedy
+    decoding (its drafts' experts from the last range's store) give the resident single device's logits and
+    tokens, and every store loaded and evicted."""
+    tiers = Tiers(experts=tier, expert_cache=2 * expert_bytes(Checkpoint(CASE)))
+    engine = Engine.load(CASE, ranges=UNEVEN, tiers=tiers)
+    a = engine.args
+    halves = (engine.encoder.runner.model, engine.decoder.model)
+    for model in halves:
+        assert len(model.expert_stores) == len(model.ranges)
+        for rg in model.ranges:
+            store = rg.w.experts
+            assert store.k is rg.k and store.slots == 2
+            dspark = range(a.n_layers, a.n_layers + a.n_mtp_layers) if rg is model.ranges[-1] and model.dspark else ()
+            assert sorted(store.layers) == [*rg.layers, *dspark]
+            assert all(model.blocks[i].ffn.store is store for i in rg.layers)
+    plain = Engine.load(CASE)
+    ids = prompt(60, seed=4)
+    x, y = plain.session(), engine.session()
+    assert torch.equal(x.prefill(ids), y.prefill(ids, chunk=32))
+    x, y = plain.session(), engine.session()
+    assert list(decode(y, y.prefill(ids[:30]), 8, GREEDY, stop=set(), dspark=2)) == \
+        list(decode(x, x.prefill(ids[:30]), 8, GREEDY, stop=set()))
+    stores = [s for m in halves for s in m.expert_stores]
+    assert all(s.stats.misses > 0 and s.stats.evictions > 0 for s in stores), [s.stats for s in stores]
+    assert engine.tier_stats()["experts"]["misses"] == sum(s.stats.misses for s in stores)
 
 
 def test_snapshots_move_between_layouts(engines):
@@ -233,13 +278,17 @@ def test_generate_runs_layer_ranges(tmp_path, capsys):
     code, three, err = _generate([*base, "--pp", "3"], capsys)
     assert code == 0 and "pp 3 x tp 1 x ep 1" in err
     assert json.loads(three)["tokens"] == json.loads(one)["tokens"]
+    # the routed experts on disk, a store a range
+    code, tiered, err = _generate([*base, "--pp", "3", "--experts", "disk"], capsys)
+    assert code == 0 and "experts disk" in err
+    tiered = json.loads(tiered)
+    assert tiered["tokens"] == json.loads(one)["tokens"] and tiered["tiers"]["experts"]["misses"] > 0
 
 
 @pytest.mark.parametrize("flags,line", [
     ("--device cpu --pp 4", "--pp 4: the 6 layers 0-5 do not divide into 4 equal ranges"),
     ("--device cuda --gpu-memory 8GiB --gpus 0,99 --pp 2", "--gpus 0,99: "),  # + "GPU 99 not on this machine"
     ("--device cuda --gpu-memory 8GiB --gpus 0 --pp 2", "--gpus 0: 1 GPU(s) for --pp 2 layer ranges"),
-    ("--device cpu --pp 3 --experts disk", "--pp 3 with the routed experts on disk: layer ranges keep the experts"),
 ])
 def test_bad_layer_ranges_are_refused_in_one_line(flags, line, tmp_path, capsys):
     prompt_file = tmp_path / "p.json"
@@ -261,15 +310,19 @@ CUDA_LAYOUTS = [pytest.param(["cuda:0", "cuda:0", "cuda:0"], id="gpus-0,0,0"),
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; run on the GPU machine")
 @pytest.mark.parametrize("devices", CUDA_LAYOUTS)
-def test_layer_ranges_on_cuda_are_one_devices_bits(devices):
+@pytest.mark.parametrize("tier", ["gpu", "host", "disk"])
+def test_layer_ranges_on_cuda_are_one_devices_bits(devices, tier):
     """On the H200 (one GPU mapped three times) and on a machine with two: the map is honoured, and prefill
     logits, steps with rollbacks and DSpark decoding equal the single-device engine's (CUDA graphs there,
-    eager over ranges)."""
+    eager over ranges), with the routed experts resident or off the device (a store a range, its cache on
+    the range's GPU; the drafts' graphs load the stages' experts into the last range's)."""
     ranges = _cuda_ranges(devices)
-    model: Transformer = load_model(CASE, device="cuda:0", ranges=ranges)
+    tiers = Tiers(experts=tier)
+    model: Transformer = load_model(CASE, device="cuda:0", ranges=ranges, tiers=tiers)
     for i, dev in model.layer_devices.items():
         assert dev == torch.device(devices[i // 2])
         assert all(t.device == dev for t in _tensors(model.blocks[i], set()))
+    assert all(store.k.device == rg.device for rg in model.ranges if (store := rg.w.experts) is not None)
     ids = prompt(80, seed=1)
     ref = load_model(CASE, device="cuda:0").forward(SequenceState(device="cuda:0"), torch.tensor(ids)).logits
     state = SequenceState(device="cuda:0")
@@ -277,7 +330,7 @@ def test_layer_ranges_on_cuda_are_one_devices_bits(devices):
     assert torch.equal(got.to(ref.device), ref)
     assert all(r.data.device == model.layer_devices[i] for i, r in state.window.items())
     plain = Engine.load(CASE, device="cuda:0", max_context=4096)
-    ranged = Engine.load(CASE, device="cuda:0", max_context=4096, ranges=ranges)
+    ranged = Engine.load(CASE, device="cuda:0", max_context=4096, ranges=ranges, tiers=tiers)
     rng = random.Random(2)
     s = ranged.session()
     s.prefill(ids[:20], chunk=7)

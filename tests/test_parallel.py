@@ -301,7 +301,7 @@ def test_expert_parallel_ranks_run_their_experts_off_the_device(parallel, one):
     and runs it from a device cache of its share (4 of the 8 experts: a prefill's wide call takes two groups),
     bit-identical to one process; the follower holds none of the checkpoint's bytes on its device."""
     engine, sharding = parallel
-    store = engine.decoder.model.expert_store
+    (store,) = engine.decoder.model.expert_stores
     a = engine.args  # rank 0's ranges: experts 0-3 of each layer, 0-1 of each DSpark stage's 4
     assert store.slots == 4 and {(i < a.n_layers, e.n, e.first) for i, e in store.layers.items()} == \
         {(True, 4, 0), (False, 2, 0)}

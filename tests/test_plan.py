@@ -19,8 +19,10 @@ from dsflash.checkpoint.make import make_checkpoint
 from dsflash.checkpoint.reader import Checkpoint, read_layout
 from dsflash.cli import main
 from dsflash.config import TINY_A, preset
-from dsflash.engine.plan import WEIGHT_PARTS, GiB, PlacementError, Request, parse_size, plan, state_bytes
+from dsflash.engine.plan import WEIGHT_PARTS, GiB, PlacementError, Request, layer_ranges, parse_size, plan, state_bytes
 from dsflash.engine.session import Engine
+from dsflash.model.tiers import Tiers
+from tests.conftest import TEXT_CASE as CASE
 
 ROOT = Path(__file__).resolve().parents[1]
 # bytes per element, written out here rather than taken from dsflash
@@ -317,6 +319,33 @@ def test_layer_ranges_hold_each_stage_once():
         assert g.parts["experts"] == want
     assert "vision" in placed.gpus[0].parts and "dspark" in placed.gpus[3].parts
     assert "dspark" not in placed.gpus[0].parts
+
+
+def test_layer_ranges_hold_an_expert_cache_on_each_gpu():
+    """`--pp` with the routed experts in host memory: none on a GPU, and each GPU the cache of its range (one
+    layer's bank by default, else --expert-cache); a range across the split (--pp 5: layers 16-23) holds one
+    for each half's model."""
+    stored = _stored(V41)
+    bank = sum(n for name, n in stored.items() if name.startswith("layers.0.ffn.experts."))
+    for pp, caches, size in ((4, [1, 1, 1, 1], None), (5, [1, 1, 2, 1, 1], None), (4, [1, 1, 1, 1], 8 * GiB)):
+        placed = plan(V41, Request(half="all", gpu_memory=(140 * GiB,) * pp, host_memory=512 * GiB, pp=pp,
+                                   engram="host", experts="host", expert_cache=size))
+        assert [g.parts["cache"] for g in placed.gpus] == [(size or bank) * c for c in caches]
+        assert not any("experts" in g.parts for g in placed.gpus) and placed.fits
+        assert placed.host.parts["experts"] == sum(n for name, n in stored.items() if _routed(name))
+
+
+@pytest.mark.parametrize("pp", [1, 3])
+def test_the_planned_expert_caches_are_the_engines(pp):
+    """On the CPU backend the plan's expert cache is what the engine allocates: a store for each half's part
+    of each layer range, one layer's bank each (tiny-a without --pp: one a half; --pp 3: four, the middle
+    range 2-3 spanning the split at 3)."""
+    placed = plan(Checkpoint(CASE), Request(half="all", backend="cpu", host_memory=64 * GiB, experts="disk", pp=pp))
+    ranges = [(r, "cpu") for r in layer_ranges(range(TINY_A.n_layers), pp)] if pp > 1 else None
+    engine = Engine.load(CASE, tiers=Tiers(experts="disk"), ranges=ranges)
+    stores = [s for m in (engine.encoder.runner.model, engine.decoder.model) for s in m.expert_stores]
+    assert len(stores) == {1: 2, 3: 4}[pp]
+    assert placed.gpus[0].parts["cache"] == sum(s.slots * s.slot_bytes for s in stores)
 
 
 @pytest.mark.parametrize("flags,line", [

@@ -162,8 +162,8 @@ def bench_tier(args: ModelArgs, ckpt_dir: Path, layers: int, tier: str, cache: i
     runner = Runner(model, cuda_graphs=not eager)
     sync(dev)
     res: dict = {"load_s": time.perf_counter() - t0, "prefill": {}, "steps": {}}
-    if model.expert_store is not None:
-        store = model.expert_store
+    if model.expert_stores:
+        (store,) = model.expert_stores  # one layer range: one store
         res["cache"] = {"slots": store.slots, "bytes": store.slots * store.slot_bytes}
     ids = torch.tensor(prompt(max(lengths + [context]) + max(rows), args.vocab_size), device=dev)
     runner.forward(SequenceState(device=dev), ids[:warmup])
@@ -182,8 +182,8 @@ def bench_tier(args: ModelArgs, ckpt_dir: Path, layers: int, tier: str, cache: i
             saved(res)
         if n == context:  # the steps right after their context (before longer prefills: cheaper ones first)
             _steps(runner, state, ids, context, rows, reps, counters, res, saved)
-    if model.expert_store is not None:
-        model.expert_store.close()
+    for store in model.expert_stores:
+        store.close()
     return res
 
 

@@ -198,9 +198,6 @@ def checked_plan(command: str, args: argparse.Namespace, model_dir: str | Path, 
     problem = placed.problem()
     if problem:
         raise PlacementError(problem)
-    if args.pp != 1 and placed.experts != "gpu":
-        raise PlacementError(f"--pp {args.pp} with the routed experts on {placed.experts}: layer ranges keep the "
-                             "experts on their GPUs in this build (--experts gpu, or --pp 1)")
     return placed
 
 

@@ -442,6 +442,12 @@ def _bank(args: ModelArgs, sizes: dict[str, int]) -> int:
     return max(per.values(), default=0)
 
 
+def _caches(args: ModelArgs, layers: list[int]) -> int:
+    """The expert caches a device holding backbone `layers` keeps: one per model half among them, since each
+    half's model has its own store a layer range (model/transformer.py; DSpark's stages share the last one)."""
+    return len({i >= args.first_decoder_layer for i in layers})
+
+
 def _place(args: ModelArgs, sizes: dict[str, int], req: Request, engram: str, experts: str) -> Plan:
     units, host, disk = _units(args, sizes, req, engram, experts)
     cpu = req.backend == "cpu"
@@ -452,11 +458,11 @@ def _place(args: ModelArgs, sizes: dict[str, int], req: Request, engram: str, ex
     plan = Plan(req, engram, experts, gpus, host, disk, expert_bytes=_largest_expert(sizes))
 
     def overhead(units: list[Unit]) -> dict[str, int]:
-        """What a device holding `units` needs besides them: the workspace, and the expert cache for its
+        """What a device holding `units` needs besides them: the workspace, and the expert caches for its
         MoE layers when their experts live elsewhere."""
         layers = [u.layer for u in units if u.layer is not None]
         workspace = (CPU_WORKSPACE if cpu else GPU_WORKSPACE) + index_scratch(args, layers, req.context, req.backend)
-        return {"workspace": workspace, "cache": cache if layers else 0}
+        return {"workspace": workspace, "cache": cache * _caches(args, layers)}
 
     queue = list(units)
     for g in gpus:
@@ -619,7 +625,7 @@ def _place_ranks(args: ModelArgs, infos: dict[str, tuple[str, tuple[int, ...]]],
             rank(s, r).add("workspace", CPU_WORKSPACE if cpu else GPU_WORKSPACE)
             rank(s, r).layers = sorted({*rank(s, r).layers, *layers})
             if r == 0 or req.ep > 1:
-                rank(s, r).add("cache", cache)
+                rank(s, r).add("cache", cache * _caches(args, list(layers)))
         rank(s).add("workspace", index_scratch(args, list(layers), req.context, req.backend))
     host.add("reserve", HOST_RESERVE)
     if "engram" in disk.parts:

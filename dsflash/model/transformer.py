@@ -36,7 +36,7 @@ from dsflash.model.mhc import Block, FfnInput, hc_pre
 from dsflash.model.parallel import Sharding, expert_share
 from dsflash.model.rope import Rope
 from dsflash.model.state import ROLLBACK_ROWS, SequenceState
-from dsflash.model.tiers import RESIDENT, Tiers
+from dsflash.model.tiers import RESIDENT, Tiers, sum_stats
 from dsflash.model.vision import Vision
 from dsflash.model.weights import WeightLoader
 
@@ -120,9 +120,6 @@ class Transformer:
         if [i for r, _ in spans for i in r] != list(self.layers) or not all(len(r) for r, _ in spans):
             raise ValueError(f"ranges {[(r.start, r.stop) for r, _ in spans]} do not cover layers "
                              f"{self.layers.start}-{self.layers.stop - 1} in order")
-        if len(spans) > 1 and tiers.experts != "gpu":
-            raise ValueError(f"--experts {tiers.experts} with layer ranges over devices: this build keeps one expert "
-                             "cache per model on one device (--experts gpu, or --pp 1)")
         if kernels is not None and len(spans) > 1:
             raise ValueError("a caller's kernels serve one range")
         kernels = [kernels] if kernels is not None else [load_kernels(dev, reference) for _, dev in spans]
@@ -133,13 +130,16 @@ class Transformer:
                 raise ValueError("--pp with --ep or --tp: layer ranges and a parallel layout in one half are not "
                                  "combined in this build")
             kernels = [parallel.kernels(k) for k in kernels]
-        # routed experts on the host or disk tier: one store and device cache for every MoE layer here (an
-        # expert-parallel rank's store holds its range of each, and by default a cache of its share)
+        # routed experts on the host or disk tier: one store a layer range, its device cache on the range's
+        # device (the size of --expert-cache each: the flag is per GPU), for the range's MoE layers and on the
+        # last range DSpark's stages (an expert-parallel rank's store holds its range of each, and by default a
+        # cache of its share)
         ep = parallel.layout.ep if parallel is not None else 1
-        self.expert_store = (ExpertStore(kernels[0], ckpt, tiers, args, expert_share(args, ep))
-                             if tiers.experts != "gpu" else None)
-        self.ranges = [_Range(r, k, WeightLoader(ckpt, k, self.expert_store, parallel))
-                       for (r, _), k in zip(spans, kernels, strict=True)]
+        stores = [ExpertStore(k, ckpt, tiers, args, expert_share(args, ep)) if tiers.experts != "gpu" else None
+                  for k in kernels]
+        self.expert_stores = [store for store in stores if store is not None]
+        self.ranges = [_Range(r, k, WeightLoader(ckpt, k, store, parallel))
+                       for (r, _), k, store in zip(spans, kernels, stores, strict=True)]
         first, last = self.ranges[0], self.ranges[-1]
         self.k, self.device, self.input_device = last.k, last.device, first.device
         self.layer_devices = {i: rg.device for rg in self.ranges for i in rg.layers}
@@ -195,11 +195,9 @@ class Transformer:
 
     def tier_stats(self) -> dict[str, dict]:
         """What the off-device tiers did so far, by family: "experts" (model/expert_cache.ExpertStats, with its
-        hit rate) and "engram" (model/engram_tables.TableStats summed over the tables); a family whose weights
-        are resident is left out."""
-        stats = {}
-        if self.expert_store is not None:
-            stats["experts"] = self.expert_store.stats.as_dict()
+        hit rate; summed over the layer ranges' stores) and "engram" (model/engram_tables.TableStats summed over
+        the tables); a family whose weights are resident is left out."""
+        stats = sum_stats([{"experts": store.stats.as_dict()} for store in self.expert_stores])
         if self.engram_staged:
             total = TableStats()
             for e in self.engram.values():
@@ -428,7 +426,7 @@ class Transformer:
         chunk, a, state = f.chunk, self.args, f.chunk.state
         # routed experts from the expert store: one segment per layer, each stopping after its routing, which
         # the host reads to load the layer's experts into the store's slots before the next segment runs
-        store = self.expert_store
+        store = self.ranges[0].w.experts  # (a replayed forward runs one range)
         halts = [] if store is None else list(self.layers)
         if store is not None and not store.holds(min(chunk.rows * a.n_activated_experts, a.n_routed_experts)):
             return False
@@ -471,7 +469,7 @@ class Transformer:
             if k == len(halts):
                 break
             # the routing of layer halts[k], read on the host: its experts loaded into the store's slots
-            inputs = [*out[:6], self.expert_store.slots_for(halts[k], out[6])]
+            inputs = [*out[:6], store.slots_for(halts[k], out[6])]
             carried = out[7:]
         for rows, count in growing:
             rows.n = count
