@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from dsflash.kernels import cpu
 from dsflash.model.transformer import Transformer
 from dsflash.train.backend import TrainState
 
@@ -31,7 +32,8 @@ def indexer_kl(model: Transformer, state: TrainState, trace: dict, rows: torch.T
         pos, x, qr = positions[pick], x[pick].detach(), qr[pick].detach()
         entries = state.compressed[attn.kv_source].rows
         keys = state.index_keys[attn.kv_source].rows
-        hidden = torch.arange(entries.size(0), device=rows.device) >= ((pos + 1) // attn.ratio).unsqueeze(-1)
+        visible = ((pos + 1) // attn.ratio).unsqueeze(-1)
+        hidden = torch.arange(entries.size(0), device=rows.device) >= visible
         with torch.no_grad():
             q = k.linear(qr, attn.wq_b).unflatten(-1, (-1, a.head_dim))
             attn.rope.rotate(q, pos)
@@ -39,8 +41,9 @@ def indexer_kl(model: Transformer, state: TrainState, trace: dict, rows: torch.T
             target = logits.masked_fill(hidden.unsqueeze(1), -torch.inf).softmax(-1).mean(1)
             entropy = -(target * target.clamp_min(1e-30).log()).sum(-1)
         q_i, weights = attn.indexer.queries(x, qr, pos, attn.rope)
-        scores = (torch.einsum("shd,td->sht", q_i.float(), keys.float()).relu() * weights.float().unsqueeze(-1)).sum(1)
-        log_p = scores.masked_fill(hidden, -torch.inf).log_softmax(-1).masked_fill(hidden, 0.0)
+        # the scores the forward picks by (the reference op, which the training kernels run without autograd)
+        scores = cpu.index_scores(q_i, keys, weights, visible, None, 1)
+        log_p = scores.float().log_softmax(-1).masked_fill(hidden, 0.0)
         total = total + (-(target * log_p).sum(-1) - entropy).mean()
     return total / max(len(inputs), 1)
 
