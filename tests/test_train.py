@@ -14,6 +14,7 @@ from dsflash.checkpoint.reader import Checkpoint
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
+from dsflash.model.common import Selections
 from dsflash.model.state import SequenceState
 from dsflash.model.transformer import Debug, Tokens, Transformer
 from dsflash.numerics.codecs import E2M1_VALUES, dequant_fp4_rows, quantize_fp4_rows
@@ -31,6 +32,7 @@ from dsflash.train.backend import (
     quantised,
 )
 from dsflash.train.export import export_weights
+from dsflash.train.indexer import attention_picks, attention_target
 from dsflash.train.loop import Plan, Trainer, draft_logits, drop_unrouted_grads, smoke_args
 from dsflash.train.quality import NEEDLE_WORDS
 from dsflash.train.train_cmd import main as train_main
@@ -227,6 +229,51 @@ def test_the_indexer_learns_the_main_attentions_distribution(data_dir):
         kls.append(float(kl))
         opt.step()
     assert kls[0] > 0 and kls[-1] < 0.8 * kls[0], kls
+
+
+def test_the_warm_up_picks_what_the_main_attention_weighs_most(data_dir):
+    """attention_picks as the index layers' picker: every query row past the first groups gets the
+    `index_topk` visible entries holding the most of the main attention's weight -- at least as much as the
+    indexer's picks of the same forward, and more on most rows (the seeded indexer picks by other scores) --
+    and the forward attends to them (its logits differ from the indexer-picked forward's)."""
+    t = trainer(data_dir, seq_len=192, steps=1)
+    x = t.window()[0][:-1]
+    got: dict[int, list[tuple]] = {}
+
+    def recording(pick):
+        def picker(attn, xs, qr, chunk):
+            topk = pick(attn, xs, qr, chunk)
+            got.setdefault(attn.layer, []).append((attn, qr, chunk.positions, topk))
+            return topk
+        return picker
+
+    def indexer(attn, xs, qr, chunk):  # what an index layer does without a picker
+        return attn.indexer.select(xs, qr, attn.kv_source, chunk, attn.rope)
+
+    with torch.no_grad():
+        plain = t.model().forward(TrainState(device="cpu"), Tokens(x)).logits
+        logits, weights = {}, {}
+        for name, pick in (("attention", attention_picks), ("indexer", indexer)):
+            got.clear()
+            model, state = t.model(), TrainState(device="cpu")
+            logits[name] = model.forward(state, Tokens(x), debug=Debug(select=Selections(
+                picker=recording(pick)))).logits
+            weights[name] = {}
+            for layer, [(attn, qr, positions, topk)] in got.items():
+                entries = state.compressed[attn.kv_source].rows
+                hidden = torch.arange(entries.size(0)) >= ((positions + 1) // attn.ratio).unsqueeze(-1)
+                target = attention_target(attn, qr, positions, entries, hidden).nan_to_num(0.0)  # rows seeing none
+                weights[name][layer] = torch.where(topk >= 0, target.gather(1, topk.clamp_min(0)), 0.0).sum(1)
+                best = target.topk(min(t.args.index_topk, entries.size(0)), dim=1).values.sum(1)
+                if name == "attention":
+                    assert torch.allclose(weights[name][layer], best)
+    assert torch.equal(logits["indexer"], plain)
+    assert set(weights["attention"]) == set(t.args.index_source_layers)
+    for layer, w in weights["attention"].items():
+        late = (torch.arange(w.numel()) >= t.args.index_topk * 2)  # rows with more visible entries than picks
+        assert bool((w >= weights["indexer"][layer] - 1e-6).all())
+        assert (w[late] > weights["indexer"][layer][late] + 1e-6).float().mean() > 0.5, layer
+    assert not torch.equal(logits["attention"], logits["indexer"])
 
 
 def test_training_forward_is_the_reference_forward_of_the_exported_checkpoint(data_dir, tmp_path):

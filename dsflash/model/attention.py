@@ -293,6 +293,8 @@ class Attention:
             chunk.trace.setdefault("indexer_inputs", {})[self.layer] = (chunk.positions[:n], x[:n], qr[:n])
         if chunk.source(self.kv_source)[0].n == 0:
             chunk.topk = torch.full((chunk.rows, a.index_topk), -1, dtype=torch.int64, device=x.device)
+        elif chunk.select is not None and chunk.select.picker is not None:
+            chunk.topk = chunk.select.picker(self, x, qr, chunk)
         else:
             chunk.topk = self.indexer.select(x, qr, self.kv_source, chunk, self.rope)
         chunk.picks = self._picks(chunk)

@@ -40,11 +40,14 @@ class Selections:
     moe_weights[layer]: float32 [positions, k] their routing weights (debugging: another implementation's
     fp32 router arithmetic replayed too; without it the weights come from the engine's own router scores).
     Positions past the arrays' ends use the engine's own choice.
+    picker(attention, x, qr, chunk): an index layer's picks made by another rule than its indexer's ([rows,
+    index_topk], as Indexer.select gives them; training's warm-up picks by the main attention, train/indexer.py).
     """
 
     index_topk: dict[int, torch.Tensor] = field(default_factory=dict)
     moe_ids: dict[int, torch.Tensor] = field(default_factory=dict)
     moe_weights: dict[int, torch.Tensor] = field(default_factory=dict)
+    picker: Callable[..., torch.Tensor] | None = None
 
     def rows(self, table: dict[int, torch.Tensor], layer: int, positions: torch.Tensor) -> torch.Tensor | None:
         t = table.get(layer)

@@ -23,12 +23,13 @@ import torch.nn.functional as F
 from dsflash.checkpoint.make import make_checkpoint
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ModelArgs, engram_table_rows, validate
+from dsflash.model.common import Selections
 from dsflash.model.mhc import hc_pre
 from dsflash.model.transformer import Debug, Tokens, Transformer
 from dsflash.model.weights import WeightLoader
 from dsflash.train.backend import Masters, TrainState, training_kernels
 from dsflash.train.blocks import BlockAttention, BlockChunk, block_rows
-from dsflash.train.indexer import indexer_kl, query_rows
+from dsflash.train.indexer import attention_picks, indexer_kl, query_rows
 
 PAD_ID = 2  # tokenizer.PAD_ID (not imported: that module needs `tokenizers`, which the GPU machine lacks)
 BIAS_RATE = 0.005
@@ -84,6 +85,9 @@ class Plan:
     fact_span: int = 2048  # tokens a window holds per recall fact (its statement, then its cue and answer)
     index_rows: int = 256  # query rows a step fits the indexer on (indexer.py); 0: the indexer stays as it is
     index_weight: float = 1.0  # of the indexer's KL beside the next-token loss
+    # of the backbone phase, from its start: the index layers pick by the main attention (indexer.py's warm-up)
+    attention_picks: float = 0.0
+    answer_weight: float = 0.0  # of the facts' answers' mean loss beside the mean over every token
     seed: int = 0
 
 
@@ -239,13 +243,20 @@ class Trainer:
             for group in opt.param_groups:
                 group["lr"] = lr
             (x, answers), trace, state, model = self.window(), {}, TrainState(device=self.device), self.model()
-            out = model.forward(state, Tokens(x[:-1]), debug=Debug(trace=trace))
+            warm = progress < p.attention_picks
+            select = Selections(picker=attention_picks) if warm else None
+            out = model.forward(state, Tokens(x[:-1]), debug=Debug(select=select, trace=trace))
             loss = F.cross_entropy(out.logits, x[1:])
-            kl = self.indexer_loss(model, state, trace)
-            self._update(opt, params, loss + p.index_weight * kl, trace)
+            total = loss + p.index_weight * (kl := self.indexer_loss(model, state, trace))
+            if answers.numel() and p.answer_weight:
+                # a window holds a few answers among thousands of tokens: without a weight of their own their
+                # gradient is too small a part of the step for the attention to learn the look-up
+                total = total + p.answer_weight * F.cross_entropy(out.logits[answers], x[1:][answers])
+            self._update(opt, params, total, trace)
             step += 1
             row = {"phase": "backbone", "step": step, "elapsed_s": round(time.monotonic() - started, 2),
-                   "lr": lr, "train_loss": float(loss.detach()), "index_kl": float(kl.detach())}
+                   "lr": lr, "picks": "attention" if warm else "indexer", "train_loss": float(loss.detach()),
+                   "index_kl": float(kl.detach())}
             if answers.numel():  # greedy recall of the window's facts: their answers' first tokens right
                 row["fact_recall"] = float((out.logits[answers].argmax(-1) == x[1:][answers]).float().mean())
             if step % p.eval_every == 0:

@@ -47,7 +47,7 @@ def run(ns: argparse.Namespace) -> int:
     plan = Plan(seq_len=ns.seq_len, budget_s=ns.budget - SAVE_RESERVE_S, steps=ns.steps, dspark_steps=ns.dspark_steps,
                 seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows, lr=ns.lr, dspark_lr=ns.lr,
                 dspark_share=ns.dspark_share, fact_span=ns.fact_span, index_rows=ns.index_rows,
-                index_weight=ns.index_weight)
+                index_weight=ns.index_weight, attention_picks=ns.attention_picks, answer_weight=ns.answer_weight)
     trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
                       plan, device, data.load_facts(ns.data), ns.init)
     out = Path(ns.out)
@@ -115,6 +115,11 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="query rows a step fits the indexer on (0: the indexer is not trained)")
     parser.add_argument("--index-weight", type=float, default=Plan.index_weight,
                         help="weight of the indexer's KL beside the next-token loss")
+    parser.add_argument("--attention-picks", type=float, default=Plan.attention_picks,
+                        help="of the backbone phase, from its start: the index layers pick the entries the main "
+                             "attention weighs most (the warm-up) instead of the indexer's")
+    parser.add_argument("--answer-weight", type=float, default=Plan.answer_weight,
+                        help="weight of the recall facts' answers' mean loss beside the mean over every token")
     parser.add_argument("--device", help="torch device (default: cuda when available)")
     parser.add_argument("--smoke", action="store_true", help="the tests' narrow configuration (CPU seconds)")
     parser.add_argument("--shard-size", type=size_arg, default=SHARD_BYTES, metavar="SIZE",
