@@ -179,7 +179,7 @@ def test_windows_carry_recall_facts_apart_and_the_text_elsewhere(data_dir):
     make = lambda facts: Trainer(smoke_args(len(token_map), classes), token_map,  # noqa: E731
                                  data.load_tokens(data_dir, "train"), data.load_tokens(data_dir, "validation"),
                                  Plan(seq_len=2047, fact_span=512), "cpu", facts)
-    (x, answers), (plain, none) = make(facts).window(), make([]).window()
+    (x, answers, _), (plain, none, _) = make(facts).window(), make([]).window()
     x, plain = x.tolist(), plain.tolist()
     assert none.numel() == 0 and answers.numel() == 4
     written = np.zeros(len(x), dtype=bool)

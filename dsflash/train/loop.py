@@ -34,6 +34,7 @@ from dsflash.train.indexer import attention_picks, indexer_kl, query_rows
 PAD_ID = 2  # tokenizer.PAD_ID (not imported: that module needs `tokenizers`, which the GPU machine lacks)
 BIAS_RATE = 0.005
 FACT_MIN_GAP = 64  # tokens from a recall fact's statement to its cue, at least
+REPEAT_TOKENS = 32  # of a repeated passage (Plan.repeat_span)
 
 
 def trained_args(vocab_size: int, classes: int) -> ModelArgs:
@@ -88,6 +89,7 @@ class Plan:
     # of the backbone phase, from its start: the index layers pick by the main attention (indexer.py's warm-up)
     attention_picks: float = 0.0
     answer_weight: float = 0.0  # of the facts' answers' mean loss beside the mean over every token
+    repeat_span: int = 0  # tokens of a window per repeated passage (copying practice, `write_repeats`); 0: none
     seed: int = 0
 
 
@@ -173,13 +175,32 @@ class Trainer:
     def model(self) -> Transformer:
         return Transformer(self.args, self.masters, self.token_map, kernels=self.k)
 
-    def window(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """seq_len + 1 train tokens from a random start with recall facts written over them (`write_facts`), and
-        the positions of x[1:] whose targets are the facts' answers' first tokens (the ones recall decides)."""
+    def window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """seq_len + 1 train tokens from a random start with repeated passages (`write_repeats`) and recall facts
+        (`write_facts`) written over them; the positions of x[1:] whose targets are the facts' answers' first
+        tokens (the ones recall decides), and those whose targets a repeat copies."""
         start = int(self.rng.integers(0, self.train_tokens.numel() - self.plan.seq_len - 1))
         x = self.train_tokens[start:start + self.plan.seq_len + 1].clone()
+        copies = self.write_repeats(x) if self.plan.repeat_span else []
         answers = self.write_facts(x) if self.facts and self.plan.fact_span else []
-        return x.to(self.device), torch.tensor(answers, dtype=torch.int64, device=self.device)
+        as_tensor = lambda rows: torch.tensor(rows, dtype=torch.int64, device=self.device)  # noqa: E731
+        return x.to(self.device), as_tensor(answers), as_tensor(copies)
+
+    def write_repeats(self, x: torch.Tensor) -> list[int]:
+        """In each `repeat_span` tokens of x, a passage of REPEAT_TOKENS from the span's first half written again
+        8 to span/2 tokens after its end (inside the attention window or beyond it). Recalling a fact is
+        copying from the context, which plain text asks for too rarely to be learnt in a short run; a repeat
+        asks for it at every token after its first. Returns the positions of x[1:] whose targets a repeat
+        copies (position i predicts x[i + 1])."""
+        span, n, copies = self.plan.repeat_span, REPEAT_TOKENS, []
+        for s0 in range(0, x.numel() - span + 1, span):
+            a = s0 + int(self.rng.integers(0, max(1, span // 2 - n)))
+            b = a + n + int(self.rng.integers(8, max(9, span // 2)))
+            if b + n > s0 + span:
+                continue
+            x[b:b + n] = x[a:a + n].clone()
+            copies.extend(range(b, b + n - 1))
+        return copies
 
     def write_facts(self, x: torch.Tensor) -> list[int]:
         """One fact in each `fact_span` tokens of x: its statement in the span's first quarter, its cue and
@@ -242,7 +263,7 @@ class Trainer:
             lr = learning_rate(p.lr, step, progress, p.warmup)
             for group in opt.param_groups:
                 group["lr"] = lr
-            (x, answers), trace, state, model = self.window(), {}, TrainState(device=self.device), self.model()
+            (x, answers, copies), trace, state, model = self.window(), {}, TrainState(device=self.device), self.model()
             warm = progress < p.attention_picks
             select = Selections(picker=attention_picks) if warm else None
             out = model.forward(state, Tokens(x[:-1]), debug=Debug(select=select, trace=trace))
@@ -257,8 +278,9 @@ class Trainer:
             row = {"phase": "backbone", "step": step, "elapsed_s": round(time.monotonic() - started, 2),
                    "lr": lr, "picks": "attention" if warm else "indexer", "train_loss": float(loss.detach()),
                    "index_kl": float(kl.detach())}
-            if answers.numel():  # greedy recall of the window's facts: their answers' first tokens right
-                row["fact_recall"] = float((out.logits[answers].argmax(-1) == x[1:][answers]).float().mean())
+            for name, rows in (("fact_recall", answers), ("copy_acc", copies)):  # greedy: the facts' first
+                if rows.numel():  # answer tokens, the repeats' copied tokens
+                    row[name] = float((out.logits[rows].argmax(-1) == x[1:][rows]).float().mean())
             if step % p.eval_every == 0:
                 row["val_loss"] = self.nll(self.validation, p.eval_windows)
             self.log.add(**row)
