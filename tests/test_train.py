@@ -193,6 +193,23 @@ def test_windows_carry_recall_facts_apart_and_the_text_elsewhere(data_dir):
     assert all(u == v for u, v, w in zip(x, plain, written, strict=True) if not w)
 
 
+def test_windows_repeat_a_passage_in_each_span(data_dir):
+    """Each 256-token span of a window holds a 32-token passage of its first half written again 8 to 128 tokens
+    after its end; the copy positions are the ones whose targets the repeat gives (all but its first token)."""
+    t = trainer(data_dir, seq_len=1023, repeat_span=256)
+    plain = trainer(data_dir, seq_len=1023).window()[0]
+    x, _, copies = t.window()
+    runs = np.split(copies.numpy(), np.flatnonzero(np.diff(copies.numpy()) != 1) + 1)
+    assert [r.size for r in runs] == [31] * 4
+    for s0, run in zip(range(0, 1024, 256), runs, strict=True):
+        b = int(run[0])
+        assert s0 <= b and b + 32 <= s0 + 256
+        sources = [a for a in range(s0, b - 39) if torch.equal(x[a:a + 32], x[b:b + 32])]
+        assert sources and sources[0] < s0 + 128 and b - (sources[0] + 32) <= 128, (s0, b, sources)
+        assert not torch.equal(plain[b:b + 32], x[b:b + 32])  # written over the text (same start: same seed)
+        assert torch.equal(plain[s0:b], x[s0:b])
+
+
 def test_a_few_steps_lower_the_validation_nll(data_dir):
     t = trainer(data_dir, seq_len=96, steps=16, warmup=2, lr=1e-2, eval_every=1000)
     before = t.nll(t.validation, 2)
