@@ -32,7 +32,12 @@ from dsflash.model.tiers import Tiers
 from tests.conftest import partly_right_drafter
 
 LAYOUTS = {"ep2": Layout(ep=2), "tp2": Layout(tp=2), "ep2tp2": Layout(ep=2, tp=2),
-           "ep2-host": Layout(ep=2), "ep2-disk": Layout(ep=2)}  # the last two: --experts host / disk
+           "ep2-host": Layout(ep=2), "ep2-disk": Layout(ep=2),  # --experts host / disk
+           "pp2tp2": Layout(tp=2), "pp2ep2": Layout(ep=2)}  # layer ranges, each with a follower of its own
+# the stages of the pp2 layouts (tiny-b: 12 layers, the split at 6): --pp 2's halves, a stage each (what the plan
+# cuts); and a cut at 4, whose second stage serves both halves' models (the encoder's layers 4-5, the decoder's)
+STAGES = {"pp2tp2": [(range(0, 6), "cpu"), (range(6, 12), "cpu")],
+          "pp2ep2": [(range(0, 4), "cpu"), (range(4, 12), "cpu")]}
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +54,18 @@ def one(tiny_b_dir):
 
 
 # tp2's forwards broadcast the attended rows and gather heads at every layer: ~20 s a test on 2 cores, so its
-# cases (and ep2tp2's) run with the slow set; ep2 keeps the layouts' default coverage
+# cases (and ep2tp2's, pp2tp2's) run with the slow set; ep2 and pp2ep2 keep the layouts' default coverage
 @pytest.fixture(scope="module", params=["ep2", pytest.param("tp2", marks=pytest.mark.slow),
-                                        pytest.param("ep2tp2", marks=pytest.mark.slow)])
+                                        pytest.param("ep2tp2", marks=pytest.mark.slow), "pp2ep2",
+                                        pytest.param("pp2tp2", marks=pytest.mark.slow)])
 def parallel(request, tiny_b_dir):
-    """An engine whose halves are sharded over two gloo ranks (the follower a process of its own)."""
-    sharding = start_ranks(LAYOUTS[request.param], tiny_b_dir, "cpu", timeout_s=30)
+    """An engine whose halves are sharded over two gloo ranks (the follower a process of its own), or with
+    layer ranges over two stages of two ranks each (rank 0 in both, a follower each: three processes)."""
+    ranges = STAGES.get(request.param)
+    sharding = start_ranks(LAYOUTS[request.param], tiny_b_dir, "cpu", timeout_s=30, ranges=ranges)
     tiers = Tiers(experts=request.param.partition("-")[2] or "gpu")
     try:
-        yield Engine.load(tiny_b_dir, max_context=4096, parallel=sharding, tiers=tiers), sharding
+        yield Engine.load(tiny_b_dir, max_context=4096, parallel=sharding, tiers=tiers, ranges=ranges), sharding
     finally:
         sharding.close()
 
@@ -84,15 +92,27 @@ def test_each_rank_holds_only_its_shards(parallel, tiny_b_dir):
         assert head.weight.out_features == a.vocab_size // 2 and head.out == a.vocab_size
     assert expert_range(8, 2, 1) == range(4, 8) and shard_rows(512, 2, 1) == slice(256, 512)
     assert shard_rows(96, 2, 0) is None  # not whole 32-row blocks per rank: kept whole on rank 0
-    layout = sharding.layout
-    placed = plan(PRESETS["tiny-b"], Request(half="all", gpu_memory=(GiB,) * 2, host_memory=GiB, engram="host",
-                                             experts="gpu", tp=layout.tp, ep=layout.ep))
-    weights = [sum(g.parts.get(p, 0) for p in WEIGHT_PARTS) for g in placed.gpus]
-    stored = sum(math.prod(shape) * DTYPE_SIZES[dtype] for name, (dtype, shape) in expected_tensors(a).items()
-                 if ".engram.embed." not in name)  # Engram's tables on the host tier
-    assert sharding.held[0] == sharding.held[1] > 0 and weights[1] == sharding.held[1]
-    assert weights[0] == stored - sharding.held[1]
-    assert "state" in placed.gpus[0].parts and "state" not in placed.gpus[1].parts  # followers hold no state
+    layout, pp = sharding.layout, len(sharding.stages)
+
+    def weights(pp: int, tp: int = 1, ep: int = 1) -> list[int]:
+        """The plan's weight bytes on each GPU of a layout, one GPU a rank (rank = stage x 2 + r)."""
+        placed = plan(PRESETS["tiny-b"], Request(half="all", gpu_memory=(GiB,) * pp * max(tp, ep), host_memory=GiB,
+                                                 engram="host", experts="gpu", pp=pp, tp=tp, ep=ep))
+        if tp * ep > 1:  # the stages' drivers hold the state, the followers none
+            assert [("state" in g.parts) for g in placed.gpus] == [True, False] * pp
+        return [sum(g.parts.get(p, 0) for p in WEIGHT_PARTS) for g in placed.gpus]
+
+    # each stage's two ranks hold equal halves of what is split, a follower its shards only
+    assert all(st.held[0] == st.held[1] > 0 for st in sharding.stages)
+    planned = weights(pp, layout.tp, layout.ep)
+    if pp == 1 or sharding.stages[0].layers == range(0, 6):  # the plan's stages (--pp cuts equal ranges)
+        # per stage: the follower's bytes are the plan's, and the stage's two ranks hold its tensors once
+        stage = [sum(math.prod(shape) * DTYPE_SIZES[dtype] for name, (dtype, shape) in expected_tensors(a).items()
+                     if ".engram.embed." not in name)] if pp == 1 else weights(pp)  # Engram on the host tier
+        for s, st in enumerate(sharding.stages):
+            assert planned[2 * s + 1] == st.held[1] and planned[2 * s] == stage[s] - st.held[1]
+    else:  # a cut the plan does not make: the stages' followers hold what one follower of one stage would
+        assert sum(sharding.held[1:]) == sharding.held[0] == weights(1, layout.tp, layout.ep)[1]
 
 
 def test_prefill_logits_equal_one_process(parallel, one):
@@ -123,9 +143,9 @@ def test_snapshots_move_between_a_parallel_engine_and_one_device(parallel, one):
         assert torch.equal(r.step(34, ids[34:]), whole[34:])
 
 
-# ~11 s for ep2 on 2 cores: both layouts run with the slow set
+# ~11 s for ep2 on 2 cores: every layout runs with the slow set
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ep2", "tp2"], indirect=True)
+@pytest.mark.parametrize("parallel", ["ep2", "tp2", "pp2ep2", "pp2tp2"], indirect=True)
 def test_random_step_and_rollback_sequences_equal_one_process(parallel, one):
     """Steps of 1-8 rows with junk rolled back, some sessions resumed from a snapshot, against one process's
     whole-prompt logits (window 8: the rings wrap; ratio-2 sources: rollbacks land mid-group)."""
@@ -151,7 +171,8 @@ def test_random_step_and_rollback_sequences_equal_one_process(parallel, one):
 
 
 # tp2 runs ~110 sharded linears a forward, each a round trip over the group: ~25 s a decoding on 2 cores
-@pytest.mark.parametrize("parallel", ["ep2", pytest.param("tp2", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.parametrize("parallel", ["ep2", pytest.param("tp2", marks=pytest.mark.slow), "pp2ep2",
+                                      pytest.param("pp2tp2", marks=pytest.mark.slow)], indirect=True)
 @pytest.mark.parametrize("params", [SamplingParams(), pytest.param(SamplingParams(temperature=0.7, seed=5),
                                                                    marks=pytest.mark.slow)], ids=["greedy", "seeded"])
 def test_dspark_decoding_equals_one_process(parallel, one, params):
@@ -223,9 +244,11 @@ def test_bad_layouts_are_refused_naming_the_flag():
         Layout(ep=2, tp=4)
 
 
-@pytest.mark.slow  # three processes loading tiny-b on 2 cores: ~80 s
-def test_generate_with_ep_gives_the_one_process_tokens(tiny_b_dir, tmp_path):
-    """The command starts its follower itself (a `dsflash follow` process) and stops it on the way out."""
+@pytest.mark.slow  # three or four processes loading tiny-b on 2 cores: ~80 s
+@pytest.mark.parametrize("layout", ["--ep 2", "--pp 2 --ep 2"])
+def test_generate_with_ep_gives_the_one_process_tokens(tiny_b_dir, tmp_path, layout):
+    """The command starts its followers itself (`dsflash follow` processes: one, or one a layer range) and stops
+    them on the way out."""
     prompt = tmp_path / "prompt.json"
     prompt.write_text(json.dumps([0, 5, 6, 7, 8, 9, 10, 11, 12]))
 
@@ -236,7 +259,7 @@ def test_generate_with_ep_gives_the_one_process_tokens(tiny_b_dir, tmp_path):
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.splitlines()[-1])["tokens"]
 
-    assert tokens("--ep", "2") == tokens()
+    assert tokens(*layout.split()) == tokens()
 
 
 @pytest.mark.slow  # three processes: ~15 s on 2 cores
