@@ -21,6 +21,10 @@ an ordered all-gather brings the parts back to rank 0, which puts them together.
   `w2` are row-parallel in the usual layout (their K split over ranks, partials all-reduced); here each rank
   takes the whole gathered input instead, so no fp32 sum changes order. A weight whose output count does not
   split into equal multiples of 32 rows (attention: heads or groups that do not divide) is kept whole on rank 0.
+
+With layer ranges (--pp) each range is a stage (`Stage`): its layers' shards are held by followers of its own,
+and its sharded operations run over a group of those and rank 0 (group.stage_groups), so a follower loads and
+computes only its stage's part; rank 0's `Sharding` holds the stages and goes down with a rank of any of them.
 """
 
 from __future__ import annotations
