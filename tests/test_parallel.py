@@ -33,11 +33,11 @@ from tests.conftest import partly_right_drafter
 
 LAYOUTS = {"ep2": Layout(ep=2), "tp2": Layout(tp=2), "ep2tp2": Layout(ep=2, tp=2),
            "ep2-host": Layout(ep=2), "ep2-disk": Layout(ep=2),  # --experts host / disk
-           "pp2tp2": Layout(tp=2), "pp2ep2": Layout(ep=2)}  # layer ranges, each with a follower of its own
-# the stages of the pp2 layouts (tiny-b: 12 layers, the split at 6): --pp 2's halves, a stage each (what the plan
+           "pp2tp2": Layout(tp=2), "pp2ep2": Layout(ep=2), "pp2ep2-host": Layout(ep=2)}  # layer ranges, a
+# follower each; their stages (tiny-b: 12 layers, the split at 6): --pp 2's halves, a stage each (what the plan
 # cuts); and a cut at 4, whose second stage serves both halves' models (the encoder's layers 4-5, the decoder's)
-STAGES = {"pp2tp2": [(range(0, 6), "cpu"), (range(6, 12), "cpu")],
-          "pp2ep2": [(range(0, 4), "cpu"), (range(4, 12), "cpu")]}
+HALVES = [(range(0, 6), "cpu"), (range(6, 12), "cpu")]
+STAGES = {"pp2tp2": HALVES, "pp2ep2-host": HALVES, "pp2ep2": [(range(0, 4), "cpu"), (range(4, 12), "cpu")]}
 
 
 @pytest.fixture(scope="module")
@@ -318,17 +318,26 @@ def test_split_with_a_parallel_box_equals_one_process(one, tiny_b_dir, layout):
         box.kill()
 
 
-@pytest.mark.parametrize("parallel", ["ep2-host", "ep2-disk"], indirect=True)
+@pytest.mark.parametrize("parallel", ["ep2-host", "ep2-disk", "pp2ep2-host"], indirect=True)
 def test_expert_parallel_ranks_run_their_experts_off_the_device(parallel, one):
-    """`--ep 2 --experts host|disk`: each rank keeps its range of every MoE layer in an expert store of its own
-    and runs it from a device cache of its share (4 of the 8 experts: a prefill's wide call takes two groups),
-    bit-identical to one process; the follower holds none of the checkpoint's bytes on its device."""
+    """`--ep 2 --experts host|disk` (and with `--pp 2`): each rank keeps its range of every MoE layer in an expert
+    store of its own and runs it from a device cache of its share (4 of the 8 experts: a prefill's wide call takes
+    two groups), bit-identical to one process; a follower holds none of the checkpoint's bytes on its device, and
+    every rank's cache is the plan's (rank 0 one a model range, a follower one for its stage's layers)."""
     engine, sharding = parallel
     (store,) = engine.decoder.model.expert_stores
     a = engine.args  # rank 0's ranges: experts 0-3 of each layer, 0-1 of each DSpark stage's 4
     assert store.slots == 4 and {(i < a.n_layers, e.n, e.first) for i, e in store.layers.items()} == \
         {(True, 4, 0), (False, 2, 0)}
-    assert sharding.held[1] == 0
+    assert sharding.held[1:] == [0] * len(sharding.stages)
+    pp = len(sharding.stages)
+    placed = plan(PRESETS["tiny-b"], Request(half="all", gpu_memory=(GiB,) * 2 * pp, host_memory=GiB, engram="host",
+                                             experts=store.tier, ep=2, pp=pp))
+    ranges = [rg for m in (engine.encoder.runner.model, engine.decoder.model) for rg in m.ranges]
+    for s, st in enumerate(sharding.stages):
+        mine = [rg.w.experts for rg in ranges if sharding.stage(rg.layers) is st]
+        assert placed.gpus[2 * s].parts["cache"] == sum(x.slots * x.slot_bytes for x in mine) > 0
+        assert placed.gpus[2 * s + 1].parts["cache"] == st.caches[0] == store.slots * store.slot_bytes
     rng = random.Random(7)
     ids = [rng.randrange(3, 500) for _ in range(150)]
     whole = one[1].forward(SequenceState(), torch.tensor(ids)).logits

@@ -273,6 +273,7 @@ class Stage:
         self._down = down
         self.shards: dict[str, Shard] = {}
         self.held: list[int] = []  # the checkpoint bytes each of the stage's ranks holds, once `ready`
+        self.caches: list[int] = []  # the expert-cache bytes of each follower (rank 1 on), once `ready`
 
     def _load(self, spec: dict, w: WeightLoader, rope: Rope | None = None) -> Shard:
         self._send({"load": spec})
@@ -320,13 +321,14 @@ class Stage:
     def ready(self, timeout_s: float | None) -> None:
         """Wait until the stage's followers have loaded its shards (`Sharding.ready`)."""
         self._send({"ready": len(self.shards)})
-        self.held = [sum(shard.nbytes for shard in self.shards.values())]
+        self.held, self.caches = [sum(shard.nbytes for shard in self.shards.values())], []
         for rank, control in enumerate(self.controls, 1):
             answer = self._guard(lambda c=control: c.recv(timeout_s))
             if not isinstance(answer, dict) or answer.get("loaded") != len(self.shards):
                 self._down()
                 raise RankLost(f"rank {rank} of the stage did not load its shards (it answered {answer!r})")
             self.held.append(answer["bytes"])
+            self.caches.append(answer["cache"])
 
     def run(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
         """One sharded operation: its name to the followers, its inputs broadcast, every rank's part
@@ -431,8 +433,10 @@ def follow(group: Group, control: Control, ckpt: Checkpoint, k: Kernels) -> None
                 w.experts = ExpertStore(k, ckpt, Tiers(experts=tiers["experts"], expert_cache=tiers["expert_cache"]),
                                         ckpt.args, expert_share(ckpt.args, group.world))
             shards[msg["load"]["name"]] = load_shard(msg["load"], w, group, ropes.__getitem__)
-        elif "ready" in msg:
-            control.send({"loaded": len(shards), "bytes": sum(shard.nbytes for shard in shards.values())})
+        elif "ready" in msg:  # what this rank holds: its shards' checkpoint bytes, its expert cache's
+            cache = w.experts.slots * w.experts.slot_bytes if w.experts is not None else 0
+            control.send({"loaded": len(shards), "bytes": sum(shard.nbytes for shard in shards.values()),
+                          "cache": cache})
         else:
             inputs = [group.broadcast(torch.empty(shape, dtype=getattr(torch, dtype), device=group.device))
                       for shape, dtype in msg["inputs"]]
