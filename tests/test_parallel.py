@@ -293,16 +293,19 @@ assert torch.equal(got, want), "the ep2 bench engine's logits differ from one pr
     assert result["layout"]["ep"] == 2 and result["box_step_ms"]
 
 
-@pytest.mark.slow  # a box process with its follower, and a back half: ~20 s on 2 cores
-@pytest.mark.parametrize("layout", ["--ep", "--tp"])
+@pytest.mark.slow  # a box process with its followers, and a back half: ~10-20 s on 2 cores
+@pytest.mark.parametrize("layout", ["--ep", "--tp", "--pp 2 --tp"])
 def test_split_with_a_parallel_box_equals_one_process(one, tiny_b_dir, layout):
-    """A real `dsflash box --ep 2` (or `--tp 2`) process, its follower started by the box itself, behind a
-    one-process back half: the single process's prefill logits, steps and DSpark decoding."""
+    """A real `dsflash box --ep 2` (or `--tp 2`, or `--pp 2 --tp 2`: the box's layers 0-5 as two ranges of two
+    ranks each) process, its followers started by the box itself, behind a one-process back half: the single
+    process's prefill logits, steps and DSpark decoding."""
     from dsflash.split.link import box_half
+    from tests.test_parallel_faults import followers_of
     from tests.test_split import BoxProcess, free_port
 
-    box = BoxProcess(free_port(), case=tiny_b_dir, flags=("--max-context", "4096", layout, "2")).start()
+    box = BoxProcess(free_port(), case=tiny_b_dir, flags=("--max-context", "4096", *layout.split(), "2")).start()
     try:
+        assert len(followers_of(box.proc)) == (2 if "--pp" in layout else 1)  # a follower a stage
         split = Engine.load(tiny_b_dir, encoder=box_half(f"127.0.0.1:{box.port}"), max_context=4096)
         plain = one[0]
         ids = random.Random(4).choices(range(3, 500), k=50)
@@ -313,7 +316,8 @@ def test_split_with_a_parallel_box_equals_one_process(one, tiny_b_dir, layout):
         x, y = plain.session(), split.session()
         assert list(decode(x, x.prefill(ids), 8, seeded, stop=set())) == \
             list(decode(y, y.prefill(ids), 8, seeded, stop=set(), dspark=2))
-        assert box.health()["layout"] == {"ep": 2 if layout == "--ep" else 1, "tp": 2 if layout == "--tp" else 1}
+        assert box.health()["layout"] == {"ep": 2 if layout.endswith("--ep") else 1,
+                                          "tp": 2 if layout.endswith("--tp") else 1}
     finally:
         box.kill()
 

@@ -88,11 +88,16 @@ def test_a_lost_rank_of_the_second_stage_takes_every_stage_down(tiny_b_dir, layo
         sharding.close()
 
 
-def follower_of(proc) -> int:
-    """The pid of the one `dsflash follow` process a command (`proc`, rank 0) started."""
+def followers_of(proc) -> list[int]:
+    """The pids of the `dsflash follow` processes a command (`proc`, rank 0) started."""
     pids = [int(p) for task in Path(f"/proc/{proc.pid}/task").iterdir()
             for p in (task / "children").read_text().split()]
-    (pid,) = [p for p in pids if b"follow" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [p for p in pids if b"follow" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def follower_of(proc) -> int:
+    """The pid of the one `dsflash follow` process a command (`proc`, rank 0) started."""
+    (pid,) = followers_of(proc)
     return pid
 
 
