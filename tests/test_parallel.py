@@ -1,8 +1,10 @@
 """Expert and tensor parallelism over gloo (docs/parallel.md): two real ranks, the follower a `dsflash follow`
 process that rank 0 (this test process) starts, give one process's bits on tiny-b (prefill logits, random step
-and rollback sequences, DSpark decoding), and `dsflash generate --ep 2` the one-process tokens. Lost ranks:
+and rollback sequences, DSpark decoding), also with layer ranges (--pp 2: two stages, a follower each), and
+`dsflash generate --ep 2` (and `--pp 2 --ep 2`) the one-process tokens. Lost ranks:
 tests/test_parallel_faults.py (a process belongs to one group at a time)."""
 
+import argparse
 import json
 import math
 import os
@@ -242,6 +244,20 @@ def test_bad_layouts_are_refused_naming_the_flag():
         Layout(ep=0)
     with pytest.raises(ConfigError, match="--ep 2 with --tp 4"):
         Layout(ep=2, tp=4)
+
+
+def test_layer_ranges_with_ranks_under_torchrun_are_refused_on_every_rank(monkeypatch, tiny_b_dir):
+    """torchrun numbers its processes for one stage: `--pp 2 --tp 2` there is refused in one line naming the
+    flags, on rank 0 and on a follower alike (none is left waiting for a group that never forms)."""
+    from dsflash.engine.plan import PlacementError
+    from dsflash.engine.ranks import run_ranked
+
+    args = argparse.Namespace(pp=2, tp=2, ep=1, device="cpu", gpus=None)
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "3")
+        with pytest.raises(PlacementError, match=r"^--pp 2 with --ep 1 --tp 2 under torchrun: "):
+            run_ranked(args, tiny_b_dir, "all", lambda parallel: 0)
 
 
 @pytest.mark.slow  # three or four processes loading tiny-b on 2 cores: ~80 s
