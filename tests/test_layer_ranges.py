@@ -289,6 +289,11 @@ def test_generate_runs_layer_ranges(tmp_path, capsys):
     ("--device cpu --pp 4", "--pp 4: the 6 layers 0-5 do not divide into 4 equal ranges"),
     ("--device cuda --gpu-memory 8GiB --gpus 0,99 --pp 2", "--gpus 0,99: "),  # + "GPU 99 not on this machine"
     ("--device cuda --gpu-memory 8GiB --gpus 0 --pp 2", "--gpus 0: 1 GPU(s) for --pp 2 layer ranges"),
+    # with ranks: one GPU a rank of each range, consecutive from --device (ranks.follower_device), before any starts
+    ("--device cuda --gpu-memory 8GiB --gpus 2 --pp 2 --tp 2", "--gpus 0,1: 2 GPU(s) for --pp 2 x --ep 1 --tp 2 "
+     "ranks"),
+    ("--device cuda --gpu-memory 8GiB --gpus 0,1,3,4 --pp 2 --ep 2", "--gpus 0,1,3,4: ranks run on consecutive GPUs "
+     "from --device cuda (--device cuda:0 --gpus 4 for these)"),
 ])
 def test_bad_layer_ranges_are_refused_in_one_line(flags, line, tmp_path, capsys):
     prompt_file = tmp_path / "p.json"

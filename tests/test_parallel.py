@@ -1,8 +1,10 @@
 """Expert and tensor parallelism over gloo (docs/parallel.md): two real ranks, the follower a `dsflash follow`
 process that rank 0 (this test process) starts, give one process's bits on tiny-b (prefill logits, random step
-and rollback sequences, DSpark decoding), and `dsflash generate --ep 2` the one-process tokens. Lost ranks:
+and rollback sequences, DSpark decoding), also with layer ranges (--pp 2: two stages, a follower each), and
+`dsflash generate --ep 2` (and `--pp 2 --ep 2`) the one-process tokens. Lost ranks:
 tests/test_parallel_faults.py (a process belongs to one group at a time)."""
 
+import argparse
 import json
 import math
 import os
@@ -32,7 +34,12 @@ from dsflash.model.tiers import Tiers
 from tests.conftest import partly_right_drafter
 
 LAYOUTS = {"ep2": Layout(ep=2), "tp2": Layout(tp=2), "ep2tp2": Layout(ep=2, tp=2),
-           "ep2-host": Layout(ep=2), "ep2-disk": Layout(ep=2)}  # the last two: --experts host / disk
+           "ep2-host": Layout(ep=2), "ep2-disk": Layout(ep=2),  # --experts host / disk
+           "pp2tp2": Layout(tp=2), "pp2ep2": Layout(ep=2), "pp2ep2-host": Layout(ep=2)}  # layer ranges, a
+# follower each; their stages (tiny-b: 12 layers, the split at 6): --pp 2's halves, a stage each (what the plan
+# cuts); and a cut at 4, whose second stage serves both halves' models (the encoder's layers 4-5, the decoder's)
+HALVES = [(range(0, 6), "cpu"), (range(6, 12), "cpu")]
+STAGES = {"pp2tp2": HALVES, "pp2ep2-host": HALVES, "pp2ep2": [(range(0, 4), "cpu"), (range(4, 12), "cpu")]}
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +56,18 @@ def one(tiny_b_dir):
 
 
 # tp2's forwards broadcast the attended rows and gather heads at every layer: ~20 s a test on 2 cores, so its
-# cases (and ep2tp2's) run with the slow set; ep2 keeps the layouts' default coverage
+# cases (and ep2tp2's, pp2tp2's) run with the slow set; ep2 and pp2ep2 keep the layouts' default coverage
 @pytest.fixture(scope="module", params=["ep2", pytest.param("tp2", marks=pytest.mark.slow),
-                                        pytest.param("ep2tp2", marks=pytest.mark.slow)])
+                                        pytest.param("ep2tp2", marks=pytest.mark.slow), "pp2ep2",
+                                        pytest.param("pp2tp2", marks=pytest.mark.slow)])
 def parallel(request, tiny_b_dir):
-    """An engine whose halves are sharded over two gloo ranks (the follower a process of its own)."""
-    sharding = start_ranks(LAYOUTS[request.param], tiny_b_dir, "cpu", timeout_s=30)
+    """An engine whose halves are sharded over two gloo ranks (the follower a process of its own), or with
+    layer ranges over two stages of two ranks each (rank 0 in both, a follower each: three processes)."""
+    ranges = STAGES.get(request.param)
+    sharding = start_ranks(LAYOUTS[request.param], tiny_b_dir, "cpu", timeout_s=30, ranges=ranges)
     tiers = Tiers(experts=request.param.partition("-")[2] or "gpu")
     try:
-        yield Engine.load(tiny_b_dir, max_context=4096, parallel=sharding, tiers=tiers), sharding
+        yield Engine.load(tiny_b_dir, max_context=4096, parallel=sharding, tiers=tiers, ranges=ranges), sharding
     finally:
         sharding.close()
 
@@ -84,15 +94,27 @@ def test_each_rank_holds_only_its_shards(parallel, tiny_b_dir):
         assert head.weight.out_features == a.vocab_size // 2 and head.out == a.vocab_size
     assert expert_range(8, 2, 1) == range(4, 8) and shard_rows(512, 2, 1) == slice(256, 512)
     assert shard_rows(96, 2, 0) is None  # not whole 32-row blocks per rank: kept whole on rank 0
-    layout = sharding.layout
-    placed = plan(PRESETS["tiny-b"], Request(half="all", gpu_memory=(GiB,) * 2, host_memory=GiB, engram="host",
-                                             experts="gpu", tp=layout.tp, ep=layout.ep))
-    weights = [sum(g.parts.get(p, 0) for p in WEIGHT_PARTS) for g in placed.gpus]
-    stored = sum(math.prod(shape) * DTYPE_SIZES[dtype] for name, (dtype, shape) in expected_tensors(a).items()
-                 if ".engram.embed." not in name)  # Engram's tables on the host tier
-    assert sharding.held[0] == sharding.held[1] > 0 and weights[1] == sharding.held[1]
-    assert weights[0] == stored - sharding.held[1]
-    assert "state" in placed.gpus[0].parts and "state" not in placed.gpus[1].parts  # followers hold no state
+    layout, pp = sharding.layout, len(sharding.stages)
+
+    def weights(pp: int, tp: int = 1, ep: int = 1) -> list[int]:
+        """The plan's weight bytes on each GPU of a layout, one GPU a rank (rank = stage x 2 + r)."""
+        placed = plan(PRESETS["tiny-b"], Request(half="all", gpu_memory=(GiB,) * pp * max(tp, ep), host_memory=GiB,
+                                                 engram="host", experts="gpu", pp=pp, tp=tp, ep=ep))
+        if tp * ep > 1:  # the stages' drivers hold the state, the followers none
+            assert [("state" in g.parts) for g in placed.gpus] == [True, False] * pp
+        return [sum(g.parts.get(p, 0) for p in WEIGHT_PARTS) for g in placed.gpus]
+
+    # each stage's two ranks hold equal halves of what is split, a follower its shards only
+    assert all(st.held[0] == st.held[1] > 0 for st in sharding.stages)
+    planned = weights(pp, layout.tp, layout.ep)
+    if pp == 1 or sharding.stages[0].layers == range(0, 6):  # the plan's stages (--pp cuts equal ranges)
+        # per stage: the follower's bytes are the plan's, and the stage's two ranks hold its tensors once
+        stage = [sum(math.prod(shape) * DTYPE_SIZES[dtype] for name, (dtype, shape) in expected_tensors(a).items()
+                     if ".engram.embed." not in name)] if pp == 1 else weights(pp)  # Engram on the host tier
+        for s, st in enumerate(sharding.stages):
+            assert planned[2 * s + 1] == st.held[1] and planned[2 * s] == stage[s] - st.held[1]
+    else:  # a cut the plan does not make: the stages' followers hold what one follower of one stage would
+        assert sum(sharding.held[1:]) == sharding.held[0] == weights(1, layout.tp, layout.ep)[1]
 
 
 def test_prefill_logits_equal_one_process(parallel, one):
@@ -123,9 +145,9 @@ def test_snapshots_move_between_a_parallel_engine_and_one_device(parallel, one):
         assert torch.equal(r.step(34, ids[34:]), whole[34:])
 
 
-# ~11 s for ep2 on 2 cores: both layouts run with the slow set
+# ~11 s for ep2 on 2 cores: every layout runs with the slow set
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ep2", "tp2"], indirect=True)
+@pytest.mark.parametrize("parallel", ["ep2", "tp2", "pp2ep2", "pp2tp2"], indirect=True)
 def test_random_step_and_rollback_sequences_equal_one_process(parallel, one):
     """Steps of 1-8 rows with junk rolled back, some sessions resumed from a snapshot, against one process's
     whole-prompt logits (window 8: the rings wrap; ratio-2 sources: rollbacks land mid-group)."""
@@ -151,7 +173,8 @@ def test_random_step_and_rollback_sequences_equal_one_process(parallel, one):
 
 
 # tp2 runs ~110 sharded linears a forward, each a round trip over the group: ~25 s a decoding on 2 cores
-@pytest.mark.parametrize("parallel", ["ep2", pytest.param("tp2", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.parametrize("parallel", ["ep2", pytest.param("tp2", marks=pytest.mark.slow), "pp2ep2",
+                                      pytest.param("pp2tp2", marks=pytest.mark.slow)], indirect=True)
 @pytest.mark.parametrize("params", [SamplingParams(), pytest.param(SamplingParams(temperature=0.7, seed=5),
                                                                    marks=pytest.mark.slow)], ids=["greedy", "seeded"])
 def test_dspark_decoding_equals_one_process(parallel, one, params):
@@ -223,9 +246,25 @@ def test_bad_layouts_are_refused_naming_the_flag():
         Layout(ep=2, tp=4)
 
 
-@pytest.mark.slow  # three processes loading tiny-b on 2 cores: ~80 s
-def test_generate_with_ep_gives_the_one_process_tokens(tiny_b_dir, tmp_path):
-    """The command starts its follower itself (a `dsflash follow` process) and stops it on the way out."""
+def test_layer_ranges_with_ranks_under_torchrun_are_refused_on_every_rank(monkeypatch, tiny_b_dir):
+    """torchrun numbers its processes for one stage: `--pp 2 --tp 2` there is refused in one line naming the
+    flags, on rank 0 and on a follower alike (none is left waiting for a group that never forms)."""
+    from dsflash.engine.plan import PlacementError
+    from dsflash.engine.ranks import run_ranked
+
+    args = argparse.Namespace(pp=2, tp=2, ep=1, device="cpu", gpus=None)
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "3")
+        with pytest.raises(PlacementError, match=r"^--pp 2 with --ep 1 --tp 2 under torchrun: "):
+            run_ranked(args, tiny_b_dir, "all", lambda parallel: 0)
+
+
+@pytest.mark.slow  # three or four processes loading tiny-b on 2 cores: ~80 s
+@pytest.mark.parametrize("layout", ["--ep 2", "--pp 2 --ep 2"])
+def test_generate_with_ep_gives_the_one_process_tokens(tiny_b_dir, tmp_path, layout):
+    """The command starts its followers itself (`dsflash follow` processes: one, or one a layer range) and stops
+    them on the way out."""
     prompt = tmp_path / "prompt.json"
     prompt.write_text(json.dumps([0, 5, 6, 7, 8, 9, 10, 11, 12]))
 
@@ -236,7 +275,7 @@ def test_generate_with_ep_gives_the_one_process_tokens(tiny_b_dir, tmp_path):
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.splitlines()[-1])["tokens"]
 
-    assert tokens("--ep", "2") == tokens()
+    assert tokens(*layout.split()) == tokens()
 
 
 @pytest.mark.slow  # three processes: ~15 s on 2 cores
@@ -270,16 +309,19 @@ assert torch.equal(got, want), "the ep2 bench engine's logits differ from one pr
     assert result["layout"]["ep"] == 2 and result["box_step_ms"]
 
 
-@pytest.mark.slow  # a box process with its follower, and a back half: ~20 s on 2 cores
-@pytest.mark.parametrize("layout", ["--ep", "--tp"])
+@pytest.mark.slow  # a box process with its followers, and a back half: ~10-20 s on 2 cores
+@pytest.mark.parametrize("layout", ["--ep", "--tp", "--pp 2 --tp"])
 def test_split_with_a_parallel_box_equals_one_process(one, tiny_b_dir, layout):
-    """A real `dsflash box --ep 2` (or `--tp 2`) process, its follower started by the box itself, behind a
-    one-process back half: the single process's prefill logits, steps and DSpark decoding."""
+    """A real `dsflash box --ep 2` (or `--tp 2`, or `--pp 2 --tp 2`: the box's layers 0-5 as two ranges of two
+    ranks each) process, its followers started by the box itself, behind a one-process back half: the single
+    process's prefill logits, steps and DSpark decoding."""
     from dsflash.split.link import box_half
+    from tests.test_parallel_faults import followers_of
     from tests.test_split import BoxProcess, free_port
 
-    box = BoxProcess(free_port(), case=tiny_b_dir, flags=("--max-context", "4096", layout, "2")).start()
+    box = BoxProcess(free_port(), case=tiny_b_dir, flags=("--max-context", "4096", *layout.split(), "2")).start()
     try:
+        assert len(followers_of(box.proc)) == (2 if "--pp" in layout else 1)  # a follower a stage
         split = Engine.load(tiny_b_dir, encoder=box_half(f"127.0.0.1:{box.port}"), max_context=4096)
         plain = one[0]
         ids = random.Random(4).choices(range(3, 500), k=50)
@@ -290,22 +332,32 @@ def test_split_with_a_parallel_box_equals_one_process(one, tiny_b_dir, layout):
         x, y = plain.session(), split.session()
         assert list(decode(x, x.prefill(ids), 8, seeded, stop=set())) == \
             list(decode(y, y.prefill(ids), 8, seeded, stop=set(), dspark=2))
-        assert box.health()["layout"] == {"ep": 2 if layout == "--ep" else 1, "tp": 2 if layout == "--tp" else 1}
+        assert box.health()["layout"] == {"ep": 2 if layout.endswith("--ep") else 1,
+                                          "tp": 2 if layout.endswith("--tp") else 1}
     finally:
         box.kill()
 
 
-@pytest.mark.parametrize("parallel", ["ep2-host", "ep2-disk"], indirect=True)
+@pytest.mark.parametrize("parallel", ["ep2-host", "ep2-disk", "pp2ep2-host"], indirect=True)
 def test_expert_parallel_ranks_run_their_experts_off_the_device(parallel, one):
-    """`--ep 2 --experts host|disk`: each rank keeps its range of every MoE layer in an expert store of its own
-    and runs it from a device cache of its share (4 of the 8 experts: a prefill's wide call takes two groups),
-    bit-identical to one process; the follower holds none of the checkpoint's bytes on its device."""
+    """`--ep 2 --experts host|disk` (and with `--pp 2`): each rank keeps its range of every MoE layer in an expert
+    store of its own and runs it from a device cache of its share (4 of the 8 experts: a prefill's wide call takes
+    two groups), bit-identical to one process; a follower holds none of the checkpoint's bytes on its device, and
+    every rank's cache is the plan's (rank 0 one a model range, a follower one for its stage's layers)."""
     engine, sharding = parallel
     (store,) = engine.decoder.model.expert_stores
     a = engine.args  # rank 0's ranges: experts 0-3 of each layer, 0-1 of each DSpark stage's 4
     assert store.slots == 4 and {(i < a.n_layers, e.n, e.first) for i, e in store.layers.items()} == \
         {(True, 4, 0), (False, 2, 0)}
-    assert sharding.held[1] == 0
+    assert sharding.held[1:] == [0] * len(sharding.stages)
+    pp = len(sharding.stages)
+    placed = plan(PRESETS["tiny-b"], Request(half="all", gpu_memory=(GiB,) * 2 * pp, host_memory=GiB, engram="host",
+                                             experts=store.tier, ep=2, pp=pp))
+    ranges = [rg for m in (engine.encoder.runner.model, engine.decoder.model) for rg in m.ranges]
+    for s, st in enumerate(sharding.stages):
+        mine = [rg.w.experts for rg in ranges if sharding.stage(rg.layers) is st]
+        assert placed.gpus[2 * s].parts["cache"] == sum(x.slots * x.slot_bytes for x in mine) > 0
+        assert placed.gpus[2 * s + 1].parts["cache"] == st.caches[0] == store.slots * store.slot_bytes
     rng = random.Random(7)
     ids = [rng.randrange(3, 500) for _ in range(150)]
     whole = one[1].forward(SequenceState(), torch.tensor(ids)).logits

@@ -61,11 +61,43 @@ def test_a_lost_rank_gives_the_retryable_error_not_a_hang(tiny_b_dir, how):
         sharding.close()
 
 
-def follower_of(proc) -> int:
-    """The pid of the one `dsflash follow` process a command (`proc`, rank 0) started."""
+@pytest.mark.parametrize("layout", [Layout(ep=2), Layout(tp=2)], ids=["pp2ep2", "pp2tp2"])
+def test_a_lost_rank_of_the_second_stage_takes_every_stage_down(tiny_b_dir, layout):
+    """Layer ranges with ranks (--pp 2 --ep 2 / --tp 2): the second stage's follower killed, the next forward
+    fails there with RankLost (an Unavailable) at once, the first stage is down too (every later call raises at
+    once) and its follower is stopped: no rank is left waiting on a collective."""
+    ranges = [(range(0, 6), "cpu"), (range(6, 12), "cpu")]
+    sharding = start_ranks(layout, tiny_b_dir, "cpu", timeout_s=4.0, ranges=ranges)
+    try:
+        engine = Engine.load(tiny_b_dir, max_context=4096, parallel=sharding, ranges=ranges)
+        s = engine.session()
+        s.prefill(list(range(3, 30)))
+        first, second = sharding.stop_followers.procs
+        os.kill(second.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RankLost) as lost:
+            s.step(27, [5])
+        assert isinstance(lost.value, Unavailable) and time.monotonic() - t0 < 10
+        assert all(st.group.lost for st in sharding.stages) and sharding.lost
+        t0 = time.monotonic()
+        with pytest.raises(RankLost, match="down"):
+            engine.session().prefill([1, 2, 3])  # the first stage's first operation
+        assert time.monotonic() - t0 < 1
+        assert first.wait(10) is not None and second.wait(10) is not None
+    finally:
+        sharding.close()
+
+
+def followers_of(proc) -> list[int]:
+    """The pids of the `dsflash follow` processes a command (`proc`, rank 0) started."""
     pids = [int(p) for task in Path(f"/proc/{proc.pid}/task").iterdir()
             for p in (task / "children").read_text().split()]
-    (pid,) = [p for p in pids if b"follow" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [p for p in pids if b"follow" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def follower_of(proc) -> int:
+    """The pid of the one `dsflash follow` process a command (`proc`, rank 0) started."""
+    (pid,) = followers_of(proc)
     return pid
 
 

@@ -209,9 +209,9 @@ def test_runs_this_build_cannot_do_are_refused_with_the_plan_pointer(tmp_path, c
     assert main(["box", "--model", str(ckpt), "--device", "cpu", "--gpus", "2"]) == 2
     assert "--gpus 2: the CPU backend has one device" in capsys.readouterr().err
     assert main(["box", "--model", str(ckpt), "--device", "cpu",
-                 "--pp", "2", "--tp", "2"]) == 1  # before a rank starts
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "dsflash box: --pp 2 with --ep 1 --tp 2: a half " \
-        "runs either layer ranges in one process or ranks of the whole layer stack (drop --pp, or --ep/--tp)"
+                 "--pp", "2", "--tp", "2"]) == 1  # before a rank starts: the box's 3 layers do not divide
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "dsflash box: --pp 2: the 3 layers 0-2 do not " \
+        "divide into 2 equal ranges"
 
 
 def test_cpu_backend_defaults_to_resident_tiers():

@@ -355,7 +355,7 @@ def run(ns: argparse.Namespace) -> int:
                    "devices": sorted({dev for _, dev in ranges or [(None, ns.device)]})}
     layout = Layout(ns.ep, ns.tp)
     parallel = None if layout.world == 1 else start_ranks(layout, None, ns.device, source=[
-        "--synthetic", synthetic_spec(ns.preset, ns.experts)])
+        "--synthetic", synthetic_spec(ns.preset, ns.experts)], ranges=ranges)
     try:
         return _measure(ns, r, args, build_engine(args, ns.device, cuda_graphs=not ns.eager, ranges=ranges,
                                                   parallel=parallel))

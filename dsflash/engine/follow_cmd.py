@@ -16,7 +16,7 @@ def run(args: argparse.Namespace) -> int:
 
         model = SyntheticCheckpoint(synthetic_args(args.synthetic), args.device)
     return follow_rank(model, args.rank, args.world, args.device, (args.addr, args.control_port),
-                       (args.addr, args.port), args.timeout)
+                       (args.addr, args.port), args.timeout, args.stages)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--synthetic", metavar="PRESET[:EXPERTS]", help="a bench's synthetic checkpoint (dsflash bench)")
     p.add_argument("--rank", type=int, required=True, help="this rank (1 .. world-1)")
-    p.add_argument("--world", type=int, required=True, help="the group's rank count")
+    p.add_argument("--world", type=int, required=True, help="the rank count of every stage together")
+    p.add_argument("--stages", type=int, default=1, help="the layer ranges (--pp), each with followers of its own")
     p.add_argument("--addr", required=True, help="rank 0's host")
     p.add_argument("--port", type=int, required=True, help="the group's store port")
     p.add_argument("--control-port", type=int, required=True, help="rank 0's control port")

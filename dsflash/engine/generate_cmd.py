@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         args.model = builtin_checkpoint()
         print(f"dsflash generate: no --model given, using the built-in tiny checkpoint at {args.model}",
               file=sys.stderr)
-    return run_ranked(args, args.model, lambda parallel: generate(args, parallel))
+    return run_ranked(args, args.model, "back" if args.box else "all", lambda parallel: generate(args, parallel))
 
 
 def generate(args: argparse.Namespace, parallel: Sharding | None) -> int:

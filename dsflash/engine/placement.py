@@ -156,41 +156,38 @@ def tiers_from(args: argparse.Namespace, placed: Plan | None = None) -> Tiers:
     return Tiers(args.engram or "gpu", args.experts or "gpu", args.expert_cache, args.engram_cache)
 
 
-def check_layout(args: argparse.Namespace) -> int:
-    """The number of ranks of --ep and --tp (the same ranks when both are given: model/parallel.py Layout);
-    PlacementError when they come with --pp layer ranges (a half runs one or the other in this build)."""
-    ranks = max(args.tp, args.ep)
-    if args.pp != 1 and ranks != 1:
-        raise PlacementError(f"--pp {args.pp} with --ep {args.ep} --tp {args.tp}: a half runs either layer ranges "
-                             "in one process or ranks of the whole layer stack (drop --pp, or --ep/--tp)")
-    return ranks
+def stage_ranks(args: argparse.Namespace) -> int:
+    """The number of ranks a layer range runs on: max(--ep, --tp) (the same ranks when both are given:
+    model/parallel.py Layout; with --pp each range has its own, rank 0 among them)."""
+    return max(args.tp, args.ep)
 
 
 def check_gpus(args: argparse.Namespace) -> None:
-    """PlacementError naming the flag when the layout (check_layout) and --gpus disagree on a CUDA backend:
-    one GPU a layer range or a rank, the ranks' GPUs consecutive from --device, every GPU present."""
-    ranks = check_layout(args)
+    """PlacementError naming the flag when the layout (stage_ranks) and --gpus disagree on a CUDA backend:
+    one GPU a layer range and a rank (--pp x max(--tp, --ep)), the ranks' GPUs consecutive from --device,
+    every GPU present."""
+    ranks = stage_ranks(args)
     if not str(getattr(args, "device", "cpu")).startswith("cuda"):
         return
     ids = gpu_ids(args)
     # the ranks' processes take consecutive GPUs from the command's device (ranks.follower_device)
     want, what = ((args.pp, f"--pp {args.pp} layer ranges") if ranks == 1 else
-                  (ranks, f"--ep {args.ep} --tp {args.tp} ranks"))
+                  (ranks, f"--ep {args.ep} --tp {args.tp} ranks") if args.pp == 1 else
+                  (args.pp * ranks, f"--pp {args.pp} x --ep {args.ep} --tp {args.tp} ranks"))
     if len(ids) != want:
         raise PlacementError(f"--gpus {','.join(map(str, ids))}: {len(ids)} GPU(s) for {what} (one GPU "
                              f"each; `dsflash plan --gpus {len(ids)}` shows a greedy layout)")
     first = int(str(args.device).partition(":")[2] or 0)
-    if ranks != 1 and ids != tuple(range(first, first + ranks)):
+    if ranks != 1 and ids != tuple(range(first, first + want)):
         raise PlacementError(f"--gpus {','.join(map(str, ids))}: ranks run on consecutive GPUs from --device "
-                             f"{args.device} (--device cuda:{ids[0]} --gpus {ranks} for these)")
+                             f"{args.device} (--device cuda:{ids[0]} --gpus {want} for these)")
     check_present(ids)
 
 
 def checked_plan(command: str, args: argparse.Namespace, model_dir: str | Path, half: str) -> Plan:
     """The plan for a command about to load `half` of the checkpoint at `model_dir`, printed to stderr;
-    PlacementError (one line: the shortfall and the flag that fixes it) when it does not fit or when it asks
-    for a layout this build cannot run (layer ranges together with ranks: one or the other per half).
-    Reads headers only."""
+    PlacementError (one line: the shortfall and the flag that fixes it) when it does not fit or when its
+    layout and --gpus disagree. Reads headers only."""
     check_gpus(args)
     backend = "cuda" if str(getattr(args, "device", "cpu")).startswith("cuda") else "cpu"
     placed = plan_from(args, Checkpoint(model_dir), half, backend)
@@ -205,11 +202,13 @@ def layer_devices(args: argparse.Namespace, model: str | Path | ModelArgs, half:
                   ) -> list[tuple[range, str]] | None:
     """The layer ranges of --pp over the devices of --gpus (model/transformer.py `Transformer(ranges=)`) for
     `half` of the model (a checkpoint directory or its config); None for one range on the command's device.
-    On the CPU backend every range is on `cpu` (the same code, one device)."""
+    With ranks (--ep/--tp) range s is on the first GPU of its stage's (every max(--ep, --tp)-th: the plan's
+    numbering, the stage's followers on the next). On the CPU backend every range is on `cpu` (the same code,
+    one device)."""
     if args.pp == 1:
         return None
     config = model if isinstance(model, ModelArgs) else load_config(Path(model))
     ranges = layer_ranges(half_layers(config, half), args.pp)
     if not str(getattr(args, "device", "cpu")).startswith("cuda"):
         return [(r, "cpu") for r in ranges]
-    return [(r, f"cuda:{i}") for r, i in zip(ranges, gpu_ids(args), strict=True)]
+    return [(r, f"cuda:{i}") for r, i in zip(ranges, gpu_ids(args)[::stage_ranks(args)], strict=True)]

@@ -624,8 +624,12 @@ def _place_ranks(args: ModelArgs, infos: dict[str, tuple[str, tuple[int, ...]]],
         for r in range(req.world):
             rank(s, r).add("workspace", CPU_WORKSPACE if cpu else GPU_WORKSPACE)
             rank(s, r).layers = sorted({*rank(s, r).layers, *layers})
-            if r == 0 or req.ep > 1:
+            # rank 0 keeps a store a model range (each half's among the stage's layers: `_caches`), an
+            # expert-parallel follower one for all of its stage's (model/parallel.follow)
+            if r == 0:
                 rank(s, r).add("cache", cache * _caches(args, list(layers)))
+            elif req.ep > 1:
+                rank(s, r).add("cache", cache)
         rank(s).add("workspace", index_scratch(args, list(layers), req.context, req.backend))
     host.add("reserve", HOST_RESERVE)
     if "engram" in disk.parts:

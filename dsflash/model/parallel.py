@@ -21,6 +21,10 @@ an ordered all-gather brings the parts back to rank 0, which puts them together.
   `w2` are row-parallel in the usual layout (their K split over ranks, partials all-reduced); here each rank
   takes the whole gathered input instead, so no fp32 sum changes order. A weight whose output count does not
   split into equal multiples of 32 rows (attention: heads or groups that do not divide) is kept whole on rank 0.
+
+With layer ranges (--pp) each range is a stage (`Stage`): its layers' shards are held by followers of its own,
+and its sharded operations run over a group of those and rank 0 (group.stage_groups), so a follower loads and
+computes only its stage's part; rank 0's `Sharding` holds the stages and goes down with a rank of any of them.
 """
 
 from __future__ import annotations
@@ -257,17 +261,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class Sharding:
-    """Rank 0's side of a parallel layout: the group, a control line per follower, the shards it holds and
-    registers with the followers as the model loads (`linear_weight`, `experts`), and `run`, one sharded
-    operation over the group. Once a rank is lost every later call raises `RankLost`."""
+class Stage:
+    """Rank 0's side of one stage (a layer range, or the whole half): the stage's group -- rank 0 and the
+    followers holding this range's shards -- a control line per follower, the shards rank 0 holds and
+    registers with the followers as the range's layers load (`linear_weight`, `attention`, `experts`: the
+    loader's `Shards`), and `run`, one sharded operation over the group. `down()`: the whole layout's loss."""
 
-    def __init__(self, layout: Layout, group: Group, controls: Sequence[Control],
-                 stop_followers: Callable[[bool], None] = lambda graceful: None):
-        self.layout, self.group, self.controls = layout, group, list(controls)
-        self.stop_followers = stop_followers  # (graceful) -> None: the processes rank 0 started, if any
+    def __init__(self, layout: Layout, layers: range | None, group: Group, controls: Sequence[Control],
+                 down: Callable[[], None]):
+        self.layout, self.layers, self.group, self.controls = layout, layers, group, list(controls)
+        self._down = down
         self.shards: dict[str, Shard] = {}
-        self.held: list[int] = []  # the checkpoint bytes each rank's shards hold, once `ready`
+        self.held: list[int] = []  # the checkpoint bytes each of the stage's ranks holds, once `ready`
+        self.caches: list[int] = []  # the expert-cache bytes of each follower (rank 1 on), once `ready`
 
     def _load(self, spec: dict, w: WeightLoader, rope: Rope | None = None) -> Shard:
         self._send({"load": spec})
@@ -312,22 +318,17 @@ class Sharding:
 
         return replace(k, linear=linear)
 
-    @property
-    def lost(self) -> str | None:
-        """Why the group went down (a rank was lost), or None while it is up: a health check's answer."""
-        return self.group.lost
-
-    def ready(self, timeout_s: float | None = None) -> None:
-        """Wait until every follower has loaded its shards (a follower's load error surfaces here); each
-        says the checkpoint bytes it holds (`held`, by rank: rank 0's shards first)."""
+    def ready(self, timeout_s: float | None) -> None:
+        """Wait until the stage's followers have loaded its shards (`Sharding.ready`)."""
         self._send({"ready": len(self.shards)})
-        self.held = [sum(shard.nbytes for shard in self.shards.values())]
+        self.held, self.caches = [sum(shard.nbytes for shard in self.shards.values())], []
         for rank, control in enumerate(self.controls, 1):
             answer = self._guard(lambda c=control: c.recv(timeout_s))
             if not isinstance(answer, dict) or answer.get("loaded") != len(self.shards):
                 self._down()
-                raise RankLost(f"rank {rank} did not load its shards (it answered {answer!r})")
+                raise RankLost(f"rank {rank} of the stage did not load its shards (it answered {answer!r})")
             self.held.append(answer["bytes"])
+            self.caches.append(answer["cache"])
 
     def run(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
         """One sharded operation: its name to the followers, its inputs broadcast, every rank's part
@@ -353,20 +354,70 @@ class Sharding:
             self._down()
             raise
 
+
+class Sharding:
+    """Rank 0's side of a parallel layout: its world (every rank of every stage), one `Stage` per layer range
+    (rank 0 is in every stage's group; each follower in one), and the layout's health. A rank lost in any
+    stage takes the whole layout down: every stage's later calls raise `RankLost`. `stages`: (layers or None
+    for the whole half, the stage's group, its followers' control lines), in layer order."""
+
+    def __init__(self, layout: Layout, world: Group, stages: Sequence[tuple[range | None, Group, Sequence[Control]]],
+                 stop_followers: Callable[[bool], None] = lambda graceful: None):
+        self.layout, self.world = layout, world
+        self.stop_followers = stop_followers  # (graceful) -> None: the processes rank 0 started, if any
+        self.stages = [Stage(layout, layers, group, controls, self._down) for layers, group, controls in stages]
+
+    def stage(self, layers: range) -> Stage:
+        """The stage whose ranks serve `layers` (a model's layer range, within one stage's)."""
+        for st in self.stages:
+            if st.layers is None or (layers.start in st.layers and layers[-1] in st.layers):
+                return st
+        raise ValueError(f"layers {layers.start}-{layers[-1]} are not within one stage of the layout "
+                         f"({', '.join(f'{st.layers.start}-{st.layers[-1]}' for st in self.stages)})")
+
+    @property
+    def shards(self) -> dict[str, Shard]:
+        """Every shard rank 0 holds, by name, over the stages."""
+        return {name: shard for st in self.stages for name, shard in st.shards.items()}
+
+    @property
+    def held(self) -> list[int]:
+        """The checkpoint bytes each rank holds, once `ready`: rank 0's (every stage's part), then each
+        follower's, in rank order."""
+        return [sum(st.held[0] for st in self.stages), *(n for st in self.stages for n in st.held[1:])]
+
+    @property
+    def lost(self) -> str | None:
+        """Why the layout went down (a rank was lost), or None while it is up: a health check's answer."""
+        return next((st.group.lost for st in self.stages if st.group.lost is not None), None)
+
+    def ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every follower has loaded its shards (a follower's load error surfaces here); each
+        says the checkpoint bytes it holds (`held`; `Stage.held` by stage)."""
+        for st in self.stages:
+            st.ready(timeout_s)
+
     def _down(self) -> None:
-        """A rank is lost: the group's other ranks are stopped too (no rank waits on a collective forever)."""
-        if self.group.lost is None:
-            self.group.lost = "a rank was lost"
-        for control in self.controls:
-            control.close()
+        """A rank is lost: every stage is down, the other ranks stopped too (no rank waits on a collective
+        forever)."""
+        why = self.lost or "a rank was lost"
+        for st in self.stages:
+            if st.group.lost is None:
+                st.group.lost = why
+            for control in st.controls:
+                control.close()
         self.stop_followers(False)
 
     def close(self) -> None:
-        """Followers see their control line close and exit; then the group is taken down."""
-        for control in self.controls:
-            control.close()
-        self.stop_followers(self.group.lost is None)
-        self.group.close()
+        """Followers see their control line close and exit; then the groups are taken down."""
+        for st in self.stages:
+            for control in st.controls:
+                control.close()
+        self.stop_followers(self.lost is None)
+        for st in self.stages:
+            if st.group is not self.world:
+                st.group.close()
+        self.world.close()
 
 
 def follow(group: Group, control: Control, ckpt: Checkpoint, k: Kernels) -> None:
@@ -382,8 +433,10 @@ def follow(group: Group, control: Control, ckpt: Checkpoint, k: Kernels) -> None
                 w.experts = ExpertStore(k, ckpt, Tiers(experts=tiers["experts"], expert_cache=tiers["expert_cache"]),
                                         ckpt.args, expert_share(ckpt.args, group.world))
             shards[msg["load"]["name"]] = load_shard(msg["load"], w, group, ropes.__getitem__)
-        elif "ready" in msg:
-            control.send({"loaded": len(shards), "bytes": sum(shard.nbytes for shard in shards.values())})
+        elif "ready" in msg:  # what this rank holds: its shards' checkpoint bytes, its expert cache's
+            cache = w.experts.slots * w.experts.slot_bytes if w.experts is not None else 0
+            control.send({"loaded": len(shards), "bytes": sum(shard.nbytes for shard in shards.values()),
+                          "cache": cache})
         else:
             inputs = [group.broadcast(torch.empty(shape, dtype=getattr(torch, dtype), device=group.device))
                       for shape, dtype in msg["inputs"]]

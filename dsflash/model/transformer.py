@@ -111,9 +111,10 @@ class Transformer:
         `layers` in order. None: all on `device`. The embedding side (embedding, vision, Engram hashing) sits
         on the first range's device (`input_device`), the head side (norm, head, DSpark, the next source's
         cache write) on the last one's (`device`, where the outputs are). `parallel`: rank 0 of an expert or
-        tensor parallel layout (model/parallel.py): this process holds its shards, the group's other ranks
-        theirs. `kernels`: a backend record of the caller's instead of the device's (the training mode's,
-        dsflash/train/backend.py), its `weight` reading `ckpt`; one range only."""
+        tensor parallel layout (model/parallel.py): this process holds its shards, the other ranks theirs; each
+        range runs over its stage's ranks (`Sharding.stage`: with --pp, a group of its own). `kernels`: a
+        backend record of the caller's instead of the device's (the training mode's, dsflash/train/backend.py),
+        its `weight` reading `ckpt`; one range only."""
         self.args, self.ckpt, self.tiers = args, ckpt, tiers
         self.layers = layers if layers is not None else range(args.n_layers)
         spans = list(ranges) if ranges else [(self.layers, device)]
@@ -125,11 +126,10 @@ class Transformer:
         kernels = [kernels] if kernels is not None else [load_kernels(dev, reference) for _, dev in spans]
         if len({k.row_tile for k in kernels}) > 1:
             raise ValueError("layer ranges on backends with different row tiles (CPU and CUDA) in one model")
-        if parallel is not None:
-            if len(spans) > 1:
-                raise ValueError("--pp with --ep or --tp: layer ranges and a parallel layout in one half are not "
-                                 "combined in this build")
-            kernels = [parallel.kernels(k) for k in kernels]
+        # under a parallel layout each range runs over the ranks of its stage (rank 0's part on the range's
+        # device, the stage's followers holding the rest of its layers' shards)
+        stages = [parallel.stage(r) if parallel is not None else None for r, _ in spans]
+        kernels = [k if st is None else st.kernels(k) for st, k in zip(stages, kernels, strict=True)]
         # routed experts on the host or disk tier: one store a layer range, its device cache on the range's
         # device (the size of --expert-cache each: the flag is per GPU), for the range's MoE layers and on the
         # last range DSpark's stages (an expert-parallel rank's store holds its range of each, and by default a
@@ -138,8 +138,8 @@ class Transformer:
         stores = [ExpertStore(k, ckpt, tiers, args, expert_share(args, ep)) if tiers.experts != "gpu" else None
                   for k in kernels]
         self.expert_stores = [store for store in stores if store is not None]
-        self.ranges = [_Range(r, k, WeightLoader(ckpt, k, store, parallel))
-                       for (r, _), k, store in zip(spans, kernels, stores, strict=True)]
+        self.ranges = [_Range(r, k, WeightLoader(ckpt, k, store, st))
+                       for (r, _), k, store, st in zip(spans, kernels, stores, stages, strict=True)]
         first, last = self.ranges[0], self.ranges[-1]
         self.k, self.device, self.input_device = last.k, last.device, first.device
         self.layer_devices = {i: rg.device for rg in self.ranges for i in rg.layers}

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class Shards(Protocol):
-    """Rank 0's side of a parallel layout as the loader sees it (model/parallel.py's Sharding)."""
+    """Rank 0's side of a parallel layout as a layer range's loader sees it (model/parallel.py's Stage)."""
 
     def linear_weight(self, w: WeightLoader, name: str, widen: bool) -> Weight | None:
         """The column-parallel weight `name` (this rank's shard, run over the group), or None: not sharded."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -35,10 +36,12 @@ class RankLost(Unavailable):
 
 class Group:
     """This process's place in the group: rank, world size, the device its tensors travel from, and the
-    collectives the parallel layouts use (broadcast from rank 0, ordered all-gather)."""
+    collectives the parallel layouts use (broadcast from rank 0, ordered all-gather). `pg`: a subgroup of the
+    process's world (`stage_groups`; its ranks numbered within it), None for the world itself."""
 
-    def __init__(self, rank: int, world: int, device: torch.device):
-        self.rank, self.world, self.device = rank, world, device
+    def __init__(self, rank: int, world: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 pg: dist.ProcessGroup | None = None):
+        self.rank, self.world, self.device, self.timeout_s, self.pg = rank, world, device, timeout_s, pg
         self.lost: str | None = None  # why the group went down, once it has
 
     def _checked(self, what: str, fn):
@@ -52,18 +55,19 @@ class Group:
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """t from rank 0 on every rank (in place; t has the same shape and dtype everywhere)."""
-        self._checked("broadcast", lambda: dist.broadcast(t, 0))
+        self._checked("broadcast", lambda: dist.broadcast(t, group=self.pg, group_src=0))
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's t (same shape and dtype on all ranks), in rank order."""
         parts = [torch.empty_like(t) for _ in range(self.world)]
-        self._checked("all_gather", lambda: dist.all_gather(parts, t.contiguous()))
+        self._checked("all_gather", lambda: dist.all_gather(parts, t.contiguous(), group=self.pg))
         return parts
 
     def close(self) -> None:
+        """Take the group down (the world: every subgroup of it too)."""
         if dist.is_initialized():
-            dist.destroy_process_group()
+            dist.destroy_process_group(self.pg)
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -83,7 +87,32 @@ def init_group(rank: int, world: int, device: str | torch.device, timeout_s: flo
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), init_method="env://" if addr is None else f"tcp://{addr}:{port}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-    return Group(rank, world, device)
+    return Group(rank, world, device, timeout_s)
+
+
+def stage_members(world: int, stages: int) -> list[list[int]]:
+    """The ranks of each stage's group when `world` processes serve `stages` layer ranges (docs/parallel.md):
+    rank 0, which drives every stage, and (world - 1) / stages followers of the stage's own, consecutive."""
+    per, extra = divmod(world - 1, stages)
+    if extra or not per:
+        raise ValueError(f"{world} ranks do not make {stages} stages of rank 0 and equally many followers each")
+    return [[0, *range(1 + s * per, 1 + (s + 1) * per)] for s in range(stages)]
+
+
+def stage_groups(world: Group, stages: int, devices: Sequence[str | torch.device] = ()) -> list[Group | None]:
+    """Each stage's group (`stage_members`) as this process sees it: None for a stage it is not in. With one
+    stage that is the world itself; otherwise every rank of the world calls this (torch.distributed's
+    new_group is collective, in the same order everywhere). `devices`: this process's device in each stage
+    (rank 0 computes each stage's part on that stage's device; default: the world's device)."""
+    if stages == 1:
+        return [world]
+    groups: list[Group | None] = []
+    for s, members in enumerate(stage_members(world.world, stages)):
+        pg = dist.new_group(members, timeout=timedelta(seconds=world.timeout_s))
+        device = torch.device(devices[s]) if devices else world.device
+        groups.append(Group(members.index(world.rank), len(members), device, world.timeout_s, pg)
+                      if world.rank in members else None)
+    return groups
 
 
 class Control:

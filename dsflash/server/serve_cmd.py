@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
         model = builtin_checkpoint()
         print(f"dsflash serve: no --model given, using the built-in tiny checkpoint at {model}", file=sys.stderr)
     args.device = args.device or default_device()
-    return run_ranked(args, model, lambda parallel: _serve(args, model, parallel))
+    return run_ranked(args, model, "back" if args.box else "all", lambda parallel: _serve(args, model, parallel))
 
 
 def _serve(args: argparse.Namespace, model: str, parallel: Sharding | None) -> int:

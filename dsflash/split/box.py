@@ -487,7 +487,7 @@ def is_loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_ranked(args, args.model, lambda parallel: _run(args, parallel))
+    return run_ranked(args, args.model, "box", lambda parallel: _run(args, parallel))
 
 
 def _run(args: argparse.Namespace, parallel: Sharding | None) -> int:
