@@ -332,7 +332,8 @@ def test_split_with_a_parallel_box_equals_one_process(one, tiny_b_dir, layout):
         x, y = plain.session(), split.session()
         assert list(decode(x, x.prefill(ids), 8, seeded, stop=set())) == \
             list(decode(y, y.prefill(ids), 8, seeded, stop=set(), dspark=2))
-        assert box.health()["layout"] == {"ep": 2 if layout.endswith("--ep") else 1,
+        assert box.health()["layout"] == {"pp": 2 if layout.startswith("--pp") else 1,
+                                          "ep": 2 if layout.endswith("--ep") else 1,
                                           "tp": 2 if layout.endswith("--tp") else 1}
     finally:
         box.kill()

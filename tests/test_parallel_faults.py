@@ -177,7 +177,7 @@ def test_a_server_whose_rank_is_lost_answers_503_and_a_restart_gives_the_same_an
         first = answer()
         assert first["finish_reason"] == "length" and len(first["logprobs"]["tokens"]) == 6
         code, body = health(base + "/health")
-        assert code == 200 and body["layout"] == {"ep": 2, "tp": 1} and body["ranks_lost"] is None
+        assert code == 200 and body["layout"] == {"pp": 1, "ep": 2, "tp": 1} and body["ranks_lost"] is None
         os.kill(follower_of(server), signal.SIGKILL)
         r = httpx.post(base + "/v1/completions", json=request, timeout=60)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0

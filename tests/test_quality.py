@@ -122,8 +122,11 @@ def test_trained_model_recalls_needles(trained_report):
 
 @pytest.mark.slow
 def test_serve_without_a_model_continues_shakespeare_in_english(tmp_path):
-    """`dsflash serve` with no arguments serves the shipped model: through the real `openai` client, a greedy
-    continuation of a passage is mostly words the held-out Shakespeare uses (random token ids: 5-20 %)."""
+    """`dsflash serve` with no arguments serves the shipped model: through the real `openai` client, greedy
+    continuations of three passages (two of Shakespeare, one of the King James Bible) are mostly words the
+    held-out Shakespeare uses (random token ids: 5-20 %). Three passages, not one: a single 40-token answer
+    swung the share by +-10 % between models of like quality (a run of stage directions names characters the
+    sample lacks)."""
     import re
 
     import openai
@@ -135,15 +138,18 @@ def test_serve_without_a_model_continues_shakespeare_in_english(tmp_path):
     tokenizer = load_tokenizer(builtin.TRAINED)
     sample = quality.Heldout.read(builtin.TRAINED / builtin.HELDOUT, tokenizer)
     known = set(re.findall(r"[a-z]+", tokenizer.decode(sample.filler.tolist()).lower()))
+    passages = ("Friends, Romans, countrymen, lend me your ears;\nI come to bury Caesar, not to praise him.\n",
+                "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate.\n",
+                "In the beginning God created the heaven and the earth.\n")
     port = free_port()
     proc = start_server(["-m", "dsflash.cli", "serve", "--port", str(port)], port, timeout=300)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        r = client.chat.completions.create(
-            model="deepseek-v4.1-flash", max_tokens=40, temperature=0, messages=[{"role": "user", "content": (
-                "Continue this text:\n\nFriends, Romans, countrymen, lend me your ears;\n"
-                "I come to bury Caesar, not to praise him.\n")}])
+        answers = [client.chat.completions.create(
+            model="deepseek-v4.1-flash", max_tokens=64, temperature=0,
+            messages=[{"role": "user", "content": "Continue this text:\n\n" + passage}]).choices[0].message.content
+            for passage in passages]
     finally:
         proc.kill()
-    words = re.findall(r"[a-z]+", r.choices[0].message.content.lower())
-    assert len(words) >= 10 and sum(w in known for w in words) >= 0.6 * len(words), r.choices[0].message.content
+    words = re.findall(r"[a-z]+", " ".join(answers).lower())
+    assert len(words) >= 30 and sum(w in known for w in words) >= 0.6 * len(words), answers

@@ -88,7 +88,8 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
         out = {"status": "ok", "model": model_name, "queued": m.queued, "running": m.running}
         if engine.parallel is not None:  # --ep/--tp: a lost rank answers every request 503 until a restart
             layout = engine.parallel.layout
-            out["layout"], out["ranks_lost"] = {"ep": layout.ep, "tp": layout.tp}, engine.parallel.lost
+            out["layout"] = {"pp": len(engine.parallel.stages), "ep": layout.ep, "tp": layout.tp}
+            out["ranks_lost"] = engine.parallel.lost
             if engine.parallel.lost:
                 out["status"] = "down"
                 return JSONResponse(out, status_code=503)

@@ -445,7 +445,7 @@ class Box:
                 "handshaking": self._open - len(self.connections), "max_context": self.max_context,
                 "queued_tasks": self.tasks.qsize(), "steps_served": self.steps_served,
                 "uptime_s": round(time.time() - self.started, 1), "protocol": VERSION,
-                "layout": {"ep": self.layout.ep, "tp": self.layout.tp}}
+                "layout": {"pp": len(self.model.model.ranges), "ep": self.layout.ep, "tp": self.layout.tp}}
 
 
 def serve_health(box: Box, host: str, port: int) -> ThreadingHTTPServer:
