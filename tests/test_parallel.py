@@ -301,12 +301,15 @@ assert torch.equal(got, want), "the ep2 bench engine's logits differ from one pr
 """
     r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, env=os.environ)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "dsflash.cli", "bench", "step", "--preset", "tiny-b", "--device", "cpu",
-                        "--context", "40", "--rows", "1", "--reps", "1", "--warmup-s", "0", "--ep", "2", "--out",
-                        str(tmp_path)], capture_output=True, text=True, timeout=300, env=os.environ)
-    assert r.returncode == 0, r.stderr
-    result = json.loads(next(tmp_path.glob("engine-step-tiny-b-ep2-*.json")).read_text())
-    assert result["layout"]["ep"] == 2 and result["box_step_ms"]
+    for pp in (1, 2):  # the ranks of the whole stack, and a stage of them per layer range
+        r = subprocess.run([sys.executable, "-m", "dsflash.cli", "bench", "step", "--preset", "tiny-b", "--device",
+                            "cpu", "--context", "40", "--rows", "1", "--reps", "1", "--warmup-s", "0", "--pp", str(pp),
+                            "--ep", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                           env=os.environ)
+        assert r.returncode == 0, r.stderr
+        name = "engine-step-tiny-b-" + ("pp2-" if pp > 1 else "") + "ep2-*.json"
+        result = json.loads(next(tmp_path.glob(name)).read_text())
+        assert result["layout"]["pp"] == pp and result["layout"]["ep"] == 2 and result["box_step_ms"]
 
 
 @pytest.mark.slow  # a box process with its followers, and a back half: ~10-20 s on 2 cores
