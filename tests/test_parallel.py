@@ -278,7 +278,7 @@ def test_generate_with_ep_gives_the_one_process_tokens(tiny_b_dir, tmp_path, lay
     assert tokens(*layout.split()) == tokens()
 
 
-@pytest.mark.slow  # three processes: ~15 s on 2 cores
+@pytest.mark.slow  # three to four processes at a time: ~30 s on 2 cores
 def test_bench_runs_an_expert_parallel_layout(tmp_path):
     """`dsflash bench --ep 2` starts its follower over the same synthetic tensors (drawn by name, so every
     process holds the same ones): the sharded engine's logits are one process's, and the results say the
