@@ -143,6 +143,12 @@ def append_entries(state, args: ModelArgs, layer: int, entries: torch.Tensor, ke
         rows.append(new)
 
 
+def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """[rows, 1]: how many compressed entries of a ratio-`ratio` source each query position sees (its groups
+    complete up to and including it)."""
+    return ((positions + 1) // ratio).unsqueeze(-1)
+
+
 class Indexer:
     """Scores compressed entries per query with FP4 queries against FP4 index keys and keeps the top
     `index_topk` (spec §6.4)."""
@@ -180,7 +186,7 @@ class Indexer:
         q, weights = self.queries(x, qr, chunk.positions, rope)
         k = min(a.index_topk, keys.size(0))
         out = torch.empty((chunk.rows, a.index_topk), dtype=torch.int64, device=keys.device)
-        visible = ((chunk.positions + 1) // self.ratio).unsqueeze(-1)
+        visible = visible_entries(chunk.positions, self.ratio)
         if self.is_candidate_source:
             n_blocks = -(-keys.size(0) // a.candidate_block_size)
             chunk.candidates = torch.empty(chunk.rows, n_blocks, dtype=torch.bool, device=keys.device)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from dsflash.kernels import cpu
-from dsflash.model.attention import Attention
+from dsflash.model.attention import Attention, visible_entries
 from dsflash.model.common import Chunk
 from dsflash.model.transformer import Transformer
 from dsflash.train.backend import TrainState
@@ -41,7 +41,7 @@ def indexer_kl(model: Transformer, state: TrainState, trace: dict, rows: torch.T
         pos, x, qr = positions[pick], x[pick].detach(), qr[pick].detach()
         entries = state.compressed[attn.kv_source].rows
         keys = state.index_keys[attn.kv_source].rows
-        visible = ((pos + 1) // attn.ratio).unsqueeze(-1)
+        visible = visible_entries(pos, attn.ratio)
         hidden = torch.arange(entries.size(0), device=rows.device) >= visible
         with torch.no_grad():
             target = attention_target(attn, qr, pos, entries, hidden)
@@ -79,12 +79,13 @@ def attention_picks(attn: Attention, x: torch.Tensor, qr: torch.Tensor, chunk: C
     KV source with the most of the main attention's weight (attention_target), ascending, -1 padded."""
     a = attn.args
     entries = chunk.source(attn.kv_source)[0].rows
-    visible = ((chunk.positions + 1) // attn.ratio).unsqueeze(-1)
+    visible = visible_entries(chunk.positions, attn.ratio)
     k = min(a.index_topk, entries.size(0))
     out = torch.empty((chunk.rows, a.index_topk), dtype=torch.int64, device=qr.device)
     for r in range(0, chunk.rows, PICK_ROWS):
         rows = slice(r, r + PICK_ROWS)
         hidden = torch.arange(entries.size(0), device=qr.device) >= visible[rows]
         weight = attention_target(attn, qr[rows], chunk.positions[rows], entries, hidden)
+        # hidden entries, and rows that see none (their softmax is NaN), rank below every visible one
         out[rows] = attn.k.topk_indices(weight.masked_fill(hidden, -1.0), k, visible[rows], a.index_topk)
     return out

@@ -183,8 +183,8 @@ class Trainer:
         x = self.train_tokens[start:start + self.plan.seq_len + 1].clone()
         copies = self.write_repeats(x) if self.plan.repeat_span else []
         answers = self.write_facts(x) if self.facts and self.plan.fact_span else []
-        as_tensor = lambda rows: torch.tensor(rows, dtype=torch.int64, device=self.device)  # noqa: E731
-        return x.to(self.device), as_tensor(answers), as_tensor(copies)
+        answers, copies = (torch.tensor(rows, dtype=torch.int64, device=self.device) for rows in (answers, copies))
+        return x.to(self.device), answers, copies
 
     def write_repeats(self, x: torch.Tensor) -> list[int]:
         """In each `repeat_span` tokens of x, a passage of REPEAT_TOKENS from the span's first half written again
