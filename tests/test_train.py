@@ -179,7 +179,7 @@ def test_windows_carry_recall_facts_apart_and_the_text_elsewhere(data_dir):
     make = lambda facts: Trainer(smoke_args(len(token_map), classes), token_map,  # noqa: E731
                                  data.load_tokens(data_dir, "train"), data.load_tokens(data_dir, "validation"),
                                  Plan(seq_len=2047, fact_span=512), "cpu", facts)
-    (x, answers, _), (plain, none, _) = make(facts).window(), make([]).window()
+    (x, answers, *_), (plain, none, *_) = make(facts).window(), make([]).window()
     x, plain = x.tolist(), plain.tolist()
     assert none.numel() == 0 and answers.numel() == 4
     written = np.zeros(len(x), dtype=bool)
@@ -193,21 +193,29 @@ def test_windows_carry_recall_facts_apart_and_the_text_elsewhere(data_dir):
     assert all(u == v for u, v, w in zip(x, plain, written, strict=True) if not w)
 
 
-def test_windows_repeat_a_passage_in_each_span(data_dir):
-    """Each 256-token span of a window holds a 32-token passage of its first half written again 8 to 128 tokens
-    after its end; the copy positions are the ones whose targets the repeat gives (all but its first token)."""
-    t = trainer(data_dir, seq_len=1023, repeat_span=256)
-    plain = trainer(data_dir, seq_len=1023).window()[0]
-    x, _, copies = t.window()
+@pytest.mark.parametrize("progress", [0.0, 1.0])
+def test_windows_repeat_passages_at_the_curriculums_gaps(data_dir, progress):
+    """A window's repeats: passages of 16-64 tokens written again 8 tokens to the curriculum's longest gap after
+    their end (half the attention window at the start, `repeat_reach` from halfway on) until the share is
+    copied; the copy positions are the ones whose targets a repeat gives (all but its first token), the far ones
+    those more than a window after their source; every other token is the train text's."""
+    t = trainer(data_dir, seq_len=2047, repeat_share=0.3, repeat_reach=512)
+    plain = trainer(data_dir, seq_len=2047).window()[0]
+    x, _, copies, far = t.window(progress)
+    top = t.repeat_gap_max(progress)
+    assert top == (t.args.window_size // 2 if progress == 0 else 512)
     runs = np.split(copies.numpy(), np.flatnonzero(np.diff(copies.numpy()) != 1) + 1)
-    assert [r.size for r in runs] == [31] * 4
-    for s0, run in zip(range(0, 1024, 256), runs, strict=True):
-        b = int(run[0])
-        assert s0 <= b and b + 32 <= s0 + 256
-        sources = [a for a in range(s0, b - 39) if torch.equal(x[a:a + 32], x[b:b + 32])]
-        assert sources and sources[0] < s0 + 128 and b - (sources[0] + 32) <= 128, (s0, b, sources)
-        assert not torch.equal(plain[b:b + 32], x[b:b + 32])  # written over the text (same start: same seed)
-        assert torch.equal(plain[s0:b], x[s0:b])
+    assert 0.3 * 2048 <= sum(r.size + 1 for r in runs) < 0.3 * 2048 + 64
+    written, far_expected = np.zeros(x.numel(), dtype=bool), []
+    for run in runs:
+        b, n = int(run[0]), run.size + 1
+        assert 16 <= n <= 64
+        a = next(a for a in range(b - n - 8, -1, -1) if torch.equal(x[a:a + n], x[b:b + n]))
+        assert b - (a + n) <= top, (a, b, n, top)
+        written[a:a + n] = written[b:b + n] = True
+        far_expected.extend(run.tolist() if b - a > t.args.window_size else [])
+    assert sorted(far.tolist()) == sorted(far_expected) and (progress == 0 or len(far_expected) > copies.numel() / 2)
+    assert torch.equal(plain[torch.from_numpy(~written)], x[torch.from_numpy(~written)])
 
 
 def test_a_few_steps_lower_the_validation_nll(data_dir):

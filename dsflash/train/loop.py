@@ -34,7 +34,8 @@ from dsflash.train.indexer import attention_picks, indexer_kl, query_rows
 PAD_ID = 2  # tokenizer.PAD_ID (not imported: that module needs `tokenizers`, which the GPU machine lacks)
 BIAS_RATE = 0.005
 FACT_MIN_GAP = 64  # tokens from a recall fact's statement to its cue, at least
-REPEAT_TOKENS = 32  # of a repeated passage (Plan.repeat_span)
+REPEAT_TOKENS = (16, 64)  # a repeated passage's length, from-to (Plan.repeat_share)
+REPEAT_GAP_MIN = 8  # tokens from a passage's end to its copy, at least
 
 
 def trained_args(vocab_size: int, classes: int) -> ModelArgs:
@@ -89,7 +90,8 @@ class Plan:
     # of the backbone phase, from its start: the index layers pick by the main attention (indexer.py's warm-up)
     attention_picks: float = 0.0
     answer_weight: float = 0.0  # of the facts' answers' mean loss beside the mean over every token
-    repeat_span: int = 0  # tokens of a window per repeated passage (copying practice, `write_repeats`); 0: none
+    repeat_share: float = 0.0  # of a window's tokens, copies of a passage earlier in it (`write_repeats`); 0: none
+    repeat_reach: int = 4096  # the longest gap from a passage to its copy, reached halfway through the phase
     seed: int = 0
 
 
@@ -175,34 +177,55 @@ class Trainer:
     def model(self) -> Transformer:
         return Transformer(self.args, self.masters, self.token_map, kernels=self.k)
 
-    def window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """seq_len + 1 train tokens from a random start with repeated passages (`write_repeats`) and recall facts
-        (`write_facts`) written over them; the positions of x[1:] whose targets are the facts' answers' first
-        tokens (the ones recall decides), and those whose targets a repeat copies."""
+    def window(self, progress: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """seq_len + 1 train tokens from a random start with recall facts (`write_facts`) and then repeated
+        passages (`write_repeats`, their gaps as at `progress` of the phase) written over them; the positions
+        of x[1:] whose targets are the facts' answers' first tokens (the ones recall decides), those whose
+        targets a repeat copies, and of those the ones whose passage lies beyond the attention window."""
         start = int(self.rng.integers(0, self.train_tokens.numel() - self.plan.seq_len - 1))
         x = self.train_tokens[start:start + self.plan.seq_len + 1].clone()
-        copies = self.write_repeats(x) if self.plan.repeat_span else []
-        answers = self.write_facts(x) if self.facts and self.plan.fact_span else []
-        answers, copies = (torch.tensor(rows, dtype=torch.int64, device=self.device) for rows in (answers, copies))
-        return x.to(self.device), answers, copies
+        used = torch.zeros(x.numel(), dtype=torch.bool)
+        answers = self.write_facts(x, used) if self.facts and self.plan.fact_span else []
+        copies, far = self.write_repeats(x, used, progress) if self.plan.repeat_share else ([], [])
+        answers, copies, far = (torch.tensor(rows, dtype=torch.int64, device=self.device)
+                                for rows in (answers, copies, far))
+        return x.to(self.device), answers, copies, far
 
-    def write_repeats(self, x: torch.Tensor) -> list[int]:
-        """In each `repeat_span` tokens of x, a passage of REPEAT_TOKENS from the span's first half written again
-        8 to span/2 tokens after its end (inside the attention window or beyond it). Recalling a fact is
-        copying from the context, which plain text asks for too rarely to be learnt in a short run; a repeat
-        asks for it at every token after its first. Returns the positions of x[1:] whose targets a repeat
-        copies (position i predicts x[i + 1])."""
-        span, n, copies = self.plan.repeat_span, REPEAT_TOKENS, []
-        for s0 in range(0, x.numel() - span + 1, span):
-            a = s0 + int(self.rng.integers(0, max(1, span // 2 - n)))
-            b = a + n + int(self.rng.integers(8, max(9, span // 2)))
-            if b + n > s0 + span:
+    def repeat_gap_max(self, progress: float) -> int:
+        """The copying curriculum: the longest gap grows geometrically from inside the attention window to
+        `repeat_reach` over the first half of the phase (a copy from the window is learnt first: the sparse
+        entries beyond it need the indexer to find them)."""
+        first, reach = min(self.args.window_size // 2, self.plan.repeat_reach), self.plan.repeat_reach
+        return int(first * (reach / first) ** min(1.0, progress / 0.5))
+
+    def write_repeats(self, x: torch.Tensor, used: torch.Tensor, progress: float) -> tuple[list[int], list[int]]:
+        """Passages of REPEAT_TOKENS of x written again after themselves, a gap log-uniform in REPEAT_GAP_MIN to
+        `repeat_gap_max(progress)` later, until `repeat_share` of x are copies; a passage and its copy avoid
+        each other and every token `used` marks (the facts), then are marked. Recalling a fact is copying
+        from the context, which plain text asks for too rarely to be learnt in a short run; a repeat asks for
+        it at every token after its first. Returns the positions of x[1:] whose targets a repeat copies
+        (position i predicts x[i + 1]), and of those the ones more than a window after their source."""
+        target, top = self.plan.repeat_share * x.numel(), self.repeat_gap_max(progress)
+        copies, far, written, attempts = [], [], 0, 0
+        while written < target and attempts < 64 + x.numel() // 8:
+            attempts += 1
+            n = int(self.rng.integers(REPEAT_TOKENS[0], REPEAT_TOKENS[1] + 1))
+            gap = round(float(np.exp(self.rng.uniform(np.log(REPEAT_GAP_MIN), np.log(max(top, REPEAT_GAP_MIN))))))
+            if 2 * n + gap > x.numel():
+                continue
+            a = int(self.rng.integers(0, x.numel() - 2 * n - gap + 1))
+            b = a + n + gap
+            if used[a:a + n].any() or used[b:b + n].any():
                 continue
             x[b:b + n] = x[a:a + n].clone()
+            used[a:a + n] = used[b:b + n] = True
             copies.extend(range(b, b + n - 1))
-        return copies
+            if b - a > self.args.window_size:
+                far.extend(range(b, b + n - 1))
+            written += n
+        return copies, far
 
-    def write_facts(self, x: torch.Tensor) -> list[int]:
+    def write_facts(self, x: torch.Tensor, used: torch.Tensor) -> list[int]:
         """One fact in each `fact_span` tokens of x: its statement in the span's first quarter, its cue and
         answer at a random later place at least FACT_MIN_GAP tokens on (so 64 to ~2000 tokens apart), written
         over the text; the validation and test windows get none. Returns where each answer's first token is
@@ -218,6 +241,7 @@ class Trainer:
             b = int(self.rng.integers(a + len(statement) + FACT_MIN_GAP, last + 1))
             x[a:a + len(statement)] = torch.tensor(statement)
             x[b:b + len(ask)] = torch.tensor(ask)
+            used[a:a + len(statement)] = used[b:b + len(ask)] = True
             answers.append(b + len(fact["cue"]) - 1)
         return answers
 
@@ -263,7 +287,8 @@ class Trainer:
             lr = learning_rate(p.lr, step, progress, p.warmup)
             for group in opt.param_groups:
                 group["lr"] = lr
-            (x, answers, copies), trace, state, model = self.window(), {}, TrainState(device=self.device), self.model()
+            (x, answers, copies, far), trace = self.window(progress), {}
+            state, model = TrainState(device=self.device), self.model()
             warm = progress < p.attention_picks
             select = Selections(picker=attention_picks) if warm else None
             out = model.forward(state, Tokens(x[:-1]), debug=Debug(select=select, trace=trace))
@@ -278,8 +303,9 @@ class Trainer:
             row = {"phase": "backbone", "step": step, "elapsed_s": round(time.monotonic() - started, 2),
                    "lr": lr, "picks": "attention" if warm else "indexer", "train_loss": float(loss.detach()),
                    "index_kl": float(kl.detach())}
-            for name, rows in (("fact_recall", answers), ("copy_acc", copies)):  # greedy: the facts' first
-                if rows.numel():  # answer tokens, the repeats' copied tokens
+            # greedy: the facts' first answer tokens, the repeats' copied tokens (those beyond the window)
+            for name, rows in (("fact_recall", answers), ("copy_acc", copies), ("copy_far", far)):
+                if rows.numel():
                     row[name] = float((out.logits[rows].argmax(-1) == x[1:][rows]).float().mean())
             if step % p.eval_every == 0:
                 row["val_loss"] = self.nll(self.validation, p.eval_windows)

@@ -48,7 +48,7 @@ def run(ns: argparse.Namespace) -> int:
                 seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows, lr=ns.lr, dspark_lr=ns.lr,
                 dspark_share=ns.dspark_share, fact_span=ns.fact_span, index_rows=ns.index_rows,
                 index_weight=ns.index_weight, attention_picks=ns.attention_picks, answer_weight=ns.answer_weight,
-                repeat_span=ns.repeat_span)
+                repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach)
     trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
                       plan, device, data.load_facts(ns.data), ns.init)
     out = Path(ns.out)
@@ -121,8 +121,12 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                              "attention weighs most (the warm-up) instead of the indexer's")
     parser.add_argument("--answer-weight", type=float, default=Plan.answer_weight,
                         help="weight of the recall facts' answers' mean loss beside the mean over every token")
-    parser.add_argument("--repeat-span", type=int, default=Plan.repeat_span,
-                        help="tokens of a training window per repeated passage (copying practice; 0: none)")
+    parser.add_argument("--repeat-share", type=float, default=Plan.repeat_share,
+                        help="of a training window's tokens, copies of a passage earlier in it (copying practice; "
+                             "0: none)")
+    parser.add_argument("--repeat-reach", type=int, default=Plan.repeat_reach,
+                        help="the longest gap from a passage to its copy, grown to from inside the attention "
+                             "window over the first half of the backbone phase")
     parser.add_argument("--device", help="torch device (default: cuda when available)")
     parser.add_argument("--smoke", action="store_true", help="the tests' narrow configuration (CPU seconds)")
     parser.add_argument("--shard-size", type=size_arg, default=SHARD_BYTES, metavar="SIZE",
