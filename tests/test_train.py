@@ -316,6 +316,32 @@ def test_training_forward_is_the_reference_forward_of_the_exported_checkpoint(da
     assert abs(nll[0] - nll[1]) < 1e-3 * nll[1], nll
 
 
+@pytest.mark.slow  # three smoke runs, one of them two processes: ~40-60 s on 2 cores
+def test_two_ranks_train_as_one_process_with_two_windows_a_step(data_dir, tmp_path):
+    """Data parallel (`--ranks 2`: two processes, gloo) leaves the masters one process gets from the same two
+    windows a step (`--batch 2`), bit for bit, through both phases; the second window changes them."""
+    def train(name: str, *extra: str) -> dict[str, bytes]:
+        out = tmp_path / name
+        assert train_main(["--data", str(data_dir), "--out", str(out), "--smoke", "--seq-len", "64", "--steps", "2",
+                           "--dspark-steps", "2", "--eval-every", "1000", "--eval-windows", "1", "--device", "cpu",
+                           "--repeat-share", "0.3", "--budget", "900", *extra]) == 0
+        summary = json.loads((out / "train.json").read_text())
+        assert (summary["backbone_steps"], summary["dspark_steps"]) == (2, 2)
+        assert summary["tokens_seen"] == 2 * 64 * (1 if name == "one" else 2)
+        return {f.name: f.read_bytes() for f in sorted((out / "checkpoint").glob("*.safetensors"))}
+
+    threads = torch.get_num_threads()
+    try:  # one CPU thread a process in every run: a CPU GEMM's bits depend on its thread count
+        torch.set_num_threads(2)
+        ranks = train("ranks", "--ranks", "2")  # each rank gets half of this process's threads
+        torch.set_num_threads(1)
+        batch, one = train("batch", "--batch", "2"), train("one")
+    finally:
+        torch.set_num_threads(threads)
+    assert ranks and ranks == batch
+    assert ranks != one
+
+
 def test_the_saved_checkpoint_decodes_and_drafts_like_plain_decoding(data_dir, tmp_path):
     out = tmp_path / "run"
     assert train_main(["--data", str(data_dir), "--out", str(out), "--smoke", "--seq-len", "96", "--steps", "6",

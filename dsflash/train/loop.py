@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from dsflash.checkpoint.make import make_checkpoint
@@ -92,6 +93,7 @@ class Plan:
     answer_weight: float = 0.0  # of the facts' answers' mean loss beside the mean over every token
     repeat_share: float = 0.0  # of a window's tokens, copies of a passage earlier in it (`write_repeats`); 0: none
     repeat_reach: int = 4096  # the longest gap from a passage to its copy, reached halfway through the phase
+    batch: int = 1  # training windows a step on each rank, their gradients averaged (`Ranks`)
     seed: int = 0
 
 
@@ -157,6 +159,76 @@ def drop_unrouted_grads(masters: Masters, loads: dict[int, torch.Tensor]) -> Non
                 masters.params[f"{prefix}experts.{e}.{w}.weight"].grad = None
 
 
+class Ranks:
+    """The data-parallel ranks of a run (torch.distributed over gloo: processes sharing one GPU, which one
+    process's one-window steps leave mostly idle, or the CPU). Each rank trains its own windows; per step the
+    ranks go by rank 0's clock and take the mean of their gradients, so every rank holds the same masters. A
+    step of N ranks with W windows each is a step of one process with N x W windows, bit for bit (on the CPU
+    at the same threads a process): a gradient is a sum over windows scaled by a power of two either way."""
+
+    def __init__(self):
+        self.on = dist.is_available() and dist.is_initialized()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.on else (0, 1)
+
+    def clock(self, go: bool, progress: float) -> tuple[bool, float]:
+        """Rank 0's (go on, progress of the phase): a learning rate and a stop every rank agrees on."""
+        if not self.on:
+            return go, progress
+        t = torch.tensor([float(go), progress], dtype=torch.float64)
+        dist.broadcast(t, 0)
+        return bool(t[0]), float(t[1])
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        host = t.cpu()  # through the host: gloo's CPU path, whatever the device
+        dist.all_reduce(host)
+        return host.to(t.device)
+
+    def mean_grads(self, params: list[torch.Tensor]) -> None:
+        """Every rank's gradients -> their mean; a parameter no rank's windows reached keeps None (AdamW leaves
+        it as it is), one that some reached counts zeros for the others."""
+        if not self.on:
+            return
+        reached = self._sum(torch.tensor([p.grad is not None for p in params], dtype=torch.int64)).bool().tolist()
+        live = [p for p, r in zip(params, reached, strict=True) if r]
+        if not live:
+            return
+        flat = self._sum(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in live]))
+        for p, g in zip(live, (flat / self.world).split([p.numel() for p in live]), strict=True):
+            p.grad = g.view_as(p)
+
+    def sum_loads(self, loads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Each MoE layer's expert loads summed over the ranks (every rank routes the same layers)."""
+        if not self.on or not loads:
+            return loads
+        flat = self._sum(torch.cat(list(loads.values())))
+        return dict(zip(loads, flat.split([v.numel() for v in loads.values()]), strict=True))
+
+
+def add_loads(total: dict[int, torch.Tensor], loads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The expert loads of a step's windows, layer by layer."""
+    out = dict(total)
+    for layer, v in loads.items():
+        out[layer] = out[layer] + v if layer in out else v
+    return out
+
+
+@dataclass
+class Stream:
+    """One window slot's randomness (its windows' starts, facts, repeats, the indexer's query rows, the DSpark
+    anchors): slot s of N ranks x W windows is rank s // W's window s % W; slot 0 is seeded as a one-window run
+    always was."""
+
+    rng: np.random.Generator
+    index_generator: torch.Generator
+
+    @classmethod
+    def seeded(cls, seed: int, slot: int) -> Stream:
+        if slot == 0:
+            return cls(np.random.default_rng(seed), torch.Generator().manual_seed(seed))
+        sequence = np.random.SeedSequence([seed, slot])
+        return cls(np.random.default_rng(sequence), torch.Generator().manual_seed(int(sequence.generate_state(1)[0])))
+
+
 class Trainer:
     def __init__(self, args: ModelArgs, token_map: list[int], train: np.ndarray, validation: np.ndarray,
                  plan: Plan, device: torch.device | str, facts: list[dict[str, list[int]]] = (),
@@ -166,8 +238,9 @@ class Trainer:
         self.args, self.token_map, self.plan, self.facts = args, token_map, plan, list(facts)
         self.device = torch.device(device)
         torch.manual_seed(plan.seed)
-        self.rng = np.random.default_rng(plan.seed)
-        self.index_generator = torch.Generator().manual_seed(plan.seed)
+        self.ranks = Ranks()
+        first = self.ranks.rank * plan.batch
+        self.streams = [Stream.seeded(plan.seed, first + j) for j in range(plan.batch)]
         self.train_tokens = torch.from_numpy(train.astype(np.int64))
         self.validation = torch.from_numpy(validation.astype(np.int64))
         self.masters = Masters(Checkpoint(init), self.device) if init else init_masters(args, plan.seed, self.device)
@@ -177,16 +250,19 @@ class Trainer:
     def model(self) -> Transformer:
         return Transformer(self.args, self.masters, self.token_map, kernels=self.k)
 
-    def window(self, progress: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def window(self, progress: float = 1.0, stream: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """seq_len + 1 train tokens from a random start with recall facts (`write_facts`) and then repeated
         passages (`write_repeats`, their gaps as at `progress` of the phase) written over them; the positions
         of x[1:] whose targets are the facts' answers' first tokens (the ones recall decides), those whose
-        targets a repeat copies, and of those the ones whose passage lies beyond the attention window."""
-        start = int(self.rng.integers(0, self.train_tokens.numel() - self.plan.seq_len - 1))
+        targets a repeat copies, and of those the ones whose passage lies beyond the attention window. Drawn
+        from `self.streams[stream]`."""
+        rng = self.streams[stream].rng
+        start = int(rng.integers(0, self.train_tokens.numel() - self.plan.seq_len - 1))
         x = self.train_tokens[start:start + self.plan.seq_len + 1].clone()
         used = torch.zeros(x.numel(), dtype=torch.bool)
-        answers = self.write_facts(x, used) if self.facts and self.plan.fact_span else []
-        copies, far = self.write_repeats(x, used, progress) if self.plan.repeat_share else ([], [])
+        answers = self.write_facts(rng, x, used) if self.facts and self.plan.fact_span else []
+        copies, far = self.write_repeats(rng, x, used, progress) if self.plan.repeat_share else ([], [])
         answers, copies, far = (torch.tensor(rows, dtype=torch.int64, device=self.device)
                                 for rows in (answers, copies, far))
         return x.to(self.device), answers, copies, far
@@ -198,7 +274,8 @@ class Trainer:
         first, reach = min(self.args.window_size // 2, self.plan.repeat_reach), self.plan.repeat_reach
         return int(first * (reach / first) ** min(1.0, progress / 0.5))
 
-    def write_repeats(self, x: torch.Tensor, used: torch.Tensor, progress: float) -> tuple[list[int], list[int]]:
+    def write_repeats(self, rng: np.random.Generator, x: torch.Tensor, used: torch.Tensor, progress: float
+                      ) -> tuple[list[int], list[int]]:
         """Passages of REPEAT_TOKENS of x written again after themselves, a gap log-uniform in REPEAT_GAP_MIN to
         `repeat_gap_max(progress)` later, until `repeat_share` of x are copies; a passage and its copy avoid
         each other and every token `used` marks (the facts), then are marked. Recalling a fact is copying
@@ -209,11 +286,11 @@ class Trainer:
         copies, far, written, attempts = [], [], 0, 0
         while written < target and attempts < 64 + x.numel() // 8:
             attempts += 1
-            n = int(self.rng.integers(REPEAT_TOKENS[0], REPEAT_TOKENS[1] + 1))
-            gap = round(float(np.exp(self.rng.uniform(np.log(REPEAT_GAP_MIN), np.log(max(top, REPEAT_GAP_MIN))))))
+            n = int(rng.integers(REPEAT_TOKENS[0], REPEAT_TOKENS[1] + 1))
+            gap = round(float(np.exp(rng.uniform(np.log(REPEAT_GAP_MIN), np.log(max(top, REPEAT_GAP_MIN))))))
             if 2 * n + gap > x.numel():
                 continue
-            a = int(self.rng.integers(0, x.numel() - 2 * n - gap + 1))
+            a = int(rng.integers(0, x.numel() - 2 * n - gap + 1))
             b = a + n + gap
             if used[a:a + n].any() or used[b:b + n].any():
                 continue
@@ -225,20 +302,20 @@ class Trainer:
             written += n
         return copies, far
 
-    def write_facts(self, x: torch.Tensor, used: torch.Tensor) -> list[int]:
+    def write_facts(self, rng: np.random.Generator, x: torch.Tensor, used: torch.Tensor) -> list[int]:
         """One fact in each `fact_span` tokens of x: its statement in the span's first quarter, its cue and
         answer at a random later place at least FACT_MIN_GAP tokens on (so 64 to ~2000 tokens apart), written
         over the text; the validation and test windows get none. Returns where each answer's first token is
         predicted (its position - 1)."""
         span, answers = self.plan.fact_span, []
         for s0 in range(0, x.numel() - span + 1, span):
-            fact = self.facts[int(self.rng.integers(len(self.facts)))]
+            fact = self.facts[int(rng.integers(len(self.facts)))]
             statement, ask = fact["statement"], fact["cue"] + fact["answer"]
             last = s0 + span - len(ask)  # the cue's last start
-            a = s0 + int(self.rng.integers(0, span // 4))
+            a = s0 + int(rng.integers(0, span // 4))
             if a + len(statement) + FACT_MIN_GAP > last:
                 continue
-            b = int(self.rng.integers(a + len(statement) + FACT_MIN_GAP, last + 1))
+            b = int(rng.integers(a + len(statement) + FACT_MIN_GAP, last + 1))
             x[a:a + len(statement)] = torch.tensor(statement)
             x[b:b + len(ask)] = torch.tensor(ask)
             used[a:a + len(statement)] = used[b:b + len(ask)] = True
@@ -257,24 +334,31 @@ class Trainer:
                 total += float(F.cross_entropy(out.logits, x[1:]))
         return total / windows
 
-    def _update(self, opt: torch.optim.Optimizer, params: list, loss: torch.Tensor, trace: dict) -> None:
-        """One optimiser step on `loss` (gradients clipped to norm 1), then the routers' bias balance of the
-        MoE layers the step routed through (its routing trace)."""
-        loss.backward()
-        loads = expert_loads(self.args, trace)
+    def _update(self, opt: torch.optim.Optimizer, params: list, loads: dict[int, torch.Tensor]) -> None:
+        """One optimiser step on the gradients the step's windows left (the ranks' mean, clipped to norm 1),
+        then the routers' bias balance of the MoE layers the step routed through (`loads`: its windows' expert
+        loads)."""
+        self.ranks.mean_grads(params)
+        loads = self.ranks.sum_loads(loads)
         drop_unrouted_grads(self.masters, loads)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         balance_biases(self.masters, loads)
 
-    def indexer_loss(self, model: Transformer, state: TrainState, trace: dict) -> torch.Tensor:
+    def clock(self, step: int, steps: int | None, started: float, deadline: float) -> tuple[bool, float]:
+        """(go on, progress of the phase) by rank 0's clock: by steps when they are given, else by time."""
+        go = (steps is None or step < steps) and time.monotonic() < deadline
+        progress = step / steps if steps else (time.monotonic() - started) / max(deadline - started, 1e-9)
+        return self.ranks.clock(go, progress)
+
+    def indexer_loss(self, model: Transformer, state: TrainState, trace: dict, stream: int = 0) -> torch.Tensor:
         """The indexer's KL to the main attention (indexer.py) on `index_rows` query rows past the window (whose
         queries read compressed entries only there); zero without index layers or with index_rows 0."""
         n, first = self.plan.seq_len, self.args.window_size
         if not self.plan.index_rows or "indexer_inputs" not in trace or n <= first:
             return torch.zeros((), device=self.device)
-        rows = query_rows(n, self.plan.index_rows, first, self.index_generator, self.device)
+        rows = query_rows(n, self.plan.index_rows, first, self.streams[stream].index_generator, self.device)
         return indexer_kl(model, state, trace, rows)
 
     def backbone(self, deadline: float) -> int:
@@ -282,35 +366,49 @@ class Trainer:
         params = self.masters.trainable()
         opt = torch.optim.AdamW(params, lr=p.lr, betas=(0.9, 0.95), weight_decay=0.1)
         step = 0
-        while (p.steps is None or step < p.steps) and time.monotonic() < deadline:
-            progress = step / p.steps if p.steps else (time.monotonic() - started) / max(deadline - started, 1e-9)
+        while True:
+            go, progress = self.clock(step, p.steps, started, deadline)
+            if not go:
+                break
             lr = learning_rate(p.lr, step, progress, p.warmup)
             for group in opt.param_groups:
                 group["lr"] = lr
-            (x, answers, copies, far), trace = self.window(progress), {}
-            state, model = TrainState(device=self.device), self.model()
             warm = progress < p.attention_picks
-            select = Selections(picker=attention_picks) if warm else None
-            out = model.forward(state, Tokens(x[:-1]), debug=Debug(select=select, trace=trace))
-            loss = F.cross_entropy(out.logits, x[1:])
-            total = loss + p.index_weight * (kl := self.indexer_loss(model, state, trace))
-            if answers.numel() and p.answer_weight:
-                # a window holds a few answers among thousands of tokens: without a weight of their own their
-                # gradient is too small a part of the step for the attention to learn the look-up
-                total = total + p.answer_weight * F.cross_entropy(out.logits[answers], x[1:][answers])
-            self._update(opt, params, total, trace)
+            loads, logged = {}, []
+            for j in range(p.batch):
+                loss, kl, trace, hits = self.backbone_window(progress, j, warm)
+                loads = add_loads(loads, expert_loads(self.args, trace))
+                logged.append({"train_loss": float(loss.detach()), "index_kl": float(kl.detach()), **hits})
+            self._update(opt, params, loads)
             step += 1
             row = {"phase": "backbone", "step": step, "elapsed_s": round(time.monotonic() - started, 2),
-                   "lr": lr, "picks": "attention" if warm else "indexer", "train_loss": float(loss.detach()),
-                   "index_kl": float(kl.detach())}
-            # greedy: the facts' first answer tokens, the repeats' copied tokens (those beyond the window)
-            for name, rows in (("fact_recall", answers), ("copy_acc", copies), ("copy_far", far)):
-                if rows.numel():
-                    row[name] = float((out.logits[rows].argmax(-1) == x[1:][rows]).float().mean())
-            if step % p.eval_every == 0:
-                row["val_loss"] = self.nll(self.validation, p.eval_windows)
-            self.log.add(**row)
+                   "lr": lr, "picks": "attention" if warm else "indexer", **mean_rows(logged)}
+            if self.ranks.rank == 0:  # the log holds rank 0's windows
+                if step % p.eval_every == 0:
+                    row["val_loss"] = self.nll(self.validation, p.eval_windows)
+                self.log.add(**row)
         return step
+
+    def backbone_window(self, progress: float, stream: int, warm: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, dict, dict[str, float]]:
+        """One window's forward and backward (its loss over `batch`, gradients adding up over a step's
+        windows): (its next-token loss, its indexer KL, its trace, its greedy hit rates -- the facts' first
+        answer tokens, the repeats' copied tokens, those beyond the window)."""
+        p = self.plan
+        (x, answers, copies, far), trace = self.window(progress, stream), {}
+        state, model = TrainState(device=self.device), self.model()
+        select = Selections(picker=attention_picks) if warm else None
+        out = model.forward(state, Tokens(x[:-1]), debug=Debug(select=select, trace=trace))
+        loss = F.cross_entropy(out.logits, x[1:])
+        total = loss + p.index_weight * (kl := self.indexer_loss(model, state, trace, stream))
+        if answers.numel() and p.answer_weight:
+            # a window holds a few answers among thousands of tokens: without a weight of their own their
+            # gradient is too small a part of the step for the attention to learn the look-up
+            total = total + p.answer_weight * F.cross_entropy(out.logits[answers], x[1:][answers])
+        (total / p.batch).backward()
+        hits = {name: float((out.logits[rows].argmax(-1) == x[1:][rows]).float().mean())
+                for name, rows in (("fact_recall", answers), ("copy_acc", copies), ("copy_far", far)) if rows.numel()}
+        return loss, kl, trace, hits
 
     def dspark(self, deadline: float) -> int:
         """The DSpark stages on the frozen backbone: per step one window's taps and greedy outputs, `anchors`
@@ -321,29 +419,42 @@ class Trainer:
         params = self.masters.trainable("mtp.")
         opt = torch.optim.AdamW(params, lr=p.dspark_lr, betas=(0.9, 0.95), weight_decay=0.1)
         step = 0
-        while (p.dspark_steps is None or step < p.dspark_steps) and time.monotonic() < deadline:
-            progress = (step / p.dspark_steps if p.dspark_steps else
-                        (time.monotonic() - started) / max(deadline - started, 1e-9))
+        while True:
+            go, progress = self.clock(step, p.dspark_steps, started, deadline)
+            if not go:
+                break
             lr = learning_rate(p.dspark_lr, step, progress, p.warmup)
             for group in opt.param_groups:
                 group["lr"] = lr
-            x = self.window()[0][:-1]
-            model = self.model()
-            with torch.no_grad():
-                out = model.forward(TrainState(device=self.device), Tokens(x))
-            greedy = out.logits.argmax(-1)
-            b = a.dspark_block_size
-            anchors = torch.from_numpy(np.sort(self.rng.choice(np.arange(1, x.numel() - b), size=min(
-                p.anchors, x.numel() - b - 1), replace=False))).to(self.device)
-            trace: dict = {}
-            loss, accepted = dspark_loss(model, self.masters, out.main_hidden, x, greedy, anchors, trace)
-            self._update(opt, params, loss, trace)
+            loads, logged = {}, []
+            for j in range(p.batch):
+                x = self.window(stream=j)[0][:-1]
+                model = self.model()
+                with torch.no_grad():
+                    out = model.forward(TrainState(device=self.device), Tokens(x))
+                greedy = out.logits.argmax(-1)
+                b = a.dspark_block_size
+                anchors = torch.from_numpy(np.sort(self.streams[j].rng.choice(np.arange(1, x.numel() - b), size=min(
+                    p.anchors, x.numel() - b - 1), replace=False))).to(self.device)
+                trace: dict = {}
+                loss, accepted = dspark_loss(model, self.masters, out.main_hidden, x, greedy, anchors, trace)
+                (loss / p.batch).backward()
+                loads = add_loads(loads, expert_loads(self.args, trace))
+                logged.append({"train_loss": float(loss.detach()), "accepted_per_block": accepted})
+            self._update(opt, params, loads)
             step += 1
-            self.log.add(phase="dspark", step=step, elapsed_s=round(time.monotonic() - started, 2), lr=lr,
-                         train_loss=float(loss.detach()), accepted_per_block=accepted)
+            if self.ranks.rank == 0:
+                self.log.add(phase="dspark", step=step, elapsed_s=round(time.monotonic() - started, 2), lr=lr,
+                             **mean_rows(logged))
         for t in self.masters.params.values():
             t.requires_grad_(False)
         return step
+
+
+def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's mean over the rows that have it (a step's windows' logged values)."""
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
 
 
 def draft_logits(model: Transformer, masters: Masters, main_hidden: torch.Tensor, x: torch.Tensor,
@@ -389,10 +500,11 @@ def dspark_loss(model: Transformer, masters: Masters, main_hidden: torch.Tensor,
 
 
 def summary(trainer: Trainer, steps: int, dspark_steps: int, seconds: float) -> dict:
-    params = trainer.masters.params
+    params, plan = trainer.masters.params, trainer.plan
     return {"parameters": sum(p.numel() for p in params.values()),
             "parameters_without_engram_tables": sum(p.numel() for n, p in params.items() if ".engram.embed." not in n),
-            "backbone_steps": steps, "dspark_steps": dspark_steps, "tokens_seen": steps * trainer.plan.seq_len,
+            "backbone_steps": steps, "dspark_steps": dspark_steps, "ranks": trainer.ranks.world,
+            "tokens_seen": steps * plan.seq_len * plan.batch * trainer.ranks.world,
             "train_seconds": round(seconds, 1), "plan": dataclasses.asdict(trainer.plan),
             "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
             "torch": torch.__version__}

@@ -8,18 +8,21 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing
 
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.engine.placement import size_arg
 from dsflash.train import data
 from dsflash.train.backend import Masters
 from dsflash.train.export import SHARD_BYTES, export_weights
-from dsflash.train.loop import Plan, Trainer, smoke_args, summary, trained_args, write_json
+from dsflash.train.loop import Plan, Ranks, Trainer, smoke_args, summary, trained_args, write_json
 from dsflash.train.plot import write_csv, write_png
 
 SAVE_RESERVE_S = 45.0  # of the budget, kept for the test NLL, the export and the curves
@@ -34,6 +37,28 @@ def export_dir(masters: Masters, args, data_dir: Path, out: Path, shard_bytes: i
 
 
 def run(ns: argparse.Namespace) -> int:
+    """One training run; with `--ranks N` (N > 1), N data-parallel processes of it (`Ranks`), rank 0 saving."""
+    if ns.ranks > 1 and not dist.is_initialized():
+        with socket.socket() as s:  # a free port for the ranks' rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        # this process's CPU threads shared out (on the CPU a GEMM's bits depend on its thread count)
+        threads = max(1, torch.get_num_threads() // ns.ranks)
+        torch.multiprocessing.spawn(_rank, args=(ns, port, threads), nprocs=ns.ranks)
+        return 0
+    return _train(ns)
+
+
+def _rank(rank: int, ns: argparse.Namespace, port: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ns.ranks)
+    try:
+        _train(ns)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(ns: argparse.Namespace) -> int:
     t0 = time.monotonic()
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type == "cuda":
@@ -48,7 +73,7 @@ def run(ns: argparse.Namespace) -> int:
                 seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows, lr=ns.lr, dspark_lr=ns.lr,
                 dspark_share=ns.dspark_share, fact_span=ns.fact_span, index_rows=ns.index_rows,
                 index_weight=ns.index_weight, attention_picks=ns.attention_picks, answer_weight=ns.answer_weight,
-                repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach)
+                repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach, batch=ns.batch)
     trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
                       plan, device, data.load_facts(ns.data), ns.init)
     out = Path(ns.out)
@@ -57,6 +82,8 @@ def run(ns: argparse.Namespace) -> int:
     backbone_end = end - plan.dspark_share * (end - time.monotonic())
     steps = trainer.backbone(backbone_end)
     dspark_steps = trainer.dspark(end)
+    if Ranks().rank != 0:  # rank 0 holds the same masters and saves them
+        return 0
     test = torch.from_numpy(data.load_tokens(ns.data, "test").astype("int64"))
     result = summary(trainer, steps, dspark_steps, time.monotonic() - t0)
     if ns.init:  # the run this one went on from, as its train.json says (shipped checkpoints keep it inside)
@@ -127,6 +154,11 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat-reach", type=int, default=Plan.repeat_reach,
                         help="the longest gap from a passage to its copy, grown to from inside the attention "
                              "window over the first half of the backbone phase")
+    parser.add_argument("--batch", type=int, default=Plan.batch,
+                        help="training windows a step on each rank, their gradients averaged")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="data-parallel processes (torch.distributed, gloo) on the one device, each with its "
+                             "own --batch windows a step: a GPU that one process leaves idle between launches")
     parser.add_argument("--device", help="torch device (default: cuda when available)")
     parser.add_argument("--smoke", action="store_true", help="the tests' narrow configuration (CPU seconds)")
     parser.add_argument("--shard-size", type=size_arg, default=SHARD_BYTES, metavar="SIZE",
