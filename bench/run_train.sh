@@ -7,8 +7,8 @@
 # test *.tokens.npy, engram_map.json, facts.json, manifest.json, tokens.json, tokenizer.json; ~16 MB):
 #   mkdir -p .train-gpu && cp .train-data/{engram_map.json,facts.json,manifest.json,tokenizer.json,tokens.json,*.npy} .train-gpu/
 # and run `bash bench/run_train.sh [TRAIN OPTIONS]` with carry [".train-gpu"] (e.g. `--init dsflash/checkpoint/trained` goes on
-# training the shipped model; `--ranks 3` runs three data-parallel processes on the one GPU, which a one-process
-# run leaves ~70 % idle between its launches). Writes $OUT/run/: the checkpoint in shards of at most
+# training the shipped model; `--ranks N` runs N data-parallel processes, rank r on GPU r mod the GPUs there).
+# Writes $OUT/run/: the checkpoint in shards of at most
 # 15 MiB (the GPU machine returns files of at most 16 MiB, 8 of them), train.json, loss.csv, loss.png. The
 # checkpoint's tokenizer.json is the data's and stays behind (the ninth file): on the dev machine
 #   cp .train-data/tokenizer.json RUN/checkpoint/ && python3 -m dsflash.train.ship RUN --data .train-data

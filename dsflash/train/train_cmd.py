@@ -61,6 +61,9 @@ def _rank(rank: int, ns: argparse.Namespace, port: int, threads: int) -> None:
 def _train(ns: argparse.Namespace) -> int:
     t0 = time.monotonic()
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and dist.is_initialized():  # a rank's own GPU, where there are several
+        device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
     if torch.device(device).type == "cuda":
         # reproducible from the seed: cuBLAS's fixed workspace, and deterministic kernels where torch has them
         # (it warns for the ones it lacks rather than stopping a budgeted run)
@@ -157,8 +160,8 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=Plan.batch,
                         help="training windows a step on each rank, their gradients averaged")
     parser.add_argument("--ranks", type=int, default=1,
-                        help="data-parallel processes (torch.distributed, gloo) on the one device, each with its "
-                             "own --batch windows a step: a GPU that one process leaves idle between launches")
+                        help="data-parallel processes (torch.distributed, gloo), each with its own --batch windows "
+                             "a step; with --device cuda rank r runs on GPU r mod the GPUs there")
     parser.add_argument("--device", help="torch device (default: cuda when available)")
     parser.add_argument("--smoke", action="store_true", help="the tests' narrow configuration (CPU seconds)")
     parser.add_argument("--shard-size", type=size_arg, default=SHARD_BYTES, metavar="SIZE",
