@@ -22,10 +22,10 @@ from tests.test_train import data_dir  # noqa: F401 (the fixture)
 
 # the trained model's bounds, set from its measured values with a small margin (None: not measured yet)
 # (the shipped model of 2026-12-03, run 6 -- run 5's backbone, its DSpark stages trained 779 steps more on plain
-# text -- CPU reference: test NLL 3.655, DSpark acceptance 27.0 %, needles 0 of 5; run 5 before it: 3.656,
-# 21.0 %, 0 of 5; run 3: 3.753, 14.9 %, 0 of 5)
+# text -- CPU reference: test NLL 3.655, DSpark acceptance at a fixed depth 4 20.8 %, needles 0 of 5; run 5
+# before it: 3.656, 21.0 % by the adaptive depth under load, 0 of 5; run 3: 3.753, 14.9 %, 0 of 5)
 TEST_NLL_MAX: float | None = 3.75  # nats per token on the shipped sample (16K test-split tokens), CPU reference
-ACCEPT_MIN: float | None = 0.24  # DSpark acceptance on held-out Python (aim >= 0.5)
+ACCEPT_MIN: float | None = 0.18  # DSpark acceptance on held-out Python at depth 4 (aim >= 0.5)
 # of the 5 needles, 1500 tokens back (12 windows, 750 ratio-2 groups): unset while the shipped model recalls
 # none (it copies nothing, not even 20 tokens back): test_trained_model_recalls_needles is a strict xfail
 NEEDLES_MIN: int | None = None

@@ -359,6 +359,10 @@ def test_the_saved_checkpoint_decodes_and_drafts_like_plain_decoding(data_dir, t
         stats = DecodeStats()
         outputs.append(list(decode(s, s.prefill(ids), 16, SamplingParams(), stop=set(), dspark=k, stats=stats)))
     assert outputs[0] == outputs[1] and stats.drafted > 0
+    s, fixed = engine.session(), DecodeStats()  # the gates' fixed depth: every cycle drafts all 3
+    assert list(decode(s, s.prefill(ids), 16, SamplingParams(), stop=set(), dspark=3, stats=fixed,
+                       adaptive=False)) == outputs[0]
+    assert fixed.cycles > 0 and fixed.drafted == 3 * fixed.cycles
 
 
 def test_side_by_side_blocks_draft_as_decoding_drafts(data_dir):

@@ -39,9 +39,10 @@ class Drafting:
         return self.plain_s / self.dspark_s if self.dspark_s else 0.0
 
 
-def drafting(engine: Engine, prompts: list[list[int]], n: int, depth: int) -> Drafting:
-    """Greedy decoding of each prompt plainly and with DSpark drafts of up to `depth`: acceptance, tokens per
-    verify cycle, both decode times (prefills not counted), and whether the outputs are token-identical."""
+def drafting(engine: Engine, prompts: list[list[int]], n: int, depth: int, adaptive: bool = True) -> Drafting:
+    """Greedy decoding of each prompt plainly and with DSpark drafts of up to `depth` (exactly `depth` when not
+    `adaptive`, spec.FixedDepth): acceptance, tokens per verify cycle, both decode times (prefills not
+    counted), and whether the outputs are token-identical."""
     stats, identical, times = DecodeStats(), True, [0.0, 0.0]
     for ids in prompts:
         outputs = []
@@ -50,7 +51,7 @@ def drafting(engine: Engine, prompts: list[list[int]], n: int, depth: int) -> Dr
             first = s.prefill(ids)
             t0 = time.perf_counter()
             outputs.append(list(decode(s, first, n, SamplingParams(), stop=set(), dspark=k,
-                                       stats=stats if k else None)))
+                                       stats=stats if k else None, adaptive=adaptive)))
             times[i] += time.perf_counter() - t0
         identical &= outputs[0] == outputs[1]
     return Drafting(len(prompts), stats.generated, stats.accept_rate, stats.tokens_per_cycle, times[0], times[1],

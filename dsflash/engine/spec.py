@@ -91,15 +91,31 @@ class DraftDepth:
             self.hits[i] += i < accepted
 
 
+@dataclass
+class FixedDepth:
+    """Always k drafts: what the drafter alone achieves, independent of the machine's timings (the quality
+    gates' measurement; DraftDepth's choices follow measured step times, so its acceptance moves with load)."""
+
+    max_k: int
+
+    def choose(self) -> int:
+        return self.max_k
+
+    def record(self, rows: int, seconds: float, drafted: int, accepted: int, draft_s: float) -> None:
+        pass
+
+
 def decode(session: Session, first_logits, max_new: int, params: SamplingParams, stop: set[int],
            dspark: int = 0, stats: DecodeStats | None = None,
-           stopped: Callable[[], bool] | None = None, constraint: Constraint | None = None) -> Iterator[int]:
+           stopped: Callable[[], bool] | None = None, constraint: Constraint | None = None,
+           adaptive: bool = True) -> Iterator[int]:
     """Yield up to `max_new` tokens after the session's last row (whose logits are `first_logits`);
-    a `constraint` restricts them (a forced tool call, JSON mode)."""
+    a `constraint` restricts them (a forced tool call, JSON mode). `dspark`: drafts a cycle, at most; chosen
+    each cycle by measured rates (DraftDepth), or all of them when not `adaptive`."""
     stats = stats or DecodeStats()
     depth = None
     if dspark and session.decoder.model.dspark:
-        depth = DraftDepth(min(dspark, session.engine.args.dspark_block_size))
+        depth = (DraftDepth if adaptive else FixedDepth)(min(dspark, session.engine.args.dspark_block_size))
     t0 = time.perf_counter()
     history = History(session.tokens, first_logits.numel()) if params.adjusted else None
 
