@@ -411,9 +411,8 @@ class Trainer:
         return loss, kl, trace, hits
 
     def dspark(self, deadline: float) -> int:
-        """The DSpark stages on the frozen backbone: per step one window's taps and greedy outputs, `anchors`
-        blocks of [anchor, noise...] rows trained to give the backbone's greedy tokens after the anchor."""
-        p, a, started = self.plan, self.args, time.monotonic()
+        """The DSpark stages on the frozen backbone: per step `batch` windows on each rank (`dspark_window`)."""
+        p, started = self.plan, time.monotonic()
         for name, t in self.masters.params.items():
             t.requires_grad_(name.startswith("mtp.") and not name.endswith(".gate.bias"))
         params = self.masters.trainable("mtp.")
@@ -428,17 +427,7 @@ class Trainer:
                 group["lr"] = lr
             loads, logged = {}, []
             for j in range(p.batch):
-                x = self.window(stream=j)[0][:-1]
-                model = self.model()
-                with torch.no_grad():
-                    out = model.forward(TrainState(device=self.device), Tokens(x))
-                greedy = out.logits.argmax(-1)
-                b = a.dspark_block_size
-                anchors = torch.from_numpy(np.sort(self.streams[j].rng.choice(np.arange(1, x.numel() - b), size=min(
-                    p.anchors, x.numel() - b - 1), replace=False))).to(self.device)
-                trace: dict = {}
-                loss, accepted = dspark_loss(model, self.masters, out.main_hidden, x, greedy, anchors, trace)
-                (loss / p.batch).backward()
+                loss, accepted, trace = self.dspark_window(j)
                 loads = add_loads(loads, expert_loads(self.args, trace))
                 logged.append({"train_loss": float(loss.detach()), "accepted_per_block": accepted})
             self._update(opt, params, loads)
@@ -449,6 +438,23 @@ class Trainer:
         for t in self.masters.params.values():
             t.requires_grad_(False)
         return step
+
+    def dspark_window(self, stream: int) -> tuple[torch.Tensor, float, dict]:
+        """One window's taps and greedy outputs, `anchors` blocks of [anchor, noise...] rows trained to give
+        the backbone's greedy tokens after the anchor, backward included (its loss over `batch`): (its loss,
+        its drafts accepted per block, its trace)."""
+        p, b = self.plan, self.args.dspark_block_size
+        x = self.window(stream=stream)[0][:-1]
+        model = self.model()
+        with torch.no_grad():
+            out = model.forward(TrainState(device=self.device), Tokens(x))
+        greedy = out.logits.argmax(-1)
+        anchors = torch.from_numpy(np.sort(self.streams[stream].rng.choice(
+            np.arange(1, x.numel() - b), size=min(p.anchors, x.numel() - b - 1), replace=False))).to(self.device)
+        trace: dict = {}
+        loss, accepted = dspark_loss(model, self.masters, out.main_hidden, x, greedy, anchors, trace)
+        (loss / p.batch).backward()
+        return loss, accepted, trace
 
 
 def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
