@@ -160,8 +160,8 @@ def drop_unrouted_grads(masters: Masters, loads: dict[int, torch.Tensor]) -> Non
 
 
 class Ranks:
-    """The data-parallel ranks of a run (torch.distributed over gloo: processes sharing one GPU, which one
-    process's one-window steps leave mostly idle, or the CPU). Each rank trains its own windows; per step the
+    """The data-parallel ranks of a run (torch.distributed over gloo: processes of one host, rank r on GPU r
+    mod the GPUs there, or on the CPU). Each rank trains its own windows; per step the
     ranks go by rank 0's clock and take the mean of their gradients, so every rank holds the same masters. A
     step of N ranks with W windows each is a step of one process with N x W windows, bit for bit (on the CPU
     at the same threads a process): a gradient is a sum over windows scaled by a power of two either way."""
@@ -511,7 +511,7 @@ def summary(trainer: Trainer, steps: int, dspark_steps: int, seconds: float) -> 
             "parameters_without_engram_tables": sum(p.numel() for n, p in params.items() if ".engram.embed." not in n),
             "backbone_steps": steps, "dspark_steps": dspark_steps, "ranks": trainer.ranks.world,
             "tokens_seen": steps * plan.seq_len * plan.batch * trainer.ranks.world,
-            "train_seconds": round(seconds, 1), "plan": dataclasses.asdict(trainer.plan),
+            "train_seconds": round(seconds, 1), "plan": dataclasses.asdict(plan),
             "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
             "torch": torch.__version__}
 

@@ -22,7 +22,7 @@ from dsflash.engine.placement import size_arg
 from dsflash.train import data
 from dsflash.train.backend import Masters
 from dsflash.train.export import SHARD_BYTES, export_weights
-from dsflash.train.loop import Plan, Ranks, Trainer, smoke_args, summary, trained_args, write_json
+from dsflash.train.loop import Plan, Trainer, smoke_args, summary, trained_args, write_json
 from dsflash.train.plot import write_csv, write_png
 
 SAVE_RESERVE_S = 45.0  # of the budget, kept for the test NLL, the export and the curves
@@ -85,7 +85,7 @@ def _train(ns: argparse.Namespace) -> int:
     backbone_end = end - plan.dspark_share * (end - time.monotonic())
     steps = trainer.backbone(backbone_end)
     dspark_steps = trainer.dspark(end)
-    if Ranks().rank != 0:  # rank 0 holds the same masters and saves them
+    if trainer.ranks.rank != 0:  # rank 0 holds the same masters and saves them
         return 0
     test = torch.from_numpy(data.load_tokens(ns.data, "test").astype("int64"))
     result = summary(trainer, steps, dspark_steps, time.monotonic() - t0)
