@@ -42,3 +42,17 @@ def test_block_scaled_gemm_sums_each_k_range_then_the_ranges():
     x[0, 31 * BLOCK] = -(2.0 ** 24)
     y = cpu.linear(x.bfloat16(), block_weight(1024))
     assert y.dtype == torch.bfloat16 and float(y[0, 0]) == 15.0
+
+
+def test_keyed_topk_picks_what_a_stable_descending_sort_picks():
+    """topk_lowest_index's keyed top-k (rows under 2^20 values) against the stable sort it replaces, on rows
+    full of ties, both zeros, infinities and NaNs, in each dtype it takes: the same indices in the same order."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for _ in range(20):
+            s = (torch.randint(-4, 5, (6, 300), generator=g).float() / 4).to(dtype)
+            s[0, ::7], s[1, ::5], s[2, 3], s[2, 4] = -torch.inf, torch.inf, -0.0, 0.0
+            s[3, 10], s[3, 11] = torch.nan, -torch.nan
+            for k in (1, 5, 64, 300):
+                want = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
+                assert torch.equal(cpu.topk_lowest_index(s, k), want), (dtype, k)

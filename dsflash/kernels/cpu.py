@@ -177,7 +177,6 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     relative to the running maximum. A row with no valid index gives zeros. Returns bf16 [N, H, D].
     """
     n, h, d = q.shape
-    scale_t = torch.tensor(scale, dtype=torch.float32, device=q.device)
     qf = q.float().unsqueeze(0)
     kvf = kv.float()
     acc = q.new_zeros(1, n, h, d, dtype=torch.float32)
@@ -188,7 +187,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         valid = blk != -1
         rows = kvf[blk.clamp_min(0)] * valid.unsqueeze(-1)
         s = torch.einsum("bmhd,bmkd->bmhk", qf, rows)
-        s = torch.where(valid.unsqueeze(2), s, -torch.inf) * scale_t
+        # (a Python float: times the float32 scale, with no host tensor for a CUDA graph capture to copy)
+        s = torch.where(valid.unsqueeze(2), s, -torch.inf) * scale
         prev = run_max
         run_max = torch.maximum(prev, s.amax(dim=-1))
         rescale = torch.exp(prev - run_max)
@@ -298,9 +298,23 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, vis
     return scores
 
 
+_KEY_INDEX_BITS = 20  # rows of up to 2^20 values take the keyed top-k below
+
+
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest values per row; among exactly equal values the lowest index wins."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    """Indices of the k largest values per row, best first; among exactly equal values the lowest index
+    wins (a stable descending sort's first k). For float32/bf16/fp16 rows of fewer than 2^20 values, one
+    top-k of distinct int64 keys -- each value's order-preserving bits above its reversed index -- gives
+    exactly those indices without sorting the whole row (the indexer's rows are thousands wide)."""
+    width = scores.size(-1)
+    if scores.dtype not in (torch.float32, torch.bfloat16, torch.float16) or width >= 1 << _KEY_INDEX_BITS:
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    v = scores.float() + 0.0  # exact; -0.0 becomes +0.0, which the sort holds equal
+    v = torch.where(v.isnan(), torch.nan, v)  # every NaN as the one positive NaN: above +inf, as the sort has it
+    bits = v.view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: magnitude bits reversed
+    reversed_index = (1 << _KEY_INDEX_BITS) - 1 - torch.arange(width, device=scores.device)
+    return torch.topk((ordered << _KEY_INDEX_BITS) | reversed_index, k, dim=-1).indices
 
 
 def topk_indices(scores: torch.Tensor, k: int, visible: torch.Tensor, width: int) -> torch.Tensor:
