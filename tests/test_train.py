@@ -32,7 +32,7 @@ from dsflash.train.backend import (
     quantised,
 )
 from dsflash.train.export import export_weights
-from dsflash.train.indexer import attention_picks, attention_target
+from dsflash.train.indexer import attention_picks, attention_target, query_rows
 from dsflash.train.loop import Plan, Trainer, draft_logits, drop_unrouted_grads, smoke_args
 from dsflash.train.quality import NEEDLE_WORDS
 from dsflash.train.train_cmd import main as train_main
@@ -246,7 +246,7 @@ def test_the_indexer_learns_the_main_attentions_distribution(data_dir):
             p.grad = None
         model, state, trace = t.model(), TrainState(device="cpu"), {}
         model.forward(state, Tokens(x[:-1]), debug=Debug(trace=trace))
-        kl = t.indexer_loss(model, state, trace)
+        kl = t.indexer_loss(model, state, trace, query_rows(96, 64, t.args.window_size, torch.Generator(), "cpu"))
         kl.backward()
         if not kls:
             assert {n for n, p in t.masters.params.items() if p.grad is not None and p.grad.abs().sum() > 0} == \

@@ -100,12 +100,22 @@ class _Range:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
 
+@dataclass
+class HostTables:
+    """What a model computes on the host when it is built: its RoPE tables and its Engram layout. A trainer
+    builds a model from its masters every step, and a CUDA graph capturing that build must not copy from the
+    host: it builds the later models with the first one's."""
+
+    ropes: tuple[Rope, Rope]
+    engram_layout: EngramLayout | None
+
+
 class Transformer:
     def __init__(self, args: ModelArgs, ckpt: Checkpoint, token_map: list[int] | None, layers: range | None = None,
                  device: str | torch.device = "cpu", reference: bool = False, tiers: Tiers = RESIDENT,
                  loaded: Callable[[int], None] | None = None,
                  ranges: Sequence[tuple[range, str | torch.device]] | None = None, parallel: Sharding | None = None,
-                 kernels: Kernels | None = None):
+                 kernels: Kernels | None = None, tables: HostTables | None = None):
         """`loaded(i)`, when given, is called after layer i's weights are in place (a command's progress bar).
         `ranges`: the layers cut into consecutive ranges, each with its device (module doc); they must cover
         `layers` in order. None: all on `device`. The embedding side (embedding, vision, Engram hashing) sits
@@ -114,7 +124,8 @@ class Transformer:
         tensor parallel layout (model/parallel.py): this process holds its shards, the other ranks theirs; each
         range runs over its stage's ranks (`Sharding.stage`: with --pp, a group of its own). `kernels`: a
         backend record of the caller's instead of the device's (the training mode's, dsflash/train/backend.py),
-        its `weight` reading `ckpt`; one range only."""
+        its `weight` reading `ckpt`; one range only. `tables`: another model's `host_tables()` (the same
+        configuration on the same devices), taken over instead of built again on the host."""
         self.args, self.ckpt, self.tiers = args, ckpt, tiers
         self.layers = layers if layers is not None else range(args.n_layers)
         spans = list(ranges) if ranges else [(self.layers, device)]
@@ -144,7 +155,8 @@ class Transformer:
         self.k, self.device, self.input_device = last.k, last.device, first.device
         self.layer_devices = {i: rg.device for rg in self.ranges for i in rg.layers}
         # RoPE tables are kept per device (model/rope.py): one pair serves every range
-        self.ropes = (Rope(args, compressed=False, kernels=self.k), Rope(args, compressed=True, kernels=self.k))
+        self.ropes = tables.ropes if tables is not None else (
+            Rope(args, compressed=False, kernels=self.k), Rope(args, compressed=True, kernels=self.k))
         self.embed = first.w.tensor("embed.weight")
         # the side that embeds tokens (the box in a split) owns the vision tower and the span delimiters
         self.vision = Vision(args, first.w) if args.vision_n_layers > 0 and self.layers.start == 0 else None
@@ -167,7 +179,9 @@ class Transformer:
         # before its graph (`_replay`), and a prefill fetches the next chunk's rows ahead
         self.engram_staged = any(not e.table.resident for e in self.engram.values())
         self.engram_layout = None
-        if self.engram:
+        if self.engram and tables is not None:
+            self.engram_layout = tables.engram_layout
+        elif self.engram:
             assert token_map is not None, "Engram layers need the compressed token map"
             self.engram_layout = EngramLayout.build(args, token_map, self.input_device)
         # the encoder side writes the cache of the KV source that starts the next range
@@ -219,6 +233,9 @@ class Transformer:
     def rope_epoch(self) -> tuple[int, ...]:
         """Changes whenever a RoPE table is rebuilt (CUDA graphs read the tables by address)."""
         return tuple(r.rebuilds for r in self.ropes)
+
+    def host_tables(self) -> HostTables:
+        return HostTables(self.ropes, self.engram_layout)
 
     def forward(self, state: SequenceState, x: Tokens | Streams | torch.Tensor, *, tail_only: bool = False,
                 debug: Debug | None = None, graphs: Replayer | None = None) -> ForwardOutput:

@@ -181,6 +181,11 @@ class Masters:
             held = self._values[name]
         return ste(master, held[1]) if master.requires_grad and torch.is_grad_enabled() else held[1]
 
+    def forget_values(self) -> None:
+        """Drop the cached stored values, so the next forward quantises every linear from its master (what a
+        CUDA graph capturing that forward must record: its replays follow the optimiser's steps)."""
+        self._values.clear()
+
     def trainable(self, prefix: str = "") -> list[torch.Tensor]:
         return [p for n, p in self.params.items() if p.requires_grad and n.startswith(prefix)]
 
@@ -257,13 +262,19 @@ class _Rows(torch.autograd.Function):
 GROUP_ROWS = 16
 
 
+def id_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in ids, int64 [n] (not bincount: on a GPU it reads the largest id back
+    to the host, which a CUDA graph cannot capture)."""
+    return (ids.reshape(-1, 1) == torch.arange(n, device=ids.device)).sum(0)
+
+
 def grouped_slots(experts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layout of a grouped GEMM over slots (experts: the bank entry of each slot, [S]), computed on the
     device: (the slot of each grouped row or S for padding [S + n * (GROUP_ROWS - 1)], the grouped row of each
     slot [S], the end of each entry's rows int32 [n]). Entry by entry ascending, its slots in order."""
     s = experts.numel()
     order = torch.sort(experts, stable=True).indices
-    counts = torch.bincount(experts, minlength=n)
+    counts = id_counts(experts, n)
     padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
     ends = padded.cumsum(0)
     by_entry = experts[order]

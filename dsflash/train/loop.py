@@ -10,6 +10,7 @@ up when it took fewer than its share of the routed slots and down when more (`BI
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import tempfile
 import time
@@ -26,10 +27,11 @@ from dsflash.checkpoint.reader import Checkpoint
 from dsflash.config import ModelArgs, engram_table_rows, validate
 from dsflash.model.common import Selections
 from dsflash.model.mhc import hc_pre
-from dsflash.model.transformer import Debug, Tokens, Transformer
+from dsflash.model.transformer import Debug, HostTables, Tokens, Transformer
 from dsflash.model.weights import WeightLoader
-from dsflash.train.backend import Masters, TrainState, training_kernels
+from dsflash.train.backend import Masters, TrainState, id_counts, training_kernels
 from dsflash.train.blocks import BlockAttention, BlockChunk, block_rows
+from dsflash.train.graph import CapturedStep
 from dsflash.train.indexer import attention_picks, indexer_kl, query_rows
 
 PAD_ID = 2  # tokenizer.PAD_ID (not imported: that module needs `tokenizers`, which the GPU machine lacks)
@@ -94,6 +96,7 @@ class Plan:
     repeat_share: float = 0.0  # of a window's tokens, copies of a passage earlier in it (`write_repeats`); 0: none
     repeat_reach: int = 4096  # the longest gap from a passage to its copy, reached halfway through the phase
     batch: int = 1  # training windows a step on each rank, their gradients averaged (`Ranks`)
+    graphs: bool = True  # on a GPU, each backbone window after the first as one CUDA graph (graph.py)
     seed: int = 0
 
 
@@ -135,8 +138,7 @@ def moe_prefix(args: ModelArgs, layer: int) -> str:
 
 def expert_loads(args: ModelArgs, trace: dict) -> dict[int, torch.Tensor]:
     """layer -> the number of routed slots each of its experts took in the step's routing trace."""
-    return {layer: torch.bincount(ids.flatten(), minlength=args.moe_experts(layer)[0])
-            for layer, ids in trace.get("moe_ids", {}).items()}
+    return {layer: id_counts(ids, args.moe_experts(layer)[0]) for layer, ids in trace.get("moe_ids", {}).items()}
 
 
 def balance_biases(masters: Masters, loads: dict[int, torch.Tensor]) -> None:
@@ -246,9 +248,15 @@ class Trainer:
         self.masters = Masters(Checkpoint(init), self.device) if init else init_masters(args, plan.seed, self.device)
         self.k = training_kernels(self.masters)
         self.log = Log()
+        self._tables: HostTables | None = None  # the first model's (not the model: see `model`)
+        self._windows: dict[bool, CapturedStep] = {}  # the backbone window by warm-up or not (`window_loss`)
 
     def model(self) -> Transformer:
-        return Transformer(self.args, self.masters, self.token_map, kernels=self.k)
+        """The model as the masters are now, with the first model's host tables. (Not a model kept from step to
+        step: its weights' autograd nodes would tie a CUDA graph's backward to the stream they were made on.)"""
+        model = Transformer(self.args, self.masters, self.token_map, kernels=self.k, tables=self._tables)
+        self._tables = self._tables or model.host_tables()
+        return model
 
     def window(self, progress: float = 1.0, stream: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -352,13 +360,11 @@ class Trainer:
         progress = step / steps if steps else (time.monotonic() - started) / max(deadline - started, 1e-9)
         return self.ranks.clock(go, progress)
 
-    def indexer_loss(self, model: Transformer, state: TrainState, trace: dict, stream: int = 0) -> torch.Tensor:
-        """The indexer's KL to the main attention (indexer.py) on `index_rows` query rows past the window (whose
-        queries read compressed entries only there); zero without index layers or with index_rows 0."""
-        n, first = self.plan.seq_len, self.args.window_size
-        if not self.plan.index_rows or "indexer_inputs" not in trace or n <= first:
+    def indexer_loss(self, model: Transformer, state: TrainState, trace: dict, rows: torch.Tensor) -> torch.Tensor:
+        """The indexer's KL to the main attention (indexer.py) on the query `rows` (`query_rows`: past the window,
+        whose queries read compressed entries only there); zero without index layers or rows."""
+        if not rows.numel() or "indexer_inputs" not in trace:
             return torch.zeros((), device=self.device)
-        rows = query_rows(n, self.plan.index_rows, first, self.streams[stream].index_generator, self.device)
         return indexer_kl(model, state, trace, rows)
 
     def backbone(self, deadline: float) -> int:
@@ -376,8 +382,8 @@ class Trainer:
             warm = progress < p.attention_picks
             loads, logged = {}, []
             for j in range(p.batch):
-                loss, kl, trace, hits = self.backbone_window(progress, j, warm)
-                loads = add_loads(loads, expert_loads(self.args, trace))
+                loss, kl, window_loads, hits = self.backbone_window(progress, j, warm)
+                loads = add_loads(loads, window_loads)
                 logged.append({"train_loss": float(loss.detach()), "index_kl": float(kl.detach()), **hits})
             self._update(opt, params, loads)
             step += 1
@@ -390,25 +396,52 @@ class Trainer:
         return step
 
     def backbone_window(self, progress: float, stream: int, warm: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor, dict, dict[str, float]]:
-        """One window's forward and backward (its loss over `batch`, gradients adding up over a step's
-        windows): (its next-token loss, its indexer KL, its trace, its greedy hit rates -- the facts' first
-        answer tokens, the repeats' copied tokens, those beyond the window)."""
+                        ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor], dict[str, float]]:
+        """One window's forward and backward (`window_loss`; on a GPU its CUDA graph after the first): (its
+        next-token loss, its indexer KL, its expert loads, its greedy hit rates -- the facts' first answer
+        tokens, the repeats' copied tokens, those beyond the window)."""
         p = self.plan
-        (x, answers, copies, far), trace = self.window(progress, stream), {}
+        x, answers, copies, far = self.window(progress, stream)
+        weights = torch.zeros(x.numel() - 1, device=self.device)
+        if answers.numel():  # each answer 1/answers of the answers' mean loss
+            weights[answers] = 1.0 / answers.numel()
+        n, first = p.seq_len, self.args.window_size
+        rows = (query_rows(n, p.index_rows, first, self.streams[stream].index_generator, self.device)
+                if p.index_rows and n > first else torch.zeros(0, dtype=torch.int64, device=self.device))
+        step = self._windows.get(warm)
+        if step is None and p.graphs:
+            step = self._windows[warm] = CapturedStep(
+                lambda **inputs: self.window_loss(warm=warm, **inputs), self.masters.trainable(),
+                self.masters.forget_values)
+        loss, kl, logits, loads = (step or functools.partial(self.window_loss, warm=warm))(
+            tokens=x, answer_weights=weights, index_rows=rows)
+        y = x[1:]
+        hits = {name: float((logits[at].argmax(-1) == y[at]).float().mean())
+                for name, at in (("fact_recall", answers), ("copy_acc", copies), ("copy_far", far)) if at.numel()}
+        # a graph's outputs: the step's next window overwrites them
+        return loss.clone(), kl.clone(), {layer: v.clone() for layer, v in loads.items()}, hits
+
+    def window_loss(self, tokens: torch.Tensor, answer_weights: torch.Tensor, index_rows: torch.Tensor, warm: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """The forward of tokens[:-1] and its backward (its loss over `batch`: the gradients of a step's windows
+        add up): the mean next-token loss, plus the indexer's KL on the query `index_rows` (`indexer_loss`),
+        plus `answer_weight` times the answers' mean loss (`answer_weights`: 1/answers at each answer's
+        position). Returns (the next-token loss, the KL, the logits, the expert loads), all on the device:
+        nothing is read back to the host (CapturedStep)."""
+        p, trace = self.plan, {}
         state, model = TrainState(device=self.device), self.model()
         select = Selections(picker=attention_picks) if warm else None
-        out = model.forward(state, Tokens(x[:-1]), debug=Debug(select=select, trace=trace))
-        loss = F.cross_entropy(out.logits, x[1:])
-        total = loss + p.index_weight * (kl := self.indexer_loss(model, state, trace, stream))
-        if answers.numel() and p.answer_weight:
+        out = model.forward(state, Tokens(tokens[:-1]), debug=Debug(select=select, trace=trace))
+        token_losses = F.cross_entropy(out.logits, tokens[1:], reduction="none")
+        loss = token_losses.mean()
+        kl = self.indexer_loss(model, state, trace, index_rows)
+        total = loss + p.index_weight * kl
+        if p.answer_weight:
             # a window holds a few answers among thousands of tokens: without a weight of their own their
             # gradient is too small a part of the step for the attention to learn the look-up
-            total = total + p.answer_weight * F.cross_entropy(out.logits[answers], x[1:][answers])
+            total = total + p.answer_weight * (token_losses * answer_weights).sum()
         (total / p.batch).backward()
-        hits = {name: float((out.logits[rows].argmax(-1) == x[1:][rows]).float().mean())
-                for name, rows in (("fact_recall", answers), ("copy_acc", copies), ("copy_far", far)) if rows.numel()}
-        return loss, kl, trace, hits
+        return loss.detach(), kl.detach(), out.logits.detach(), expert_loads(self.args, trace)
 
     def dspark(self, deadline: float) -> int:
         """The DSpark stages on the frozen backbone: per step `batch` windows on each rank (`dspark_window`)."""

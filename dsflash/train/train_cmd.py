@@ -76,7 +76,7 @@ def _train(ns: argparse.Namespace) -> int:
                 seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows, lr=ns.lr, dspark_lr=ns.lr,
                 dspark_share=ns.dspark_share, fact_span=ns.fact_span, index_rows=ns.index_rows,
                 index_weight=ns.index_weight, attention_picks=ns.attention_picks, answer_weight=ns.answer_weight,
-                repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach, batch=ns.batch)
+                repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach, batch=ns.batch, graphs=not ns.eager)
     trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
                       plan, device, data.load_facts(ns.data), ns.init)
     out = Path(ns.out)
@@ -163,6 +163,8 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="data-parallel processes (torch.distributed, gloo), each with its own --batch windows "
                              "a step; with --device cuda rank r runs on GPU r mod the GPUs there")
     parser.add_argument("--device", help="torch device (default: cuda when available)")
+    parser.add_argument("--eager", action="store_true",
+                        help="on a GPU, launch every backbone window's kernels from Python (default: CUDA graphs)")
     parser.add_argument("--smoke", action="store_true", help="the tests' narrow configuration (CPU seconds)")
     parser.add_argument("--shard-size", type=size_arg, default=SHARD_BYTES, metavar="SIZE",
                         help="the largest weight file of the checkpoint (15MiB: each file comes back from the GPU "
