@@ -250,6 +250,8 @@ class Trainer:
         self.log = Log()
         self._tables: HostTables | None = None  # the first model's (not the model: see `model`)
         self._windows: dict[bool, CapturedStep] = {}  # the backbone window by warm-up or not (`window_loss`)
+        self._drafts: CapturedStep | None = None  # the DSpark window (`draft_loss`)
+        self.replays = 0  # windows that ran as a graph's replay
 
     def model(self) -> Transformer:
         """The model as the masters are now, with the first model's host tables. (Not a model kept from step to
@@ -393,6 +395,7 @@ class Trainer:
                 if step % p.eval_every == 0:
                     row["val_loss"] = self.nll(self.validation, p.eval_windows)
                 self.log.add(**row)
+        self._windows.clear()  # the phase's graphs, and their memory
         return step
 
     def backbone_window(self, progress: float, stream: int, warm: bool
@@ -415,6 +418,7 @@ class Trainer:
                 self.masters.forget_values)
         loss, kl, logits, loads = (step or functools.partial(self.window_loss, warm=warm))(
             tokens=x, answer_weights=weights, index_rows=rows)
+        self.replays += step is not None and step.graph is not None
         y = x[1:]
         hits = {name: float((logits[at].argmax(-1) == y[at]).float().mean())
                 for name, at in (("fact_recall", answers), ("copy_acc", copies), ("copy_far", far)) if at.numel()}
@@ -460,9 +464,9 @@ class Trainer:
                 group["lr"] = lr
             loads, logged = {}, []
             for j in range(p.batch):
-                loss, accepted, trace = self.dspark_window(j)
-                loads = add_loads(loads, expert_loads(self.args, trace))
-                logged.append({"train_loss": float(loss.detach()), "accepted_per_block": accepted})
+                loss, accepted, window_loads = self.dspark_window(j)
+                loads = add_loads(loads, window_loads)
+                logged.append({"train_loss": float(loss), "accepted_per_block": accepted})
             self._update(opt, params, loads)
             step += 1
             if self.ranks.rank == 0:
@@ -470,24 +474,36 @@ class Trainer:
                              **mean_rows(logged))
         for t in self.masters.params.values():
             t.requires_grad_(False)
+        self._drafts = None
         return step
 
-    def dspark_window(self, stream: int) -> tuple[torch.Tensor, float, dict]:
-        """One window's taps and greedy outputs, `anchors` blocks of [anchor, noise...] rows trained to give
-        the backbone's greedy tokens after the anchor, backward included (its loss over `batch`): (its loss,
-        its drafts accepted per block, its trace)."""
+    def dspark_window(self, stream: int) -> tuple[torch.Tensor, float, dict[int, torch.Tensor]]:
+        """One window's DSpark training (`draft_loss`; on a GPU its CUDA graph after the first) at `anchors`
+        random target positions: (its loss, its drafts accepted per block, its expert loads)."""
         p, b = self.plan, self.args.dspark_block_size
         x = self.window(stream=stream)[0][:-1]
-        model = self.model()
-        with torch.no_grad():
-            out = model.forward(TrainState(device=self.device), Tokens(x))
-        greedy = out.logits.argmax(-1)
         anchors = torch.from_numpy(np.sort(self.streams[stream].rng.choice(
             np.arange(1, x.numel() - b), size=min(p.anchors, x.numel() - b - 1), replace=False))).to(self.device)
+        if self._drafts is None and p.graphs:
+            self._drafts = CapturedStep(self.draft_loss, self.masters.trainable("mtp."), self.masters.forget_values)
+        loss, accepted, loads = (self._drafts or self.draft_loss)(tokens=x, anchors=anchors)
+        self.replays += self._drafts is not None and self._drafts.graph is not None
+        # a graph's outputs: the step's next window overwrites them
+        return loss.clone(), float(accepted), {layer: v.clone() for layer, v in loads.items()}
+
+    def draft_loss(self, tokens: torch.Tensor, anchors: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """The backbone's taps and greedy outputs of `tokens` (no gradient), then blocks of [anchor, noise...]
+        rows at the `anchors` trained to give the greedy tokens after each anchor, backward included (its loss
+        over `batch`). Returns (the loss, the drafts accepted per block, the expert loads), all on the device."""
+        model = self.model()
+        with torch.no_grad():
+            out = model.forward(TrainState(device=self.device), Tokens(tokens))
         trace: dict = {}
-        loss, accepted = dspark_loss(model, self.masters, out.main_hidden, x, greedy, anchors, trace)
-        (loss / p.batch).backward()
-        return loss, accepted, trace
+        loss, accepted = dspark_loss(model, self.masters, out.main_hidden, tokens, out.logits.argmax(-1), anchors,
+                                     trace)
+        (loss / self.plan.batch).backward()
+        return loss.detach(), accepted, expert_loads(self.args, trace)
 
 
 def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -526,7 +542,7 @@ def draft_logits(model: Transformer, masters: Masters, main_hidden: torch.Tensor
 
 
 def dspark_loss(model: Transformer, masters: Masters, main_hidden: torch.Tensor, x: torch.Tensor,
-                greedy: torch.Tensor, anchors: torch.Tensor, trace: dict) -> tuple[torch.Tensor, float]:
+                greedy: torch.Tensor, anchors: torch.Tensor, trace: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of the drafts against the backbone's greedy tokens plus the confidence head's BCE on
     whether each draft is right; and the mean number of drafts a block would get accepted."""
     b = model.args.dspark_block_size
@@ -534,7 +550,7 @@ def dspark_loss(model: Transformer, masters: Masters, main_hidden: torch.Tensor,
     right = (logits.argmax(-1) == labels).float()
     confidence = model.k.linear(torch.cat([y, embeds], dim=-1).float(), model.dspark.confidence)[:, 0]
     loss = F.cross_entropy(logits, labels) + 0.1 * F.binary_cross_entropy_with_logits(confidence, right)
-    accepted = float(right.view(-1, b).cumprod(dim=1).sum(dim=1).mean())
+    accepted = right.view(-1, b).cumprod(dim=1).sum(dim=1).mean()
     return loss, accepted
 
 
@@ -543,6 +559,7 @@ def summary(trainer: Trainer, steps: int, dspark_steps: int, seconds: float) -> 
     return {"parameters": sum(p.numel() for p in params.values()),
             "parameters_without_engram_tables": sum(p.numel() for n, p in params.items() if ".engram.embed." not in n),
             "backbone_steps": steps, "dspark_steps": dspark_steps, "ranks": trainer.ranks.world,
+            "graph_replays": trainer.replays,
             "tokens_seen": steps * plan.seq_len * plan.batch * trainer.ranks.world,
             "train_seconds": round(seconds, 1), "plan": dataclasses.asdict(plan),
             "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
