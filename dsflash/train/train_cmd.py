@@ -129,7 +129,7 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where checkpoint/, loss.csv, loss.png and train.json go")
     parser.add_argument("--budget", type=float, default=540.0,
                         help="wall-clock seconds for the whole run; training stops in time to save")
-    # the model's max_seq_len: on the H200 3.3x the tokens per second of 4096 (a step is host-bound), 18.9 GiB peak
+    # the model's max_seq_len: the most tokens a step (eager, 3.3x the tokens/s of 4096), 19 GiB peak on the H200
     parser.add_argument("--seq-len", type=int, default=16384, help="tokens per training step")
     parser.add_argument("--steps", type=int, help="backbone steps (default: as many as the budget allows)")
     parser.add_argument("--dspark-steps", type=int, help="DSpark steps (default: as many as the budget allows)")
