@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dsflash.checkpoint.make import make_checkpoint
 from dsflash.checkpoint.reader import Checkpoint
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
@@ -25,13 +26,14 @@ from dsflash.train.backend import (
     FP4,
     FP8,
     GROUP_ROWS,
+    Masters,
     TrainState,
     dequantised,
     fake_values,
     grouped_slots,
     quantised,
 )
-from dsflash.train.export import export_weights
+from dsflash.train.export import export_weights, stored_tensors
 from dsflash.train.indexer import attention_picks, attention_target, query_rows
 from dsflash.train.loop import Plan, Trainer, draft_logits, drop_unrouted_grads, smoke_args
 from dsflash.train.quality import NEEDLE_WORDS
@@ -314,6 +316,27 @@ def test_training_forward_is_the_reference_forward_of_the_exported_checkpoint(da
     assert (trained.argmax(-1) == reference.argmax(-1)).float().mean() > 0.99
     nll = [float(torch.nn.functional.cross_entropy(logits[:-1], x[1:])) for logits in (trained, reference)]
     assert abs(nll[0] - nll[1]) < 1e-3 * nll[1], nll
+
+
+def test_an_untrained_tensor_goes_out_as_it_came_in(tmp_path):
+    """Exporting masters loaded from a checkpoint (`--init`) writes every quantised tensor no step changed with
+    the checkpoint's own bytes (re-quantising its values gives the same values, but in some blocks other
+    codes and scales); a tensor a step changed is its master quantised again."""
+    args = smoke_args(VOCAB, 100)
+    make_checkpoint(args, 0, tmp_path)
+    ckpt = Checkpoint(tmp_path)
+    masters = Masters(ckpt, "cpu")
+    name = "layers.1.attn.wo_b.weight"
+    codes, scale = quantised(masters.kinds[name], masters.params[name].detach())
+    assert not (torch.equal(codes.view(torch.uint8), ckpt.get(name).view(torch.uint8))
+                and torch.equal(scale.view(torch.uint8), ckpt.get(name[:-6] + "scale").view(torch.uint8)))
+    u8 = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # noqa: E731
+    assert all(torch.equal(u8(t), u8(ckpt.get(n))) for n, t in stored_tensors(masters).items())
+    with torch.no_grad():
+        masters.params[name].mul_(1.5)
+    codes, scale = quantised(masters.kinds[name], masters.params[name].detach())
+    out = stored_tensors(masters)
+    assert torch.equal(u8(out[name]), codes.view(torch.uint8)) and torch.equal(u8(out[name[:-6] + "scale"]), scale)
 
 
 @pytest.mark.slow  # three smoke runs, one of them two processes: ~40-60 s on 2 cores

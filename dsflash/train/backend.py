@@ -130,6 +130,8 @@ class Masters:
         self._by_handle: dict[int, str] = {}
         self._formats: dict[tuple, list[str]] = {}  # (kind, shape) -> the FP8/FP4 linears quantised together
         self._values: dict[str, tuple[int, torch.Tensor]] = {}  # name -> (its master's version, bf16 values)
+        # name -> (its master's version when loaded, the checkpoint's codes and scale): `stored`
+        self._loaded: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
         for name in ckpt.names():
             t = ckpt.get(name)
             if t.dtype == torch.float8_e8m0fnu:  # a scale: re-derived from its weight's master
@@ -145,6 +147,8 @@ class Masters:
                 kind, value = PLAIN, t.float()
             self.kinds[name], self.stored_dtype[name] = kind, t.dtype
             self.params[name] = value.to(self.device).requires_grad_(not name.endswith(".gate.bias"))
+            if kind != PLAIN:
+                self._loaded[name] = (self.params[name]._version, t, scale)
             if kind in (FP8, FP4):
                 self._formats.setdefault((kind, tuple(value.shape)), []).append(name)
 
@@ -180,6 +184,17 @@ class Masters:
                 self._values[n] = (self.params[n]._version, v)
             held = self._values[name]
         return ste(master, held[1]) if master.requires_grad and torch.is_grad_enabled() else held[1]
+
+    def stored(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A quantised tensor's (codes in its stored dtype, E8M0 scale) on the CPU: the checkpoint's own while
+        its master is as loaded -- re-quantising the dequantised values gives the same values but not always the
+        same bytes (an all-zero block's scale, a block whose largest value two scales represent) -- else its
+        master quantised."""
+        master, loaded = self.params[name], self._loaded.get(name)
+        if loaded is not None and loaded[0] == master._version:
+            return loaded[1].cpu(), loaded[2].cpu()
+        codes, scale = quantised(self.kinds[name], master.detach())
+        return codes.view(self.stored_dtype[name]).cpu(), scale.view(torch.float8_e8m0fnu).cpu()
 
     def forget_values(self) -> None:
         """Drop the cached stored values, so the next forward quantises every linear from its master (what a

@@ -16,7 +16,7 @@ from dsflash.checkpoint.expect import expected_tensors
 from dsflash.checkpoint.make import split_at_most, write_shards, write_tensors
 from dsflash.checkpoint.manifest import write_manifest
 from dsflash.config import ModelArgs
-from dsflash.train.backend import PLAIN, Masters, quantised
+from dsflash.train.backend import PLAIN, Masters
 
 SHARD_BYTES = 15 << 20  # under the 16 MiB a file may have to come back from the GPU machine
 
@@ -26,13 +26,10 @@ def stored_tensors(masters: Masters) -> dict[str, torch.Tensor]:
     out = {}
     with torch.no_grad():
         for name, master in masters.params.items():
-            kind = masters.kinds[name]
-            if kind == PLAIN:
+            if masters.kinds[name] == PLAIN:
                 out[name] = master.detach().to(masters.stored_dtype[name]).cpu()
                 continue
-            codes, scale = quantised(kind, master.detach())
-            out[name] = codes.view(masters.stored_dtype[name]).cpu()
-            out[name[: -len("weight")] + "scale"] = scale.view(torch.float8_e8m0fnu).cpu()
+            out[name], out[name[: -len("weight")] + "scale"] = masters.stored(name)
     return out
 
 
