@@ -2,7 +2,8 @@
 the frozen backbone (its taps, its greedy outputs), inside a wall-clock budget that always leaves time to save.
 
 Every step builds the model from the masters (backend.Masters) and runs the inference forward of one
-sequence through the training kernels (backend.training_kernels). The routers' correction biases are not
+sequence through the training kernels (backend.training_kernels); on a GPU a window's build, forward and
+backward after the first are one CUDA graph's replay (graph.py). The routers' correction biases are not
 trained by the gradient: as in DeepSeek-V3's auxiliary-loss-free balancing, each step moves an expert's bias
 up when it took fewer than its share of the routed slots and down when more (`BIAS_RATE`).
 """
