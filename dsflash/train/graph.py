@@ -5,9 +5,8 @@ launched from Python, leave the GPU idle a quarter of the time (docs/perf-record
 same every step (seq_len rows, fixed top-k widths, the MoE's grouped rows padded to a fixed count), its forward
 reads nothing back to the host, and the model built for it copies nothing from the host once the RoPE tables
 and Engram layout are reused (model/transformer.py `HostTables`): so the whole window -- the model's build from
-the
-masters (the casts and the fake quantisation of every weight), the forward, the losses and the backward --
-is captured once and replayed, the optimiser step staying eager in between. A replay launches the same
+the masters (the casts and the fake quantisation of every weight), the forward, the losses and the backward
+-- is captured once and replayed, the optimiser step staying eager in between. A replay launches the same
 kernels on the same values as the eager window: the same bits (tests/test_train_cuda.py).
 """
 
