@@ -35,7 +35,7 @@ from dsflash.train.backend import (
 )
 from dsflash.train.export import export_weights, stored_tensors
 from dsflash.train.indexer import attention_picks, attention_target, query_rows
-from dsflash.train.loop import Plan, Trainer, draft_logits, drop_unrouted_grads, smoke_args
+from dsflash.train.loop import Plan, Trainer, draft_logits, drop_unrouted_grads, learning_rate, smoke_args
 from dsflash.train.quality import NEEDLE_WORDS
 from dsflash.train.train_cmd import main as train_main
 
@@ -368,11 +368,16 @@ def test_two_ranks_train_as_one_process_with_two_windows_a_step(data_dir, tmp_pa
 def test_the_saved_checkpoint_decodes_and_drafts_like_plain_decoding(data_dir, tmp_path):
     out = tmp_path / "run"
     assert train_main(["--data", str(data_dir), "--out", str(out), "--smoke", "--seq-len", "96", "--steps", "6",
-                       "--dspark-steps", "3", "--eval-every", "3", "--eval-windows", "1", "--device", "cpu"]) == 0
+                       "--dspark-steps", "3", "--eval-every", "3", "--eval-windows", "1", "--device", "cpu",
+                       "--dspark-lr", "3e-3", "--anchors", "32"]) == 0
     summary = json.loads((out / "train.json").read_text())
     assert summary["backbone_steps"] == 6 and summary["dspark_steps"] == 3 and summary["test_nll"] > 0
+    assert (summary["plan"]["lr"], summary["plan"]["dspark_lr"], summary["plan"]["anchors"]) == (Plan.lr, 3e-3, 32)
     rows = (out / "loss.csv").read_text().splitlines()
     assert rows[0].startswith("phase,step") and len(rows) == 1 + 6 + 3
+    head, *logged = (line.split(",") for line in rows)
+    dspark_lr = max(float(r[head.index("lr")]) for r in logged if r[0] == "dspark")  # its warm-up's third step
+    assert dspark_lr == pytest.approx(learning_rate(3e-3, 2, 2 / 3, Plan.warmup))
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     engine = Engine.load(out / "checkpoint", max_context=1024)
     ids = load_tokenizer(out / "checkpoint").encode("Why is the sky blue?").ids

@@ -73,7 +73,8 @@ def _train(ns: argparse.Namespace) -> int:
     make_args = smoke_args if ns.smoke else trained_args
     args = Checkpoint(ns.init).args if ns.init else make_args(len(token_map), classes)
     plan = Plan(seq_len=ns.seq_len, budget_s=ns.budget - SAVE_RESERVE_S, steps=ns.steps, dspark_steps=ns.dspark_steps,
-                seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows, lr=ns.lr, dspark_lr=ns.lr,
+                seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows, lr=ns.lr,
+                dspark_lr=ns.lr if ns.dspark_lr is None else ns.dspark_lr, anchors=ns.anchors,
                 dspark_share=ns.dspark_share, fact_span=ns.fact_span, index_rows=ns.index_rows,
                 index_weight=ns.index_weight, attention_picks=ns.attention_picks, answer_weight=ns.answer_weight,
                 repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach, batch=ns.batch, graphs=not ns.eager)
@@ -137,7 +138,13 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-windows", type=int, default=4, help="windows of --seq-len tokens per NLL")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
     parser.add_argument("--init", type=Path, help="go on training this checkpoint (an earlier run's) instead")
-    parser.add_argument("--lr", type=float, default=Plan.lr, help="peak learning rate of both phases")
+    parser.add_argument("--lr", type=float, default=Plan.lr, help="peak learning rate of the backbone phase")
+    parser.add_argument("--dspark-lr", type=float,
+                        help="peak learning rate of the DSpark phase (default: --lr): a drafter retrained after a "
+                             "backbone continuation at a low rate needs its own")
+    parser.add_argument("--anchors", type=int, default=Plan.anchors,
+                        help="draft blocks a DSpark window trains (the window's frozen forward costs the same "
+                             "for any number)")
     parser.add_argument("--dspark-share", type=float, default=Plan.dspark_share,
                         help="of the budget, for the DSpark stages")
     parser.add_argument("--fact-span", type=int, default=Plan.fact_span,
