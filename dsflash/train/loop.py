@@ -97,7 +97,7 @@ class Plan:
     repeat_share: float = 0.0  # of a window's tokens, copies of a passage earlier in it (`write_repeats`); 0: none
     repeat_reach: int = 4096  # the longest gap from a passage to its copy, reached halfway through the phase
     batch: int = 1  # training windows a step on each rank, their gradients averaged (`Ranks`)
-    graphs: bool = True  # on a GPU, each backbone window after the first as one CUDA graph (graph.py)
+    graphs: bool = True  # on a GPU, each window of a phase after its first as one CUDA graph (graph.py)
     seed: int = 0
 
 

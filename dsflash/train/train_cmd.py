@@ -171,7 +171,7 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                              "a step; with --device cuda rank r runs on GPU r mod the GPUs there")
     parser.add_argument("--device", help="torch device (default: cuda when available)")
     parser.add_argument("--eager", action="store_true",
-                        help="on a GPU, launch every backbone window's kernels from Python (default: CUDA graphs)")
+                        help="on a GPU, launch every training window's kernels from Python (default: CUDA graphs)")
     parser.add_argument("--smoke", action="store_true", help="the tests' narrow configuration (CPU seconds)")
     parser.add_argument("--shard-size", type=size_arg, default=SHARD_BYTES, metavar="SIZE",
                         help="the largest weight file of the checkpoint (15MiB: each file comes back from the GPU "
