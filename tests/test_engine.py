@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dsflash.engine.sampling import AfterReasoning, History, SamplingParams, sample
 from dsflash.engine.session import MAX_STEP_ROWS, Engine
 from dsflash.engine.snapshot import SnapshotError
-from dsflash.engine.spec import DecodeStats, decode
+from dsflash.engine.spec import DecodeStats, DraftDepth, decode
 from dsflash.model.load import load_model
 from dsflash.model.state import ROLLBACK_ROWS, GrowingRows, RollbackError, SequenceState
 from tests.conftest import TEXT_CASE, partly_right_drafter
@@ -327,3 +327,26 @@ def test_prefill_passes_report_progress_and_keep_the_bits(engine):
     passes = b.sync(ids, chunk=32, pass_rows=5, progress=lambda done, total: seen.append((done, total))).logits
     assert torch.equal(whole, passes) and a.snapshot() == b.snapshot()
     assert seen == [(d, 40) for d in (5, 10, 15, 20, 25, 30, 32, 37, 40)]
+
+
+@pytest.mark.parametrize("machine", ["drafts-cost-more", "drafts-pay"])
+def test_draft_depth_falls_back_to_plain_decoding_where_drafts_do_not_pay(machine):
+    """DraftDepth measures every depth, plain decoding included, and then keeps to the fastest: on a machine
+    whose verify step costs the same for any row count and whose draft costs nearly a step (a GPU running a
+    small model), 30 % acceptance does not pay and it decodes plainly; where a step's cost grows slowly with
+    its rows and drafts are cheap and mostly right, it drafts all the way. The first step of each row count
+    costs a CUDA graph capture, which must not decide anything."""
+    k_max = 4
+    depth = DraftDepth(k_max)
+    step, draft, accept = {"drafts-cost-more": (lambda rows: 2.6e-3, 2.5e-3, 0.3),
+                           "drafts-pay": (lambda rows: 10e-3 + 1e-3 * rows, 2e-3, 0.8)}[machine]
+    rng, seen, chosen = random.Random(0), set(), []
+    for _ in range(60):
+        k = depth.choose()
+        accepted = next((i for i in range(k) if rng.random() > accept), k)
+        first = k + 1 not in seen
+        seen.add(k + 1)
+        depth.record(k + 1, step(k + 1) + (0.1 if first else 0.0), k, accepted, draft if k else 0.0)
+        chosen.append(k)
+    assert set(chosen[:2 * (k_max + 1)]) == set(range(k_max + 1))  # every depth tried, plain included
+    assert chosen[-20:] == [0 if machine == "drafts-cost-more" else k_max] * 20

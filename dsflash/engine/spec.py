@@ -51,11 +51,17 @@ class DecodeStats:
 @dataclass
 class DraftDepth:
     """Chooses k to maximise expected tokens per second of a cycle, from measured verify times by row
-    count and the acceptance seen at each draft slot (optimistic until measured)."""
+    count and the acceptance seen at each draft slot (Laplace-smoothed). Every depth, plain decoding (k = 0)
+    included, is first run twice, deepest first, so that each is weighed by its own measured time: a first
+    step of a row count may carry its CUDA graph's capture, so the second sample replaces it. (Weighing an
+    unmeasured depth by a flat second kept plain decoding from ever being tried once drafting had been, on
+    a GPU where drafts cost more than they save.)"""
 
     max_k: int
     step_s: dict[int, float] = field(default_factory=dict)
+    samples: dict[int, int] = field(default_factory=dict)  # verify steps measured, by row count
     draft_s: float = 0.0
+    drafts_timed: int = 0
     tried: list[int] = field(default_factory=list)
     hits: list[int] = field(default_factory=list)
 
@@ -64,28 +70,30 @@ class DraftDepth:
         self.hits = [0] * self.max_k
 
     def choose(self) -> int:
-        best_k, best_rate, reach = 0, 0.0, 1.0
+        for k in range(self.max_k, -1, -1):
+            if self.samples.get(k + 1, 0) < 2:
+                return k
+        best_k, best_rate = 0, 0.0
         for k in range(self.max_k + 1):
-            if k:
-                reach *= (self.hits[k - 1] + 1) / (self.tried[k - 1] + 1)  # Laplace: unmeasured slots look good
             expected = 1 + sum(self._reach(i) for i in range(1, k + 1))
-            cost = self.step_s.get(k + 1) or self.step_s.get(1) or 1.0
-            rate = expected / (cost + (self.draft_s if k else 0.0))
+            rate = expected / (self.step_s[k + 1] + (self.draft_s if k else 0.0))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
     def _reach(self, i: int) -> float:
-        p = 1.0
-        for j in range(i):
-            p *= (self.hits[j] + 1) / (self.tried[j] + 1)
-        return p
+        """P(the i-th draft is accepted), Laplace-smoothed: of the cycles that drafted it, the share that
+        accepted it -- already the chance of reaching it, as a draft is accepted only after the ones before
+        it (a product over the slots before would count each earlier rejection again)."""
+        return (self.hits[i - 1] + 1) / (self.tried[i - 1] + 1)
 
     def record(self, rows: int, seconds: float, drafted: int, accepted: int, draft_s: float) -> None:
-        old = self.step_s.get(rows)
-        self.step_s[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        n = self.samples.get(rows, 0)
+        self.samples[rows] = n + 1
+        self.step_s[rows] = seconds if n < 2 else 0.8 * self.step_s[rows] + 0.2 * seconds
         if drafted:
-            self.draft_s = draft_s if not self.draft_s else 0.8 * self.draft_s + 0.2 * draft_s
+            self.drafts_timed += 1
+            self.draft_s = draft_s if self.drafts_timed <= 2 else 0.8 * self.draft_s + 0.2 * draft_s
         for i in range(drafted):
             self.tried[i] += 1
             self.hits[i] += i < accepted
