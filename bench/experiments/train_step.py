@@ -71,6 +71,12 @@ class HostCopies(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def window(t: Trainer) -> None:
+    """One eager backbone window (Trainer.window_loss: no answers, the last 256 rows as the indexer's)."""
+    n = t.plan.seq_len
+    t.window_loss(t.window()[0], torch.zeros(n, device=t.device), torch.arange(n - 256, n, device=t.device), False)
+
+
 def step(t: Trainer, opt: torch.optim.Optimizer, params: list) -> None:
     """Trainer.backbone's step body (one window, the indexer's picks)."""
     loss, kl, loads, _ = t.backbone_window(1.0, 0, False)
@@ -102,8 +108,7 @@ def main() -> None:
     opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     if ns.host_copies:
         with HostCopies() as found:
-            t.window_loss(t.window()[0], torch.zeros(ns.seq_len, device=t.device),
-                          torch.arange(ns.seq_len - 256, ns.seq_len, device=t.device), False)
+            window(t)
         print("host copies and reads in an eager window:")
         for (name, where), n in sorted(found.sites.items()):
             print(f"  {n:5d} {name:22s} {where}")
@@ -120,8 +125,7 @@ def main() -> None:
         print(f"  peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     count = OpCount()
     with count:
-        t.window_loss(t.window()[0], torch.zeros(ns.seq_len, device=t.device),
-                      torch.arange(ns.seq_len - 256, ns.seq_len, device=t.device), False)
+        window(t)
     print(f"  forward+backward: {count.ops[('forward', 'compute')]} compute ops, "
           f"{count.ops[('forward', 'host reads')]} host reads")
     opt.zero_grad(set_to_none=True)

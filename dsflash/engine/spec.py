@@ -58,10 +58,9 @@ class DraftDepth:
     a GPU where drafts cost more than they save.)"""
 
     max_k: int
-    step_s: dict[int, float] = field(default_factory=dict)
-    samples: dict[int, int] = field(default_factory=dict)  # verify steps measured, by row count
-    draft_s: float = 0.0
-    drafts_timed: int = 0
+    # seconds of a verify step by its row count, and under 0 of the draft itself; how many samples each had
+    seconds: dict[int, float] = field(default_factory=dict)
+    samples: dict[int, int] = field(default_factory=dict)
     tried: list[int] = field(default_factory=list)
     hits: list[int] = field(default_factory=list)
 
@@ -76,7 +75,7 @@ class DraftDepth:
         best_k, best_rate = 0, 0.0
         for k in range(self.max_k + 1):
             expected = 1 + sum(self._reach(i) for i in range(1, k + 1))
-            rate = expected / (self.step_s[k + 1] + (self.draft_s if k else 0.0))
+            rate = expected / (self.seconds[k + 1] + (self.seconds[0] if k else 0.0))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -87,13 +86,15 @@ class DraftDepth:
         it (a product over the slots before would count each earlier rejection again)."""
         return (self.hits[i - 1] + 1) / (self.tried[i - 1] + 1)
 
+    def _time(self, key: int, seconds: float) -> None:
+        n = self.samples.get(key, 0)
+        self.samples[key] = n + 1
+        self.seconds[key] = seconds if n < 2 else 0.8 * self.seconds[key] + 0.2 * seconds
+
     def record(self, rows: int, seconds: float, drafted: int, accepted: int, draft_s: float) -> None:
-        n = self.samples.get(rows, 0)
-        self.samples[rows] = n + 1
-        self.step_s[rows] = seconds if n < 2 else 0.8 * self.step_s[rows] + 0.2 * seconds
+        self._time(rows, seconds)
         if drafted:
-            self.drafts_timed += 1
-            self.draft_s = draft_s if self.drafts_timed <= 2 else 0.8 * self.draft_s + 0.2 * draft_s
+            self._time(0, draft_s)
         for i in range(drafted):
             self.tried[i] += 1
             self.hits[i] += i < accepted

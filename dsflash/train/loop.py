@@ -15,6 +15,7 @@ import functools
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -250,9 +251,20 @@ class Trainer:
         self.k = training_kernels(self.masters)
         self.log = Log()
         self._tables: HostTables | None = None  # the first model's (not the model: see `model`)
-        self._windows: dict[bool, CapturedStep] = {}  # the backbone window by warm-up or not (`window_loss`)
-        self._drafts: CapturedStep | None = None  # the DSpark window (`draft_loss`)
+        self._captured: dict[tuple, CapturedStep] = {}  # the phase's windows (`_run`)
         self.replays = 0  # windows that ran as a graph's replay
+
+    def _run(self, key: tuple, fn: Callable[..., tuple], prefix: str, **inputs: torch.Tensor) -> tuple:
+        """fn(**inputs); with Plan.graphs, through the phase's CapturedStep of `key` (on a GPU a replay after the
+        first call), its gradients on the masters named from `prefix`."""
+        if not self.plan.graphs:
+            return fn(**inputs)
+        step = self._captured.get(key)
+        if step is None:
+            step = self._captured[key] = CapturedStep(fn, self.masters.trainable(prefix), self.masters.forget_values)
+        out = step(**inputs)
+        self.replays += step.graph is not None
+        return out
 
     def model(self) -> Transformer:
         """The model as the masters are now, with the first model's host tables. (Not a model kept from step to
@@ -396,7 +408,7 @@ class Trainer:
                 if step % p.eval_every == 0:
                     row["val_loss"] = self.nll(self.validation, p.eval_windows)
                 self.log.add(**row)
-        self._windows.clear()  # the phase's graphs, and their memory
+        self._captured.clear()  # the phase's graphs, and their memory
         return step
 
     def backbone_window(self, progress: float, stream: int, warm: bool
@@ -412,14 +424,8 @@ class Trainer:
         n, first = p.seq_len, self.args.window_size
         rows = (query_rows(n, p.index_rows, first, self.streams[stream].index_generator, self.device)
                 if p.index_rows and n > first else torch.zeros(0, dtype=torch.int64, device=self.device))
-        step = self._windows.get(warm)
-        if step is None and p.graphs:
-            step = self._windows[warm] = CapturedStep(
-                lambda **inputs: self.window_loss(warm=warm, **inputs), self.masters.trainable(),
-                self.masters.forget_values)
-        loss, kl, logits, loads = (step or functools.partial(self.window_loss, warm=warm))(
-            tokens=x, answer_weights=weights, index_rows=rows)
-        self.replays += step is not None and step.graph is not None
+        loss, kl, logits, loads = self._run(("backbone", warm), functools.partial(self.window_loss, warm=warm), "",
+                                            tokens=x, answer_weights=weights, index_rows=rows)
         y = x[1:]
         hits = {name: float((logits[at].argmax(-1) == y[at]).float().mean())
                 for name, at in (("fact_recall", answers), ("copy_acc", copies), ("copy_far", far)) if at.numel()}
@@ -475,7 +481,7 @@ class Trainer:
                              **mean_rows(logged))
         for t in self.masters.params.values():
             t.requires_grad_(False)
-        self._drafts = None
+        self._captured.clear()
         return step
 
     def dspark_window(self, stream: int) -> tuple[torch.Tensor, float, dict[int, torch.Tensor]]:
@@ -485,10 +491,7 @@ class Trainer:
         x = self.window(stream=stream)[0][:-1]
         anchors = torch.from_numpy(np.sort(self.streams[stream].rng.choice(
             np.arange(1, x.numel() - b), size=min(p.anchors, x.numel() - b - 1), replace=False))).to(self.device)
-        if self._drafts is None and p.graphs:
-            self._drafts = CapturedStep(self.draft_loss, self.masters.trainable("mtp."), self.masters.forget_values)
-        loss, accepted, loads = (self._drafts or self.draft_loss)(tokens=x, anchors=anchors)
-        self.replays += self._drafts is not None and self._drafts.graph is not None
+        loss, accepted, loads = self._run(("dspark",), self.draft_loss, "mtp.", tokens=x, anchors=anchors)
         # a graph's outputs: the step's next window overwrites them
         return loss.clone(), float(accepted), {layer: v.clone() for layer, v in loads.items()}
 
