@@ -33,6 +33,7 @@ class Drafting:
     plain_s: float
     dspark_s: float
     identical: bool  # every prompt's drafted output equals its plain decoding
+    depths: dict[int, int]  # the drafted decodes' cycles by how many drafts each verified (DraftDepth's choices)
 
     @property
     def speedup(self) -> float:
@@ -55,7 +56,7 @@ def drafting(engine: Engine, prompts: list[list[int]], n: int, depth: int, adapt
             times[i] += time.perf_counter() - t0
         identical &= outputs[0] == outputs[1]
     return Drafting(len(prompts), stats.generated, stats.accept_rate, stats.tokens_per_cycle, times[0], times[1],
-                    identical)
+                    identical, dict(sorted(stats.depths.items())))
 
 
 def python_prompts(tokens: np.ndarray, count: int, length: int) -> list[list[int]]:
@@ -90,11 +91,13 @@ def to_markdown(r: dict) -> str:
              f"{r['gpu']}, commit {r['commit']}, torch {r['torch']}: `{r['command']}`", "",
              f"Greedy decoding of {r['prompts']} held-out Python prompts of {r['prompt_len']} tokens, {r['tokens']} "
              "new tokens each, plainly and with drafts (prefills not timed).", "",
-             "| depth | accepted | tokens/cycle | plain tok/s | DSpark tok/s | speed-up | identical |",
-             "|---|---|---|---|---|---|---|"]
+             "| depth | accepted | tokens/cycle | plain tok/s | DSpark tok/s | speed-up | identical "
+             "| cycles by drafts |",
+             "|---|---|---|---|---|---|---|---|"]
     for depth, d in r["depths"].items():
         lines.append(f"| {depth} | {d['accept_rate']:.1%} | {d['tokens_per_cycle']:.2f} | {d['plain_tok_s']:.1f} | "
-                     f"{d['dspark_tok_s']:.1f} | {d['speedup']:.2f}x | {d['identical']} |")
+                     f"{d['dspark_tok_s']:.1f} | {d['speedup']:.2f}x | {d['identical']} | "
+                     + " ".join(f"{k}: {n}" for k, n in d["depths"].items()) + " |")
     return "\n".join(lines) + "\n"
 
 

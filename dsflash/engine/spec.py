@@ -4,7 +4,7 @@ Each cycle verifies [anchor, d_1..d_k] in one `step`; the target samples every r
 position-keyed sampler, drafts are accepted while they equal the target's own sample, and the first
 disagreement (or the row after the last draft) gives the next anchor. Output is therefore exactly the
 tokens of plain decoding, greedy or seeded. The draft depth is chosen from measured costs: the time of
-a verify of L rows and the observed acceptance of each draft slot.
+a whole cycle at each depth and the observed acceptance of each draft slot.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class DecodeStats:
     cycles: int = 0
     drafted: int = 0
     accepted: int = 0
+    depths: dict[int, int] = field(default_factory=dict)  # cycles by their number of DSpark drafts
 
     @property
     def accept_rate(self) -> float:
@@ -50,52 +51,56 @@ class DecodeStats:
 
 @dataclass
 class DraftDepth:
-    """Chooses k to maximise expected tokens per second of a cycle, from measured verify times by row
-    count and the acceptance seen at each draft slot (Laplace-smoothed). Every depth, plain decoding (k = 0)
-    included, is first run twice, deepest first, so that each is weighed by its own measured time: a first
-    step of a row count may carry its CUDA graph's capture, so the second sample replaces it. (Weighing an
-    unmeasured depth by a flat second kept plain decoding from ever being tried once drafting had been, on
-    a GPU where drafts cost more than they save.)"""
+    """Chooses k to maximise expected tokens per second of a cycle, from each depth's measured cycle time
+    and the acceptance seen at each draft slot (Laplace's rule of succession).
+
+    A cycle is timed whole -- draft, verify, sampling, rollback -- because on a GPU the parts run
+    asynchronously: the verify's kernels finish inside the sampling's read-back. A depth's time is the
+    least of its last SAMPLES cycles, and every PROBE_EVERY cycles one other depth is run once more (in
+    turn: plain decoding, then the deepest drafts down): a session's first few dozen cycles on a GPU cost
+    10-20x a warm one (its CUDA graphs' warm-ups and captures for each row count, and again as its buffers
+    grow; engine/graphs.py), so a depth measured only then would be priced out for good -- on the H200 plain
+    decoding was, and drafting at 0.5-0.65x of plain speed went on for the whole answer. Plain decoding and
+    the deepest drafts are measured first; the depths between only by the probes, as each new depth costs a
+    session slow cycles of its own."""
 
     max_k: int
-    # seconds of a verify step by its row count, and under 0 of the draft itself; how many samples each had
-    seconds: dict[int, float] = field(default_factory=dict)
-    samples: dict[int, int] = field(default_factory=dict)
+    seconds: dict[int, list[float]] = field(default_factory=dict)  # the last SAMPLES cycle times by depth
     tried: list[int] = field(default_factory=list)
     hits: list[int] = field(default_factory=list)
+    cycles: int = 0
+    probes: int = 0
+    SAMPLES = 3
+    PROBE_EVERY = 16
 
     def __post_init__(self) -> None:
         self.tried = [0] * self.max_k
         self.hits = [0] * self.max_k
 
+    def _rate(self, k: int) -> float:
+        return (1 + sum(self._reach(i) for i in range(1, k + 1))) / min(self.seconds[k])
+
     def choose(self) -> int:
-        for k in range(self.max_k, -1, -1):
-            if self.samples.get(k + 1, 0) < 2:
+        for k in (self.max_k, 0):
+            if len(self.seconds.get(k, ())) < self.SAMPLES:
                 return k
-        best_k, best_rate = 0, 0.0
-        for k in range(self.max_k + 1):
-            expected = 1 + sum(self._reach(i) for i in range(1, k + 1))
-            rate = expected / (self.seconds[k + 1] + (self.seconds[0] if k else 0.0))
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+        best = max(self.seconds, key=self._rate)
+        if self.cycles % self.PROBE_EVERY == 0:
+            others = [k for k in (0, *range(self.max_k, 0, -1)) if k != best]
+            self.probes += 1
+            return others[(self.probes - 1) % len(others)]
+        return best
 
     def _reach(self, i: int) -> float:
-        """P(the i-th draft is accepted), Laplace-smoothed: of the cycles that drafted it, the share that
-        accepted it -- already the chance of reaching it, as a draft is accepted only after the ones before
-        it (a product over the slots before would count each earlier rejection again)."""
-        return (self.hits[i - 1] + 1) / (self.tried[i - 1] + 1)
+        """P(the i-th draft is accepted) by Laplace's rule of succession: of the cycles that drafted it, the
+        share that accepted it -- already the chance of reaching it, as a draft is accepted only after the
+        ones before it (a product over the slots before would count each earlier rejection again)."""
+        return (self.hits[i - 1] + 1) / (self.tried[i - 1] + 2)
 
-    def _time(self, key: int, seconds: float) -> None:
-        n = self.samples.get(key, 0)
-        self.samples[key] = n + 1
-        self.seconds[key] = seconds if n < 2 else 0.8 * self.seconds[key] + 0.2 * seconds
-
-    def record(self, rows: int, seconds: float, drafted: int, accepted: int, draft_s: float) -> None:
-        self._time(rows, seconds)
-        if drafted:
-            self._time(0, draft_s)
-        for i in range(drafted):
+    def record(self, k: int, seconds: float, accepted: int) -> None:
+        self.cycles += 1
+        self.seconds[k] = [*self.seconds.get(k, ()), seconds][-self.SAMPLES:]
+        for i in range(k):
             self.tried[i] += 1
             self.hits[i] += i < accepted
 
@@ -110,7 +115,7 @@ class FixedDepth:
     def choose(self) -> int:
         return self.max_k
 
-    def record(self, rows: int, seconds: float, drafted: int, accepted: int, draft_s: float) -> None:
+    def record(self, k: int, seconds: float, accepted: int) -> None:
         pass
 
 
@@ -146,13 +151,10 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
         # tokens the constraint leaves no choice about are drafts that verify for sure: one step for all of them
         forced = constraint.determined(MAX_STEP_ROWS - 1) if constraint is not None else []
         k = 0 if forced or not depth else depth.choose()
-        td = time.perf_counter()
+        t_cycle = time.perf_counter()
         drafts = forced or (session.draft(tok)[:k] if k else [])
-        td = time.perf_counter() - td
         p = session.pos
-        ts = time.perf_counter()
         logits = session.step(p, [tok] + drafts)
-        ts = time.perf_counter() - ts
         accepted = 0
         for j, d in enumerate(drafts):
             target = sample(logits[j], p + j + 1, params, history, constraint)
@@ -161,14 +163,15 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
             accepted += 1
             emitted_token(d)
         new_anchor = sample(logits[accepted], p + accepted + 1, params, history, constraint)
+        session.rollback(p + accepted + 1)
+        session.last_logits = logits[accepted]
         stats.cycles += 1
         if not forced:  # DSpark's own drafts: its acceptance and the depth's measurements
             stats.drafted += len(drafts)
             stats.accepted += accepted
+            stats.depths[len(drafts)] = stats.depths.get(len(drafts), 0) + 1
             if depth:
-                depth.record(len(drafts) + 1, ts, len(drafts), accepted, td)
-        session.rollback(p + accepted + 1)
-        session.last_logits = logits[accepted]
+                depth.record(len(drafts), time.perf_counter() - t_cycle, accepted)
         done = False
         for d in drafts[:accepted]:
             yield d
