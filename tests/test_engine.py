@@ -362,19 +362,20 @@ def test_draft_depth_falls_back_to_plain_decoding_where_drafts_do_not_pay(machin
     then, and keeps to the fastest: on a machine whose verify step costs the same for any row count and whose
     draft costs nearly a step (a GPU running a small model), 30 % acceptance does not pay and it decodes
     plainly; where a step's cost grows slowly with its rows and drafts are cheap and mostly right, it drafts
-    all the way. A session's first dozen cycles cost 20x a warm one (graph warm-ups and captures), which
-    must not decide anything."""
+    all the way. A session's first dozen cycles cost 20x a warm one, and a switch of depth costs its first
+    cycle a recapture (graph warm-ups and captures): neither may decide anything."""
     k_max = 4
     depth = DraftDepth(k_max)
     step, draft, accept = {"drafts-cost-more": (lambda rows: 2.6e-3, 2.5e-3, 0.3),
                            "drafts-pay": (lambda rows: 10e-3 + 1e-3 * rows, 2e-3, 0.8)}[machine]
-    rng, chosen = random.Random(0), []
+    rng, chosen = random.Random(0), [None]
     for cycle in range(300):
         k = depth.choose()
         accepted = next((i for i in range(k) if rng.random() > accept), k)
-        warming = 0.05 if cycle < 12 else 0.0
+        warming = 0.05 if cycle < 12 else 0.02 if k != chosen[-1] else 0.0
         depth.record(k, step(k + 1) + (draft if k else 0.0) + warming, accepted)
         chosen.append(k)
+    chosen = chosen[1:]
     assert chosen[:6] == [k_max] * 3 + [0] * 3 and set(chosen) == set(range(k_max + 1))
     best = 0 if machine == "drafts-cost-more" else k_max
     assert chosen[-100:].count(best) >= 90

@@ -56,12 +56,13 @@ class DraftDepth:
 
     A cycle is timed whole -- draft, verify, sampling, rollback -- because on a GPU the parts run
     asynchronously: the verify's kernels finish inside the sampling's read-back. A depth's time is the
-    least of its last SAMPLES cycles, and every PROBE_EVERY cycles one other depth is run once more (in
-    turn: plain decoding, then the deepest drafts down): a session's first few dozen cycles on a GPU cost
-    10-20x a warm one (its CUDA graphs' warm-ups and captures for each row count, and again as its buffers
-    grow; engine/graphs.py), so a depth measured only then would be priced out for good -- on the H200 plain
-    decoding was, and drafting at 0.5-0.65x of plain speed went on for the whole answer. Plain decoding and
-    the deepest drafts are measured first; the depths between only by the probes, as each new depth costs a
+    least of its last SAMPLES cycles, and every PROBE_EVERY cycles one other depth is run for two cycles (in
+    turn: plain decoding, then the deepest drafts down). On a GPU a session's first dozen cycles cost 10-20x
+    a warm one (its CUDA graphs' warm-ups and captures for each row count; engine/graphs.py), and so does the
+    first cycle after a switch of depth when the session's buffers have grown since that row count last ran:
+    a depth measured only then, or by one cycle, would be priced out for good -- on the H200 plain decoding
+    was, and drafting at 0.5-0.65x of plain speed went on for the whole answer. Plain decoding and the
+    deepest drafts are measured first; the depths between only by the probes, as each new depth costs a
     session slow cycles of its own."""
 
     max_k: int
@@ -70,8 +71,9 @@ class DraftDepth:
     hits: list[int] = field(default_factory=list)
     cycles: int = 0
     probes: int = 0
+    probing: int | None = None  # the depth a probe's second cycle runs
     SAMPLES = 3
-    PROBE_EVERY = 16
+    PROBE_EVERY = 32
 
     def __post_init__(self) -> None:
         self.tried = [0] * self.max_k
@@ -84,11 +86,15 @@ class DraftDepth:
         for k in (self.max_k, 0):
             if len(self.seconds.get(k, ())) < self.SAMPLES:
                 return k
+        if self.probing is not None:
+            k, self.probing = self.probing, None
+            return k
         best = max(self.seconds, key=self._rate)
         if self.cycles % self.PROBE_EVERY == 0:
             others = [k for k in (0, *range(self.max_k, 0, -1)) if k != best]
+            self.probing = others[self.probes % len(others)]
             self.probes += 1
-            return others[(self.probes - 1) % len(others)]
+            return self.probing
         return best
 
     def _reach(self, i: int) -> float:
