@@ -35,9 +35,12 @@ class GrowingRows:
         self.n = 0
 
     def reserve(self, n: int) -> None:
-        """Capacity for n rows (the buffer moves when it grows)."""
+        """Capacity for n rows (the buffer moves when it grows, to twice n: a prefill's one large append
+        would otherwise leave it full, and the first steps after it would each grow a buffer of theirs --
+        on a GPU each growth retires the CUDA graphs that read it by address and size, a recapture of
+        10-40 ms for a 2 ms step)."""
         if n > self._buf.size(0):
-            grown = self._buf.new_zeros(max(n, 2 * self._buf.size(0), 64), *self._buf.shape[1:])
+            grown = self._buf.new_zeros(max(2 * n, 64), *self._buf.shape[1:])
             grown[: self.n] = self._buf[: self.n]
             self._buf = grown
 
