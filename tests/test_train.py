@@ -195,29 +195,32 @@ def test_windows_carry_recall_facts_apart_and_the_text_elsewhere(data_dir):
     assert all(u == v for u, v, w in zip(x, plain, written, strict=True) if not w)
 
 
-@pytest.mark.parametrize("progress", [0.0, 1.0])
-def test_windows_repeat_passages_at_the_curriculums_gaps(data_dir, progress):
+@pytest.mark.parametrize(("progress", "shuffled"), [(0.0, False), (1.0, False), (1.0, True)])
+def test_windows_repeat_passages_at_the_curriculums_gaps(data_dir, progress, shuffled):
     """A window's repeats: passages of 16-64 tokens written again 8 tokens to the curriculum's longest gap after
     their end (half the attention window at the start, `repeat_reach` from halfway on) until the share is
     copied; the copy positions are the ones whose targets a repeat gives (all but its first token), the far ones
-    those more than a window after their source; every other token is the train text's."""
-    t = trainer(data_dir, seq_len=2047, repeat_share=0.3, repeat_reach=512)
+    those more than a window after their source; every other token is the train text's. Shuffled, a passage
+    and its copy are ids drawn from the window, not the text there."""
+    t = trainer(data_dir, seq_len=2047, repeat_share=0.3, repeat_reach=512, repeat_shuffled=shuffled)
     plain = trainer(data_dir, seq_len=2047).window()[0]
     x, _, copies, far = t.window(progress)
     top = t.repeat_gap_max(progress)
     assert top == (t.args.window_size // 2 if progress == 0 else 512)
     runs = np.split(copies.numpy(), np.flatnonzero(np.diff(copies.numpy()) != 1) + 1)
     assert 0.3 * 2048 <= sum(r.size + 1 for r in runs) < 0.3 * 2048 + 64
-    written, far_expected = np.zeros(x.numel(), dtype=bool), []
+    written, sources, far_expected = np.zeros(x.numel(), dtype=bool), np.zeros(x.numel(), dtype=bool), []
     for run in runs:
         b, n = int(run[0]), run.size + 1
         assert 16 <= n <= 64
         a = next(a for a in range(b - n - 8, -1, -1) if torch.equal(x[a:a + n], x[b:b + n]))
         assert b - (a + n) <= top, (a, b, n, top)
-        written[a:a + n] = written[b:b + n] = True
+        written[a:a + n] = written[b:b + n] = sources[a:a + n] = True
         far_expected.extend(run.tolist() if b - a > t.args.window_size else [])
     assert sorted(far.tolist()) == sorted(far_expected) and (progress == 0 or len(far_expected) > copies.numel() / 2)
     assert torch.equal(plain[torch.from_numpy(~written)], x[torch.from_numpy(~written)])
+    changed = float((plain[torch.from_numpy(sources)] != x[torch.from_numpy(sources)]).float().mean())
+    assert changed > 0.8 if shuffled else changed == 0, changed
 
 
 def test_a_few_steps_lower_the_validation_nll(data_dir):

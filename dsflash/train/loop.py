@@ -97,6 +97,8 @@ class Plan:
     answer_weight: float = 0.0  # of the facts' answers' mean loss beside the mean over every token
     repeat_share: float = 0.0  # of a window's tokens, copies of a passage earlier in it (`write_repeats`); 0: none
     repeat_reach: int = 4096  # the longest gap from a passage to its copy, reached halfway through the phase
+    # a repeated passage is first replaced by ids drawn from the window at random (`write_repeats`)
+    repeat_shuffled: bool = False
     batch: int = 1  # training windows a step on each rank, their gradients averaged (`Ranks`)
     graphs: bool = True  # on a GPU, each window of a phase after its first as one CUDA graph (graph.py)
     seed: int = 0
@@ -303,10 +305,13 @@ class Trainer:
         `repeat_gap_max(progress)` later, until `repeat_share` of x are copies; a passage and its copy avoid
         each other and every token `used` marks (the facts), then are marked. Recalling a fact is copying
         from the context, which plain text asks for too rarely to be learnt in a short run; a repeat asks for
-        it at every token after its first. Returns the positions of x[1:] whose targets a repeat copies
-        (position i predicts x[i + 1]), and of those the ones more than a window after their source."""
+        it at every token after its first. With `repeat_shuffled` the passage is ids drawn from x at random
+        first: its copy is then predictable by copying alone (real text's copies are mostly predictable from
+        the n-grams before them, which is what a model that has not learnt to copy already uses). Returns the
+        positions of x[1:] whose targets a repeat copies (position i predicts x[i + 1]), and of those the ones
+        more than a window after their source."""
         target, top = self.plan.repeat_share * x.numel(), self.repeat_gap_max(progress)
-        copies, far, written, attempts = [], [], 0, 0
+        copies, far, placed, written, attempts = [], [], [], 0, 0
         while written < target and attempts < 64 + x.numel() // 8:
             attempts += 1
             n = int(rng.integers(REPEAT_TOKENS[0], REPEAT_TOKENS[1] + 1))
@@ -318,11 +323,15 @@ class Trainer:
             if used[a:a + n].any() or used[b:b + n].any():
                 continue
             x[b:b + n] = x[a:a + n].clone()
+            placed.append((a, b, n))
             used[a:a + n] = used[b:b + n] = True
             copies.extend(range(b, b + n - 1))
             if b - a > self.args.window_size:
                 far.extend(range(b, b + n - 1))
             written += n
+        for a, b, n in placed if self.plan.repeat_shuffled else ():  # drawn after: the same places either way
+            x[a:a + n] = x[torch.from_numpy(rng.integers(0, x.numel(), n))]
+            x[b:b + n] = x[a:a + n]
         return copies, far
 
     def write_facts(self, rng: np.random.Generator, x: torch.Tensor, used: torch.Tensor) -> list[int]:
