@@ -107,6 +107,30 @@ def test_cuda_graph_replays_equal_eager_forwards():
     assert torch.equal(outs[0], outs[1])
 
 
+def test_a_session_after_an_ended_one_replays_its_graphs_with_the_same_tokens():
+    """A session holds the buffers the ended one before it held (model/state.StatePool), so its steps and
+    drafts replay that one's CUDA graphs instead of capturing graphs of their own: the tokens of eager
+    forwards, and once every key has been captured, no capture more."""
+    ids = torch.randint(3, 500, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def run(engine: Engine, k: int) -> list[int]:
+        s = engine.session()
+        out = list(decode(s, s.prefill(ids), 12, SamplingParams(), stop=set(), dspark=k, adaptive=False))
+        s.close()
+        return out
+
+    def captures(engine: Engine) -> int:
+        return engine.decoder.graphs.captures + engine.encoder.runner.graphs.captures
+
+    eager, graphed = Engine.load(CASE, device="cuda", cuda_graphs=False), Engine.load(CASE, device="cuda")
+    want = [run(eager, k) for k in (0, 3)]
+    for _ in range(3):  # a key's first call runs eagerly, its second captures
+        assert [run(graphed, k) for k in (0, 3)] == want
+    before = captures(graphed)
+    assert before > 0 and [run(graphed, k) for k in (0, 3)] == want
+    assert captures(graphed) == before
+
+
 def test_cuda_graphs_dropped_least_recently_replayed_keep_the_bits():
     """With room for 3 graphs, two interleaved sessions keep dropping and recapturing graphs (the least
     recently replayed first): still the eager forward's bits, and never more than 3 kept."""

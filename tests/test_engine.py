@@ -10,12 +10,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsflash.engine.graphs import SegmentGraphs
+from dsflash.engine.halves import LocalHalf
+from dsflash.engine.runner import Runner
 from dsflash.engine.sampling import AfterReasoning, History, SamplingParams, sample
-from dsflash.engine.session import MAX_STEP_ROWS, Engine
+from dsflash.engine.session import MAX_STEP_ROWS, Engine, engine_identity
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, DraftDepth, decode
+from dsflash.kernels import cpu
 from dsflash.model.load import load_model
-from dsflash.model.state import ROLLBACK_ROWS, GrowingRows, RollbackError, SequenceState
+from dsflash.model.state import ROLLBACK_ROWS, TABLES, GrowingRows, RollbackError, SequenceState, StatePool
 from tests.conftest import TEXT_CASE, partly_right_drafter
 
 CASE = TEXT_CASE
@@ -60,13 +64,68 @@ def test_growing_rows_write_at_device_offsets_and_keep_their_spare_capacity_zero
     rows.put(torch.tensor([0]), torch.arange(12).view(4, 3), 4)
     assert rows.n == 4 and torch.equal(rows.rows, torch.arange(12).view(4, 3))
     assert rows.buffer.size(0) == 64 and not rows.buffer[4:].any()
-    rows.reserve(100)  # twice what is asked: a prefill's append leaves room for the steps after it
-    assert rows.buffer.size(0) == 200 and torch.equal(rows.rows, torch.arange(12).view(4, 3))
+    rows.reserve(100)  # the power of two above: a prefill's append leaves room for the steps after it
+    assert rows.buffer.size(0) == 128 and torch.equal(rows.rows, torch.arange(12).view(4, 3))
     assert not rows.buffer[4:].any()
+    rows.reserve(128)  # fits
+    assert rows.buffer.size(0) == 128
+    rows.reserve(129)  # at most twice what is asked
+    assert rows.buffer.size(0) == 256
     rows.truncate(2)
     rows.put(torch.tensor([2]), torch.full((3, 3), -1), 5)
     assert rows.n == 5 and torch.equal(rows.rows[2:], torch.full((3, 3), -1))
     assert torch.equal(rows.rows[:2], torch.arange(6).view(2, 3))
+
+
+def test_a_state_pool_hands_back_a_buffer_to_its_role_and_shape_zeroed_within_its_bounds():
+    pool = StatePool(max_bytes=3 * 64 * 8, per_role=2)
+    a = pool.take(("window", 0), (8, 8), torch.int64, "cpu")
+    a.fill_(7)
+    pool.give(("window", 0), a)
+    assert pool.take(("window", 1), (8, 8), torch.int64, "cpu") is not a  # another role
+    assert pool.take(("window", 0), (4, 8), torch.int64, "cpu") is not a  # another shape
+    b = pool.take(("window", 0), (8, 8), torch.int64, "cpu")
+    assert b is a and not b.any() and pool.bytes == 0
+    kept = [torch.ones(8, 8, dtype=torch.int64) for _ in range(4)]
+    for t in kept:
+        pool.give(("raw", 2), t)
+    assert pool.bytes == 2 * 64 * 8  # two a role and shape
+    pool.give(("raw", 3), kept[2])
+    pool.give(("raw", 4), kept[3])
+    assert pool.bytes == 3 * 64 * 8  # and no more than max_bytes in all
+    assert pool.take(("raw", 2), (8, 8), torch.int64, "cpu") is kept[1]  # the last given back first
+
+
+def graph_shaped_engine(case) -> Engine:
+    """An engine whose halves run short forwards the way CUDA graphs do (uncaptured: any backend), so their
+    states come from a StatePool as on a GPU."""
+    def half(name: str) -> Runner:
+        return Runner(load_model(case, half=name), graphs=SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False))
+
+    decoder = half("decoder")
+    return Engine(decoder, LocalHalf(half("encoder")), decoder.args.max_seq_len, engine_identity(decoder.model))
+
+
+def test_a_new_session_takes_an_ended_ones_buffers_and_decodes_the_same_tokens(engine):
+    """With graphs, a session's state is made of the buffers the sessions before it held, in the same roles --
+    what lets it replay their CUDA graphs, which read the state by address -- zeroed: its tokens, drafted or
+    not, are those of a session on fresh buffers."""
+    shaped, ids = graph_shaped_engine(CASE), prompt(90)
+
+    def run(e: Engine, k: int) -> tuple[list[int], dict]:
+        s = e.session()
+        out = list(decode(s, s.prefill(ids), 12, SamplingParams(), stop=set(), dspark=k))
+        held = {(half, name, key): (t.data if hasattr(t, "data") else t.buffer).data_ptr()
+                for half, state in (("decoder", s.state), ("encoder", s.encoder.state))
+                for name in TABLES for key, t in getattr(state, name).items()}
+        s.close()
+        return out, held
+
+    fresh = [run(engine, k)[0] for k in (0, 3)]
+    (first, held), (second, held_again) = run(shaped, 3), run(shaped, 3)
+    assert fresh[0] == fresh[1] == first == second == run(shaped, 0)[0]
+    assert held == held_again and {name for _, name, _ in held} >= {"window", "compressed", "dspark"}
+    assert shaped.decoder.pool.bytes > 0 and engine.decoder.pool is None  # no graphs, no pool
 
 
 def test_rollback_beyond_the_rings_is_refused(engine):

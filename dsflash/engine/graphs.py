@@ -5,8 +5,8 @@ and a key naming everything it reads in place); this store captures it once per 
 and replays it: a replay runs the same kernels on the same shapes as the eager call, so the bits are those
 of the eager forward. A short forward of the backbone is one segment, its state read and written in place
 (model/transformer.py); so is a DSpark draft's stages and head once a whole window of context exists
-(model/dspark.py). Graphs that read a session's state are that session's own: their keys name its tensors
-by address and size.
+(model/dspark.py). Graphs that read a session's state name its tensors by address and size in their keys:
+a session on the buffers an ended one held (model/state.StatePool) replays that one's graphs.
 
 Lifetime rules: a replay overwrites its outputs, so a forward copies out what it returns; graphs read
 the RoPE tables by address, so they are dropped when a table grows (`begin`). One forward at a time per
@@ -49,6 +49,7 @@ class SegmentGraphs:
         self._warm: OrderedDict[Hashable, tuple[torch.Tensor, ...]] = OrderedDict()
         self._pools: dict[int, tuple] = {}
         self._epoch: Hashable = None
+        self.captures = 0  # graphs captured so far (what a workload cost in captures)
 
     def begin(self, rows: int, epoch: Hashable, eligible: bool = True) -> bool:
         """Start a forward of `rows` rows; `epoch` names everything the graphs read by address besides
@@ -102,6 +103,7 @@ class SegmentGraphs:
         with _no_gc(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = fn(*static)
         entry = self._graphs[key] = _Captured(graph, static, tuple(outputs))
+        self.captures += 1
         return entry
 
 

@@ -69,7 +69,7 @@ class LocalEncoder:
 
     def __init__(self, runner: Runner, state: SequenceState | None = None):
         self.runner = runner
-        self.state = state or SequenceState(device=runner.device)
+        self.state = state or runner.state()
 
     @property
     def pos(self) -> int:
@@ -120,7 +120,7 @@ class LocalEncoder:
         return self.state
 
     def close(self) -> None:
-        pass
+        self.state.release()
 
 
 class LocalHalf:

@@ -50,7 +50,8 @@ WEIGHT_PARTS = ("dense", "experts", "engram", "vision", "dspark")
 GPU_WORKSPACE = 4 * GiB
 CPU_WORKSPACE = 1 * GiB  # the same for the CPU backend (no graphs)
 HOST_RESERVE = 2 * GiB  # the process itself: torch, the tokenizer, Python, pinned staging
-# GrowingRows doubles its capacity: the compressed entries, index keys and Engram ids hold up to 2x their rows
+# GrowingRows grows to the power of two above its rows: the compressed entries, index keys and Engram ids hold up
+# to 2x their rows
 GROWTH = 2
 
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}

@@ -12,7 +12,7 @@ import torch
 from dsflash.config import ModelArgs
 from dsflash.engine.graphs import SegmentGraphs
 from dsflash.model.dspark import argmax_sampler
-from dsflash.model.state import SequenceState
+from dsflash.model.state import SequenceState, StatePool
 from dsflash.model.transformer import ForwardOutput, Streams, Tokens, Transformer
 
 
@@ -26,9 +26,16 @@ class Runner:
         if graphs is None and cuda_graphs and model.k.name == "cuda":
             graphs = SegmentGraphs()
         self.graphs = graphs
+        # with graphs, a sequence's state comes from the buffers ended ones held (model/state.StatePool): the
+        # graphs those captured read them by address, so the next sequence replays them instead of its own
+        self.pool = StatePool() if graphs is not None else None
         # the server runs generations on two threads; a graph may only be replayed (and a RoPE table grown
         # under it) by one forward at a time
         self.lock: AbstractContextManager = threading.RLock() if graphs is not None else nullcontext()
+
+    def state(self) -> SequenceState:
+        """A new sequence's state on this half's device (and pool: give it back with `release`)."""
+        return SequenceState(device=self.device, pool=self.pool)
 
     @property
     def args(self) -> ModelArgs:

@@ -29,7 +29,7 @@ from dsflash.model.attention import append_entries
 from dsflash.model.dspark import argmax_sampler
 from dsflash.model.load import load_model
 from dsflash.model.parallel import Sharding
-from dsflash.model.state import ROLLBACK_ROWS, PositionRing, SequenceState
+from dsflash.model.state import ROLLBACK_ROWS, PositionRing
 from dsflash.model.tiers import RESIDENT, Tiers, sum_stats
 from dsflash.model.transformer import Streams, Transformer, tail_rows
 from dsflash.model.vision import TEXT
@@ -122,7 +122,7 @@ class Session:
         self.decoder = engine.decoder
         self.encoder = engine.encoder.open()
         self.device = engine.decoder.device
-        self.state = SequenceState(device=self.device)  # the decoder half's
+        self.state = self.decoder.state()  # the decoder half's
         self.tokens: list[int] = []
         self.spans: list[SpanKey] = []  # the image spans among self.tokens (start, length, digest)
         a = engine.args
@@ -290,11 +290,13 @@ class Session:
         """An empty timeline (a prompt that shares nothing within rollback reach)."""
         self.encoder.close()
         self.encoder = self.engine.encoder.open()
-        self.state = SequenceState(device=self.device)
+        self.state.release()
+        self.state = self.decoder.state()
         self.tokens, self.spans, self.last_logits = [], [], None
 
     def close(self) -> None:
         self.encoder.close()
+        self.state.release()
 
     def snapshot(self) -> bytes:
         """The decoder half's state, and the encoder half's when it keeps one (a box keeps its own and is
@@ -321,6 +323,7 @@ class Session:
         spans = extras.get("image_spans", torch.zeros(0, 3, dtype=torch.int64))
         encoder = self.engine.encoder.resume(tokens, states.get("encoder"), bool(spans.numel()))
         self.encoder.close()
+        self.state.release()
         self.encoder, self.state, self.tokens = encoder, states["decoder"], tokens
         self._main_hidden.data.copy_(extras["main_hidden"])
         self.spans = [tuple(row) for row in spans.tolist()]

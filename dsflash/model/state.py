@@ -10,15 +10,66 @@
 
 Rings keep ROLLBACK_ROWS positions more than the model reads, so the last step's rows (at most that
 many) can be undone exactly by `truncate` without recomputing anything.
+
+A state may take its buffers from a `StatePool` and give them back when its sequence ends (`release`), so
+the next sequence holds the same tensors in the same roles (why: `StatePool`).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
 
 ROLLBACK_ROWS = 64
+GROWN_MIN_ROWS = 64  # the smallest capacity a GrowingRows grows to
+# bytes of ended sequences' buffers a pool keeps, beyond which it lets them go (within the memory plan's
+# graphs/workspace allowance, engine/plan.py GPU_WORKSPACE)
+POOL_BYTES = 256 << 20
+POOL_PER_ROLE = 2  # buffers a pool keeps of one role and shape
+TABLES = ("window", "raw", "compressed", "index_keys", "dspark")  # the SequenceState tables by layer or stage
+
+
+class StatePool:
+    """Buffers of ended sequences' states, for the next sequences' same roles (a table, its layer or
+    stage, the shape). A CUDA graph reads a sequence's state by address and size (engine/graphs.py), so
+    a sequence on fresh buffers warms up and captures graphs of its own -- on the H200 its first cycles
+    cost 10-40x a warm one -- while on the buffers an ended sequence held, in the same roles, it replays
+    that one's graphs. A buffer is zeroed when taken: a sequence's bits are a fresh state's. Thread-safe
+    (the server starts and ends sequences on two threads)."""
+
+    def __init__(self, max_bytes: int = POOL_BYTES, per_role: int = POOL_PER_ROLE):
+        self.max_bytes, self.per_role = max_bytes, per_role
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, role: Hashable, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+             ) -> torch.Tensor:
+        """A zeroed [*shape] tensor: the one given back last in this role and shape, else a new one."""
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as a given tensor names it
+        with self._lock:
+            free = self._free.get((role, tuple(shape), dtype, device))
+            t = free.pop() if free else None
+            if t is not None:
+                self._bytes -= t.nbytes
+        return torch.zeros(shape, dtype=dtype, device=device) if t is None else t.zero_()
+
+    def give(self, role: Hashable, t: torch.Tensor) -> None:
+        """Keep `t` for the next take of its role and shape (or let it go: the pool is full)."""
+        if not t.numel():
+            return
+        with self._lock:
+            free = self._free.setdefault((role, tuple(t.shape), t.dtype, t.device), [])
+            if len(free) < self.per_role and self._bytes + t.nbytes <= self.max_bytes:
+                free.append(t)
+                self._bytes += t.nbytes
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
 
 
 class RollbackError(ValueError):
@@ -30,18 +81,27 @@ class GrowingRows:
     until written: a CUDA graph reads the whole buffer (masking what is not yet visible), so it must never
     meet uninitialised memory."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+                 pool: StatePool | None = None, role: Hashable = None):
         self._buf = torch.empty(0, *shape, dtype=dtype, device=device)
         self.n = 0
+        self._pool, self._role = pool, role
 
     def reserve(self, n: int) -> None:
-        """Capacity for n rows (the buffer moves when it grows, to twice n: a prefill's one large append
-        would otherwise leave it full, and the first steps after it would each grow a buffer of theirs --
-        on a GPU each growth retires the CUDA graphs that read it by address and size, a recapture of
-        10-40 ms for a 2 ms step)."""
+        """Capacity for n rows: the buffer moves when it grows, to the least power of two above n (at most
+        2n). Above n: a prefill's one large append would otherwise leave it full, and the first steps after
+        it would each grow a buffer of theirs -- on a GPU each growth retires the CUDA graphs that read it by
+        address and size, a recapture of 10-40 ms for a 2 ms step. A power of two: sequences of similar
+        lengths hold buffers of one size, so a pooled one fits the next sequence (`StatePool`)."""
         if n > self._buf.size(0):
-            grown = self._buf.new_zeros(max(2 * n, 64), *self._buf.shape[1:])
+            shape = (max(1 << n.bit_length(), GROWN_MIN_ROWS), *self._buf.shape[1:])
+            if self._pool is None:
+                grown = self._buf.new_zeros(shape)
+            else:
+                grown = self._pool.take(self._role, shape, self._buf.dtype, self._buf.device)
             grown[: self.n] = self._buf[: self.n]
+            if self._pool is not None:
+                self._pool.give(self._role, self._buf)
             self._buf = grown
 
     def append(self, rows: torch.Tensor) -> None:
@@ -84,8 +144,10 @@ class GrowingRows:
 class PositionRing:
     """Rows addressed by absolute position; the last `capacity` positions written are kept."""
 
-    def __init__(self, capacity: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"):
-        self.data = torch.zeros(capacity, *shape, dtype=dtype, device=device)
+    def __init__(self, capacity: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+                 pool: StatePool | None = None, role: Hashable = None):
+        self.data = (torch.zeros(capacity, *shape, dtype=dtype, device=device) if pool is None
+                     else pool.take(role, (capacity, *shape), dtype, device))
 
     @property
     def capacity(self) -> int:
@@ -119,12 +181,17 @@ class SequenceState:
     dspark_pos: int = 0  # target positions whose DSpark context has been written
     # the device of each layer's window ring and (a KV source) its compressed rows, index keys and raw ring
     layers: dict[int, torch.device] = field(default_factory=dict)
+    pool: StatePool | None = None  # where new buffers come from and `release` gives them back to
+
+    def _role(self, table: dict, key: int) -> tuple[str, int]:
+        return next(name for name in TABLES if getattr(self, name) is table), key
 
     def ring(self, table: dict, key: int, window: int, shape: tuple[int, ...], dtype: torch.dtype) -> PositionRing:
         r = table.get(key)
         if r is None:
             device = self.device if table is self.dspark else self.layers.get(key, self.device)
-            r = table[key] = PositionRing(window + ROLLBACK_ROWS, shape, dtype, device)
+            r = table[key] = PositionRing(window + ROLLBACK_ROWS, shape, dtype, device, self.pool,
+                                          self._role(table, key))
         return r
 
     def place(self, device: torch.device, layers: dict[int, torch.device], tokens: torch.device) -> None:
@@ -144,13 +211,27 @@ class SequenceState:
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
         if self.engram_ids is None:
-            self.engram_ids = GrowingRows((), torch.int64, self.device)
+            self.engram_ids = GrowingRows((), torch.int64, self.device, self.pool, ("engram_ids", 0))
 
     def rows(self, table: dict, key: int, shape: tuple[int, ...], dtype: torch.dtype) -> GrowingRows:
         r = table.get(key)
         if r is None:
-            r = table[key] = GrowingRows(shape, dtype, self.layers.get(key, self.device))
+            r = table[key] = GrowingRows(shape, dtype, self.layers.get(key, self.device), self.pool,
+                                         self._role(table, key))
         return r
+
+    def release(self) -> None:
+        """The sequence has ended: its buffers go to the pool (with none, to the allocator) and the state is
+        an empty one's."""
+        if self.pool is not None:
+            for name in TABLES:
+                for key, t in getattr(self, name).items():
+                    self.pool.give((name, key), t.data if isinstance(t, PositionRing) else t.buffer)
+            self.pool.give(("engram_ids", 0), self.engram_ids.buffer)
+        for name in TABLES:
+            getattr(self, name).clear()
+        self.engram_ids = GrowingRows((), torch.int64, self.device, self.pool, ("engram_ids", 0))
+        self.pos = self.dspark_pos = 0
 
     def cache_bytes(self) -> int:
         """Bytes of the caches that grow with the sequence (compressed entries, index keys)."""
