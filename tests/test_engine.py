@@ -389,7 +389,7 @@ def test_prefill_passes_report_progress_and_keep_the_bits(engine):
     assert seen == [(d, 40) for d in (5, 10, 15, 20, 25, 30, 32, 37, 40)]
 
 
-def test_draft_depth_is_given_each_cycles_whole_time(engine, monkeypatch):
+def test_draft_depth_is_given_each_cycles_whole_time(monkeypatch):
     """On a GPU a verify's kernels finish inside the sampler's read-back of its logits, after the step call
     returns: DraftDepth must be given the whole cycle (draft, verify, sampling, rollback), or a depth's GPU
     time goes unweighed. Here each sample call costs 20 ms, as such a read-back can: every recorded cycle
@@ -408,11 +408,44 @@ def test_draft_depth_is_given_each_cycles_whole_time(engine, monkeypatch):
 
     monkeypatch.setattr(spec, "sample", slow_sample)
     monkeypatch.setattr(spec, "DraftDepth", Spy)
-    s = engine.session()
+    s = Engine.load(CASE).session()  # an engine of its own: an engine keeps its DraftDepth
     list(decode(s, s.prefill(prompt(12, seed=3)), 16, SamplingParams(), stop=set(), dspark=2))
     assert {0, 2} <= {k for k, _, _ in records}  # plain decoding and the deepest drafts, at least
     for k, seconds, accepted in records:
         assert seconds >= 0.02 * (min(accepted + 1, k) + 1), (k, seconds, accepted)
+
+
+def test_sessions_of_an_engine_share_its_draft_depth():
+    """The second session goes on from the first one's measurements: the same DraftDepth, its cycles counted
+    on and its prices kept (so a session does not measure plain decoding and the deepest drafts afresh);
+    the tokens are plain decoding's either way."""
+    engine, ids = Engine.load(CASE), prompt(30, seed=5)
+    k = engine.args.dspark_block_size
+    outs, counted, seconds = [], [], []
+    for _ in range(2):
+        s = engine.session()
+        outs.append(list(decode(s, s.prefill(ids), 24, SamplingParams(), stop=set(), dspark=k)))
+        counted.append(engine.draft_depths[k].cycles)
+        seconds.append({d: list(t) for d, t in engine.draft_depths[k].seconds.items()})
+    plain = engine.session()
+    assert outs[0] == outs[1] == list(decode(plain, plain.prefill(ids), 24, SamplingParams(), stop=set()))
+    assert list(engine.draft_depths) == [k] and 6 <= counted[0] < counted[1]
+    assert all(len(t) == DraftDepth.SAMPLES for t in (seconds[0][0], seconds[0][k]))
+
+
+def test_draft_depth_follows_a_change_of_acceptance():
+    """The acceptance counts forget (MEMORY drafted cycles): after 200 cycles of drafts that pay (80 %
+    accepted, cheap drafts, a step growing with its rows), text the drafter gets wrong (5 %) sends it back
+    to plain decoding within a few dozen cycles -- undecayed counts would hold 200 cycles of 80 % against it."""
+    depth, rng, chosen = DraftDepth(4), random.Random(1), []
+    for cycle in range(400):
+        k = depth.choose()
+        accept = 0.8 if cycle < 200 else 0.05
+        accepted = next((i for i in range(k) if rng.random() > accept), k)
+        depth.record(k, 10e-3 + 1e-3 * (k + 1) + (2e-3 if k else 0.0), accepted)
+        chosen.append(k)
+    assert chosen[150:200].count(4) >= 45
+    assert chosen[300:].count(0) >= 90
 
 
 @pytest.mark.parametrize("machine", ["drafts-cost-more", "drafts-pay"])

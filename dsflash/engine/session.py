@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +35,9 @@ from dsflash.model.tiers import RESIDENT, Tiers, sum_stats
 from dsflash.model.transformer import Streams, Transformer, tail_rows
 from dsflash.model.vision import TEXT
 from dsflash.numerics import NUMERICS_VERSION
+
+if TYPE_CHECKING:
+    from dsflash.engine.spec import DraftDepth
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,8 @@ class Engine:
     max_context: int
     identity: str = ""
     parallel: Sharding | None = None  # the ranks the halves here are sharded over (their health)
+    # adaptive DSpark depth by most drafts, kept from session to session (engine/spec.DraftDepth)
+    draft_depths: dict[int, DraftDepth] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path, max_context: int | None = None,

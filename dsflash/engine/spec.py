@@ -63,21 +63,29 @@ class DraftDepth:
     a depth measured only then, or by one cycle, would be priced out for good -- on the H200 plain decoding
     was, and drafting at 0.5-0.65x of plain speed went on for the whole answer. Plain decoding and the
     deepest drafts are measured first; the depths between only by the probes, as each new depth costs a
-    session slow cycles of its own."""
+    session slow cycles of its own.
+
+    One DraftDepth serves an engine's sessions one after another (`Engine.draft_depths`): a session takes
+    the CUDA graphs the last one captured (model/state.StatePool), so the cycle times measured are the
+    machine's, not a session's; the acceptance counts forget at the rate of MEMORY drafted cycles, so they
+    follow the text being written (a new prompt's, within tens of cycles) from the last one's estimate
+    rather than from nothing. The server's two generation threads share it: a record is a few list updates,
+    and one lost to a race costs a sample, never a token (the depth never changes the output)."""
 
     max_k: int
     seconds: dict[int, list[float]] = field(default_factory=dict)  # the last SAMPLES cycle times by depth
-    tried: list[int] = field(default_factory=list)
-    hits: list[int] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)  # per draft slot, cycles that drafted it (decayed)
+    hits: list[float] = field(default_factory=list)  # and of those, the ones that accepted it (decayed)
     cycles: int = 0
     probes: int = 0
     probing: int | None = None  # the depth a probe's second cycle runs
     SAMPLES = 3
     PROBE_EVERY = 32
+    MEMORY = 64
 
     def __post_init__(self) -> None:
-        self.tried = [0] * self.max_k
-        self.hits = [0] * self.max_k
+        self.tried = [0.0] * self.max_k
+        self.hits = [0.0] * self.max_k
 
     def _rate(self, k: int) -> float:
         return (1 + sum(self._reach(i) for i in range(1, k + 1))) / min(self.seconds[k])
@@ -106,9 +114,10 @@ class DraftDepth:
     def record(self, k: int, seconds: float, accepted: int) -> None:
         self.cycles += 1
         self.seconds[k] = [*self.seconds.get(k, ()), seconds][-self.SAMPLES:]
+        keep = 1 - 1 / self.MEMORY
         for i in range(k):
-            self.tried[i] += 1
-            self.hits[i] += i < accepted
+            self.tried[i] = self.tried[i] * keep + 1
+            self.hits[i] = self.hits[i] * keep + (i < accepted)
 
 
 @dataclass
@@ -135,7 +144,8 @@ def decode(session: Session, first_logits, max_new: int, params: SamplingParams,
     stats = stats or DecodeStats()
     depth = None
     if dspark and session.decoder.model.dspark:
-        depth = (DraftDepth if adaptive else FixedDepth)(min(dspark, session.engine.args.dspark_block_size))
+        k = min(dspark, session.engine.args.dspark_block_size)
+        depth = session.engine.draft_depths.setdefault(k, DraftDepth(k)) if adaptive else FixedDepth(k)
     t0 = time.perf_counter()
     history = History(session.tokens, first_logits.numel()) if params.adjusted else None
 
