@@ -188,7 +188,8 @@ def test_dspark_decoding_equals_one_process(parallel, one, params):
         if drafter:
             s.draft = partly_right_drafter(s, len(ids), plain)
         stats = DecodeStats()
-        assert list(decode(s, s.prefill(ids), 16, params, stop=set(), dspark=3, stats=stats)) == plain
+        assert list(decode(s, s.prefill(ids), 16, params, stop=set(), dspark=3, stats=stats,
+                           adaptive=False)) == plain
         assert stats.drafted > 0 and (stats.accepted > 0 or not drafter)
 
 

@@ -117,7 +117,8 @@ def test_split_equals_single_process(local, box):
     y = split.session()
     y.draft = partly_right_drafter(y, len(ids), plain)
     stats = DecodeStats()
-    assert list(decode(y, y.prefill(ids, chunk=16), 12, GREEDY, stop=set(), dspark=4, stats=stats)) == plain
+    assert list(decode(y, y.prefill(ids, chunk=16), 12, GREEDY, stop=set(), dspark=4, stats=stats,
+                       adaptive=False)) == plain
     assert 0 < stats.accepted < stats.drafted
 
 

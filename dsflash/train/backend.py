@@ -234,6 +234,7 @@ class _LazyRows(GrowingRows):
 
     def __init__(self, device: torch.device):
         self._buf, self.n, self._device = None, 0, device
+        self._pool, self._role = None, None  # a training forward's state is its own
 
     def reserve(self, n: int) -> None:
         if self._buf is not None:
