@@ -14,7 +14,7 @@ from dsflash.engine.graphs import SegmentGraphs
 from dsflash.engine.halves import LocalHalf
 from dsflash.engine.runner import Runner
 from dsflash.engine.sampling import AfterReasoning, History, SamplingParams, sample
-from dsflash.engine.session import MAX_STEP_ROWS, Engine, engine_identity
+from dsflash.engine.session import MAX_STEP_ROWS, Engine, Session, engine_identity
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.engine.spec import DecodeStats, DraftDepth, decode
 from dsflash.kernels import cpu
@@ -106,6 +106,28 @@ def graph_shaped_engine(case) -> Engine:
     return Engine(decoder, LocalHalf(half("encoder")), decoder.args.max_seq_len, engine_identity(decoder.model))
 
 
+def state_buffers(s: Session) -> dict[tuple[str, str, int], int]:
+    """(half, table, layer or stage) -> the address of the buffer holding it, for a session of one process."""
+    return {(half, name, key): (t.data if hasattr(t, "data") else t.buffer).data_ptr()
+            for half, state in (("decoder", s.state), ("encoder", s.encoder.state))
+            for name in TABLES for key, t in getattr(state, name).items()}
+
+
+def test_a_resumed_session_takes_an_ended_ones_buffers_and_goes_on_the_same(engine):
+    """A session restored from a snapshot (the prefix cache's next turn) is made of pooled buffers too, in the
+    roles and sizes the ended session held, and decodes on as a restore onto fresh buffers does."""
+    shaped, ids = graph_shaped_engine(CASE), prompt(70, seed=6)
+    s = shaped.session()
+    list(decode(s, s.prefill(ids), 8, SamplingParams(), stop=set()))
+    blob, held = s.snapshot(), state_buffers(s)
+    s.close()
+    resumed = Session.restore(shaped, blob)
+    assert state_buffers(resumed) == held
+    fresh = Session.restore(engine, blob)
+    assert list(decode(resumed, resumed.last_logits, 8, SamplingParams(), stop=set(), dspark=2)) == \
+        list(decode(fresh, fresh.last_logits, 8, SamplingParams(), stop=set()))
+
+
 def test_a_new_session_takes_an_ended_ones_buffers_and_decodes_the_same_tokens(engine):
     """With graphs, a session's state is made of the buffers the sessions before it held, in the same roles --
     what lets it replay their CUDA graphs, which read the state by address -- zeroed: its tokens, drafted or
@@ -115,9 +137,7 @@ def test_a_new_session_takes_an_ended_ones_buffers_and_decodes_the_same_tokens(e
     def run(e: Engine, k: int) -> tuple[list[int], dict]:
         s = e.session()
         out = list(decode(s, s.prefill(ids), 12, SamplingParams(), stop=set(), dspark=k))
-        held = {(half, name, key): (t.data if hasattr(t, "data") else t.buffer).data_ptr()
-                for half, state in (("decoder", s.state), ("encoder", s.encoder.state))
-                for name in TABLES for key, t in getattr(state, name).items()}
+        held = state_buffers(s)
         s.close()
         return out, held
 

@@ -325,7 +325,9 @@ class Session:
 
     def _load(self, blob: bytes) -> None:
         """Take a snapshot's timeline in place of this one (nothing changes when it is refused)."""
-        states, tokens, extras = snapshot.decode(blob, self.engine.identity, self.device)
+        local = self.engine.encoder.runner.pool if isinstance(self.engine.encoder, LocalHalf) else None
+        states, tokens, extras = snapshot.decode(blob, self.engine.identity, self.device,
+                                                 {"decoder": self.decoder.pool, "encoder": local})
         spans = extras.get("image_spans", torch.zeros(0, 3, dtype=torch.int64))
         encoder = self.engine.encoder.resume(tokens, states.get("encoder"), bool(spans.numel()))
         self.encoder.close()

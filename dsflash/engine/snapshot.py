@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from dsflash.model.state import GrowingRows, PositionRing, SequenceState
+from dsflash.model.state import GrowingRows, PositionRing, SequenceState, StatePool
 from dsflash.numerics import NUMERICS_VERSION, packing
 
 MAGIC = b"DSFLSNAP"
@@ -114,8 +114,12 @@ def check(blob: bytes, model_id: str) -> tuple[dict, bytes]:
     return header, payload
 
 
-def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu"
+def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu",
+           pools: dict[str, StatePool | None] | None = None
            ) -> tuple[dict[str, SequenceState], list[int], dict[str, torch.Tensor]]:
+    """The states by part ("decoder", "encoder"), the tokens and the extras of a snapshot; a part's state
+    takes its buffers from pools[part] when given (a resumed session replays the CUDA graphs of the sessions
+    before it, model/state.StatePool)."""
     header, payload = check(blob, model_id)
     tensors = st_load(payload)
     packed = header.get("packed", {})
@@ -126,7 +130,8 @@ def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu"
             raise SnapshotError(f"snapshot tensor {key} is not in the {fmt[0]} format this build holds "
                                 f"(dtype {t.dtype}, shape {tuple(t.shape)}, header {packed.get(key)})")
     ids = tensors.pop("tokens")
-    states = {part: SequenceState(pos=p["pos"], dspark_pos=p["dspark_pos"], device=device)
+    states = {part: SequenceState(pos=p["pos"], dspark_pos=p["dspark_pos"], device=device,
+                                  pool=(pools or {}).get(part))
               for part, p in header["parts"].items()}
     extras = {}
     for key, t in tensors.items():
@@ -139,12 +144,13 @@ def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu"
             state.engram_ids.append(t.to(device))
             continue
         name, k = field_key.split(".")
+        role = (name, int(k))
         if name in ("window", "raw", "dspark"):
-            ring = PositionRing(t.size(0), tuple(t.shape[1:]), t.dtype, device)
+            ring = PositionRing(t.size(0), tuple(t.shape[1:]), t.dtype, device, state.pool, role)
             ring.data.copy_(t.to(device))
             getattr(state, name)[int(k)] = ring
         else:
-            rows = GrowingRows(tuple(t.shape[1:]), t.dtype, device)
+            rows = GrowingRows(tuple(t.shape[1:]), t.dtype, device, state.pool, role)
             rows.append(t.to(device))
             getattr(state, name)[int(k)] = rows
     return states, ids.tolist(), extras
