@@ -10,13 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsflash.engine.depth import DraftDepth
 from dsflash.engine.graphs import SegmentGraphs
 from dsflash.engine.halves import LocalHalf
 from dsflash.engine.runner import Runner
 from dsflash.engine.sampling import AfterReasoning, History, SamplingParams, sample
 from dsflash.engine.session import MAX_STEP_ROWS, Engine, Session, engine_identity
 from dsflash.engine.snapshot import SnapshotError
-from dsflash.engine.spec import DecodeStats, DraftDepth, decode
+from dsflash.engine.spec import DecodeStats, decode
 from dsflash.kernels import cpu
 from dsflash.model.load import load_model
 from dsflash.model.state import ROLLBACK_ROWS, TABLES, GrowingRows, RollbackError, SequenceState, StatePool

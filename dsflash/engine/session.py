@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from dsflash.checkpoint.reader import model_identity
 from dsflash.config import ModelArgs
 from dsflash.engine import snapshot
+from dsflash.engine.depth import DraftDepth
 from dsflash.engine.halves import EncoderHalf, HandOff, LocalHalf
 from dsflash.engine.images import ImageSpan, SpanKey, cache_key, span_keys, token_types
 from dsflash.engine.prefix_cache import PrefixCache
@@ -35,9 +35,6 @@ from dsflash.model.tiers import RESIDENT, Tiers, sum_stats
 from dsflash.model.transformer import Streams, Transformer, tail_rows
 from dsflash.model.vision import TEXT
 from dsflash.numerics import NUMERICS_VERSION
-
-if TYPE_CHECKING:
-    from dsflash.engine.spec import DraftDepth
 
 log = logging.getLogger(__name__)
 
