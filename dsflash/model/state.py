@@ -30,6 +30,7 @@ GROWN_MIN_ROWS = 64  # the smallest capacity a GrowingRows grows to
 POOL_BYTES = 256 << 20
 POOL_PER_ROLE = 2  # buffers a pool keeps of one role and shape
 TABLES = ("window", "raw", "compressed", "index_keys", "dspark")  # the SequenceState tables by layer or stage
+ENGRAM_IDS = ("engram_ids", 0)  # the pool role of a state's Engram ids
 
 
 class StatePool:
@@ -211,7 +212,7 @@ class SequenceState:
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
         if self.engram_ids is None:
-            self.engram_ids = GrowingRows((), torch.int64, self.device, self.pool, ("engram_ids", 0))
+            self.engram_ids = GrowingRows((), torch.int64, self.device, self.pool, ENGRAM_IDS)
 
     def rows(self, table: dict, key: int, shape: tuple[int, ...], dtype: torch.dtype) -> GrowingRows:
         r = table.get(key)
@@ -227,10 +228,10 @@ class SequenceState:
             for name in TABLES:
                 for key, t in getattr(self, name).items():
                     self.pool.give((name, key), t.data if isinstance(t, PositionRing) else t.buffer)
-            self.pool.give(("engram_ids", 0), self.engram_ids.buffer)
+            self.pool.give(ENGRAM_IDS, self.engram_ids.buffer)
         for name in TABLES:
             getattr(self, name).clear()
-        self.engram_ids = GrowingRows((), torch.int64, self.device, self.pool, ("engram_ids", 0))
+        self.engram_ids = GrowingRows((), torch.int64, self.device, self.pool, ENGRAM_IDS)
         self.pos = self.dspark_pos = 0
 
     def cache_bytes(self) -> int:
