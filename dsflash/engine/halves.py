@@ -17,7 +17,7 @@ import torch
 from dsflash.engine.images import ImageSpan, token_types
 from dsflash.engine.runner import Runner
 from dsflash.engine.snapshot import SnapshotError
-from dsflash.model.state import SequenceState
+from dsflash.model.state import SequenceState, StatePool
 from dsflash.model.transformer import Tokens
 from dsflash.model.vision import IMAGE, IMAGE_START, TEXT
 
@@ -57,6 +57,7 @@ class EncoderHalf(Protocol):
     """Where the encoder half runs; opens its sessions."""
 
     reconnects: int | None  # link reconnections so far (None: in this process, no link)
+    pool: StatePool | None  # where a snapshot's encoder state takes its buffers (None: elsewhere or fresh)
 
     def open(self) -> EncoderSession: ...
 
@@ -130,6 +131,7 @@ class LocalHalf:
 
     def __init__(self, runner: Runner):
         self.runner = runner
+        self.pool = runner.pool
 
     def open(self) -> LocalEncoder:
         return LocalEncoder(self.runner)

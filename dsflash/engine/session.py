@@ -76,7 +76,7 @@ class Engine:
     max_context: int
     identity: str = ""
     parallel: Sharding | None = None  # the ranks the halves here are sharded over (their health)
-    # adaptive DSpark depth by most drafts, kept from session to session (engine/spec.DraftDepth)
+    # adaptive DSpark depth by most drafts, kept from session to session (engine/depth.DraftDepth)
     draft_depths: dict[int, DraftDepth] = field(default_factory=dict)
 
     @classmethod
@@ -322,9 +322,8 @@ class Session:
 
     def _load(self, blob: bytes) -> None:
         """Take a snapshot's timeline in place of this one (nothing changes when it is refused)."""
-        local = self.engine.encoder.runner.pool if isinstance(self.engine.encoder, LocalHalf) else None
         states, tokens, extras = snapshot.decode(blob, self.engine.identity, self.device,
-                                                 {"decoder": self.decoder.pool, "encoder": local})
+                                                 {"decoder": self.decoder.pool, "encoder": self.engine.encoder.pool})
         spans = extras.get("image_spans", torch.zeros(0, 3, dtype=torch.int64))
         encoder = self.engine.encoder.resume(tokens, states.get("encoder"), bool(spans.numel()))
         self.encoder.close()

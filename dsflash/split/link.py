@@ -373,6 +373,8 @@ class RemoteEncoder:
 class BoxHalf:
     """The encoder half on a box: its sessions share one BoxLink."""
 
+    pool = None  # its state lives on the box
+
     def __init__(self, link: BoxLink, args: ModelArgs):
         self.link, self.args = link, args
 
