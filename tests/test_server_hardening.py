@@ -338,7 +338,7 @@ def test_serve_verify_weights_refuses_a_damaged_checkpoint_in_one_line(ckpt, tmp
 def test_mixed_hostile_load_gives_no_5xx_and_keeps_memory_flat(ckpt):
     """Rounds of malformed shapes, clients that leave mid-answer (streamed or not), oversized and too-long
     bodies, stalled uploads and ordinary requests, from several threads at once: no 5xx except the
-    queue's 503, and the server's resident memory after the last round within 100 MB of the first's."""
+    queue's 503, and the server's resident memory flat over the last five of twelve rounds."""
     proc, base = serve(ckpt, "--max-body", "4MiB", "--request-timeout", "1", "--max-queue", "4")
     port = int(base.rsplit(":", 1)[1])
     statuses: list[int] = []
@@ -384,14 +384,17 @@ def test_mixed_hostile_load_gives_no_5xx_and_keeps_memory_flat(ckpt):
             t.join(120)
 
     try:
-        round_()
-        wait_idle(base, 30)
-        first = rss()
-        for _ in range(5):
+        after = []  # resident MB after each round
+        for _ in range(12):
             round_()
-        wait_idle(base, 30)
+            wait_idle(base, 30)
+            after.append(rss())
         assert all(s < 500 or s == 503 for s in statuses), sorted(set(statuses))
         assert {400, 408, 413, 200} <= set(statuses)
-        assert rss() - first < 100, (first, rss())
+        # a leak grows with every round; the server also rises once, by 30-60 MB, at a round that varies with
+        # timing (CI once saw +176 MB over rounds 2-6) and stays there: live C heap (glibc's in-use bytes), not
+        # tensors or Python objects, unmoved by malloc_trim; two pooled threads that have decoded hold ~30 MB
+        # more than fresh ones. So one step is allowed, a slope is not
+        assert after[-1] - after[6] < 80 and after[-1] - after[1] < 250, after
     finally:
         stop(proc)
