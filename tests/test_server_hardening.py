@@ -393,8 +393,8 @@ def test_mixed_hostile_load_gives_no_5xx_and_keeps_memory_flat(ckpt):
         assert {400, 408, 413, 200} <= set(statuses)
         # a leak grows with every round; the server also rises once, by 30-60 MB, at a round that varies with
         # timing (CI once saw +176 MB over rounds 2-6) and stays there: live C heap (glibc's in-use bytes), not
-        # tensors or Python objects, unmoved by malloc_trim; two pooled threads that have decoded hold ~30 MB
-        # more than fresh ones. So one step is allowed, a slope is not
+        # tensors or Python objects, unmoved by malloc_trim, held by oneDNN (heaptrack: torch's CPU matmul
+        # primitives; docs/rejected-ideas.md, stop 35). So one step is allowed, a slope is not
         assert after[-1] - after[6] < 80 and after[-1] - after[1] < 250, after
     finally:
         stop(proc)
