@@ -394,14 +394,51 @@ def test_indexer_kernels_under_the_fixed_interpreter():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+SINKHORN_GRAD_SCRIPT = """
+import interpreter_fixes  # noqa: F401
+import torch
+from dsflash.kernels import cpu
+from dsflash.train.backend import _Sinkhorn
+g = torch.Generator().manual_seed(0)
+for lead, used in (((1,), (0, 1, 2)), ((37,), (0, 1, 2)), ((3, 5), (2,)), ((6,), (0, 1))):
+    mixes = torch.randn(*lead, 24, generator=g)
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g) * 0.5
+    weights = [torch.randn(*lead, *shape, generator=g) for shape in ((4,), (4,), (4, 4))]
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (mixes, scale, base)]
+        outs = fn(*leaves, 4, 20, 1e-6)
+        sum((outs[i] * weights[i]).sum() for i in used).backward()
+        return outs, [t.grad for t in leaves]
+
+    (got, got_grads), (ref, ref_grads) = grads(_Sinkhorn.apply), grads(cpu.hc_split_sinkhorn)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), float((a - b).abs().max())
+    for a, b in zip(got_grads, ref_grads):
+        assert a.shape == b.shape and float((a - b).norm() / b.norm()) < 1e-5, (lead, used)
+print("ok")
+"""
+
+
+def test_training_sinkhorn_backward_kernel_gives_autograds_gradients():
+    """The trainer's mHC split on a GPU (train/backend.py _Sinkhorn: the forward kernel keeping its states and
+    the backward kernel) against autograd through the reference, under the interpreter: the mixes', scales' and
+    bases' gradients, with some outputs unused (their gradients None)."""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
+    r = subprocess.run([sys.executable, "-c", SINKHORN_GRAD_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
 def test_new_kernels_compile_for_sm90():
     """The interpreter runs kernels as Python, so it misses what only the compiler rejects: compile the
     kernels not yet run on a GPU machine when written (the indexer's, the compressor's pooling, Engram's, the
-    router) for sm_90 here (Triton ships ptxas; no GPU needed)."""
+    router, the trainer's mHC split) for sm_90 here (Triton ships ptxas; no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from dsflash.kernels.cuda import configs, elementwise, gemm, indexer, router
+    from dsflash.kernels.cuda import configs, elementwise, gemm, indexer, mhc, router
 
     def check(fn, pointers, constexprs):
         sig = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
@@ -431,6 +468,12 @@ def test_new_kernels_compile_for_sm90():
                                              "keep_ptr": "*u8", "o_ptr": "*bf16"},
               {"H": 32, "D": 128, "BLOCK": 8, "KEEP": keep, "R": configs.INDEX_SCORE_ROWS,
                "BE": configs.INDEX_SCORE_ENTRIES})
+    hc_pointers = {"mix_ptr": "*fp32", "scale_ptr": "*fp32", "base_ptr": "*fp32", "eps": "fp32"}
+    for save in (False, True):
+        check(mhc._hc_kernel, {**hc_pointers, "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+                               "states_ptr": "*fp32"}, {"HC": 4, "ROWS": configs.HC_ROWS, "SAVE": save})
+    check(mhc._hc_backward_kernel, {**hc_pointers, "states_ptr": "*fp32", "gpre_ptr": "*fp32", "gpost_ptr": "*fp32",
+                                    "gcomb_ptr": "*fp32", "dz_ptr": "*fp32"}, {"HC": 4, "ROWS": configs.HC_ROWS})
     for func in (1, 2):
         check(router._moe_route_kernel, {"logit_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32",
                                          "id_ptr": "*i64", "temp": "fp32", "scale": "fp32"},

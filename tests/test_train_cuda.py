@@ -36,3 +36,24 @@ def test_a_graphed_window_trains_as_the_eager_one(batch):
     eager_losses, eager_masters, _ = _trained(graphs=False, batch=batch)
     assert losses == eager_losses
     assert all(torch.equal(masters[n], eager_masters[n]) for n in masters)
+
+
+def test_the_sinkhorn_kernels_give_autograds_gradients_on_the_gpu():
+    """train/backend.py _Sinkhorn (the split's forward kernel keeping its states, its backward kernel) against
+    autograd through the reference's torch ops on the same GPU, and the same bits twice."""
+    from dsflash.kernels import cpu
+    from dsflash.train.backend import _Sinkhorn
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mixes = torch.randn(4099, 24, generator=g, device="cuda")
+    scale, base = torch.rand(3, generator=g, device="cuda") + 0.5, torch.randn(24, generator=g, device="cuda") * 0.5
+    weights = [torch.randn(4099, *shape, generator=g, device="cuda") for shape in ((4,), (4,), (4, 4))]
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (mixes, scale, base)]
+        sum((o * w).sum() for o, w in zip(fn(*leaves, 4, 20, 1e-6), weights, strict=True)).backward()
+        return [t.grad for t in leaves]
+
+    got, again, ref = grads(_Sinkhorn.apply), grads(_Sinkhorn.apply), grads(cpu.hc_split_sinkhorn)
+    for a, b, r in zip(got, again, ref, strict=True):
+        assert torch.equal(a, b) and float((a - r).norm() / r.norm()) < 1e-5

@@ -18,8 +18,11 @@ What the reference ops (kernels/cpu.py) give autograd, and what this backend cha
 - Sparse attention is the reference's: autograd follows its online softmax, and a softmax of our own (the
   same function, other roundings) moved the logits far more than its rounding (a small model amplifies it).
 - The indexer's scores, top-k and candidate blocks choose indices only: computed without autograd.
-Everything else (norms, mHC, RoPE in place, the router, SwiGLU, the compressor's pooling, the state's ring
-writes) is the reference's own torch code, which autograd follows.
+- The mHC split + Sinkhorn on a GPU: kernels/cuda's one-launch forward, keeping each normalisation's result,
+  and its backward kernel (`_Sinkhorn`), where autograd through the reference's 20 alternating normalisations
+  launches ~250 small kernels a site each way. On the CPU autograd follows the reference.
+Everything else (norms, the mHC streams, RoPE in place, the router, SwiGLU, the compressor's pooling, the
+state's ring writes) is the reference's own torch code, which autograd follows.
 """
 
 from __future__ import annotations
@@ -273,6 +276,41 @@ class _Rows(torch.autograd.Function):
         return F.pad(grad, (0, 0, 0, 1)).index_select(0, inverse), None, None
 
 
+class _Sinkhorn(torch.autograd.Function):
+    """kernels/cuda's hc_split_sinkhorn (the CUDA backend's bits) with its backward kernel; the gradients of the
+    mixes, the scales and the bases from the pre-activations' gradient by a product and sums over the rows."""
+
+    @staticmethod
+    def forward(ctx, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from dsflash.kernels import cuda  # Triton: imported only where a GPU trains
+
+        m = mixes.float().reshape(-1, mixes.size(-1))
+        states = torch.empty((iters, m.size(0), hc * hc), dtype=torch.float32, device=m.device)
+        out = cuda.hc_split_sinkhorn(mixes, scale, base, hc, iters, eps, states)
+        ctx.save_for_backward(m, scale, base, states)
+        ctx.shape, ctx.dtypes, ctx.hc, ctx.iters, ctx.eps = mixes.shape, (mixes.dtype, scale.dtype, base.dtype), hc, \
+            iters, eps
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        from dsflash.kernels import cuda
+
+        m, scale, base, states = ctx.saved_tensors
+        hc = ctx.hc
+        widths = (hc, hc, hc * hc)
+        g_pre, g_post, g_comb = (torch.zeros((m.size(0), w), dtype=torch.float32, device=m.device) if g is None
+                                 else g for g, w in zip(grads, widths, strict=True))
+        dz = cuda.hc_split_sinkhorn_backward(m, scale, base, states, g_pre, g_post, g_comb, hc, ctx.iters, ctx.eps)
+        s = scale.float()
+        g_mixes = dz * torch.cat([s[i].expand(w) for i, w in enumerate(widths)])
+        g_scale = torch.stack([part.sum() for part in (dz * m).split(widths, dim=-1)])
+        dtypes = ctx.dtypes
+        return (g_mixes.view(ctx.shape).to(dtypes[0]), g_scale.to(dtypes[1]), dz.sum(0).to(dtypes[2]), None, None,
+                None)
+
+
 # rows of one expert in a grouped GEMM start at a multiple of this: 16-byte aligned bf16 operands for CUDA's
 # grouped kernel (its weight gradient slices the rows by expert)
 GROUP_ROWS = 16
@@ -341,10 +379,12 @@ def training_kernels(masters: Masters) -> Kernels:
     def fp4_values(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
         return ste(x, fp4_fake_quant(x.detach(), block, e4m3_scale))
 
+    sinkhorn = _Sinkhorn.apply if masters.device.type == "cuda" else base.hc_split_sinkhorn
+
     # every MoE chunk through `expert_linear` (model/moe.py's slot path, no host read of the routing)
     return dataclasses.replace(
         base, name="training", row_tile=1, slot_moe_rows=sys.maxsize, weight=weight, linear=linear,
-        expert_bank=list, expert_linear=expert_linear, engram_rows=engram_rows,
+        expert_bank=list, expert_linear=expert_linear, engram_rows=engram_rows, hc_split_sinkhorn=sinkhorn,
         fp8_fake_quant=act, fp4_fake_quant=fp4_values,
         fp4_quant_packed=fp4_values, fp4_dequant_packed=lambda values, d, block, e4m3: values,
         index_scores=torch.no_grad()(cpu.index_scores))

@@ -5,8 +5,8 @@ family; `kernels(device)` builds the backend's `Kernels`.
   `grouped_linear`; weights: the kernels' weight layout (`CudaWeight`) and FP4 -> E4M3 widening;
   experts: the routed experts' bank and `expert_linear`
 - attention: `sparse_attn`; indexer: `index_scores`, `topk_indices`, `candidate_blocks`; router: `moe_route`
-- mhc: `hc_split_sinkhorn`, `collapse`, `expand`; quant: the KV / index fake quantisation and the packed
-  FP4 state (numerics/packing.py's bytes)
+- mhc: `hc_split_sinkhorn` (and its backward, for training), `collapse`, `expand`; quant: the KV / index fake
+  quantisation and the packed FP4 state (numerics/packing.py's bytes)
 - elementwise: the fixed-order row sums and RMS ops, the MoE sum, SwiGLU, the compressor's pooling,
   Engram's rows and gate, RoPE: each one launch with the rounding points of the torch composition it
   replaces (IEEE divisions, fp fusion off where products must round)
@@ -44,15 +44,15 @@ from .elementwise import (
 from .experts import ExpertBank, expert_bank, expert_linear, expert_put, expert_slots
 from .gemm import act_scales, grouped_linear, linear, quant_act
 from .indexer import candidate_blocks, index_scores, topk_indices
-from .mhc import collapse, expand, hc_split_sinkhorn
+from .mhc import collapse, expand, hc_split_sinkhorn, hc_split_sinkhorn_backward
 from .quant import fp4_dequant_packed, fp4_fake_quant, fp4_quant_packed, fp8_fake_quant
 from .router import moe_route
 from .weights import CudaWeight, fp4_words, to_cuda_weight, weight_from_codes
 
 __all__ = ["kernels", "CudaWeight", "ExpertBank", "to_cuda_weight", "fp4_words", "quant_act",
            "act_scales", "linear", "grouped_linear", "expert_bank", "expert_slots",
-           "expert_put", "expert_linear", "sparse_attn",
-           "hc_split_sinkhorn", "index_scores", "topk_indices", "candidate_blocks", "moe_route", "mean_square",
+           "expert_put", "expert_linear", "sparse_attn", "hc_split_sinkhorn", "hc_split_sinkhorn_backward",
+           "index_scores", "topk_indices", "candidate_blocks", "moe_route", "mean_square",
            "row_sum", "small_sum", "stream_mean", "rms_norm", "rms_scale", "fp8_fake_quant", "fp4_fake_quant",
            "fp4_quant_packed", "fp4_dequant_packed", "collapse", "expand", "moe_sum", "swiglu", "softmax_pool",
            "engram_rows", "engram_gate", "rope_rotate"]
