@@ -420,6 +420,45 @@ print("ok")
 """
 
 
+FIXED_POINT_SCRIPT = """
+import torch
+from dsflash.kernels import cuda
+from dsflash.train.backend import kv_sums_fixed_point, sparse_attn_grads
+from dsflash.kernels import cpu
+g = torch.Generator().manual_seed(0)
+for m, d, rows in ((1, 64, 3), (300, 32, 17), (129, 48, 5)):
+    src = torch.randn(m, d, generator=g) * torch.logspace(-5, 2, m).unsqueeze(-1)
+    idx = torch.randint(-1, rows, (m,), generator=g)
+    factor = torch.ldexp(torch.ones(()), torch.tensor(40))
+    got = torch.zeros(rows, d, dtype=torch.int64)
+    cuda.add_rows_fixed_point(got, idx, src, factor)
+    ref = torch.zeros(rows, d, dtype=torch.int64).index_add_(
+        0, idx.clamp_min(0), (src * factor).to(torch.int64) * (idx >= 0).unsqueeze(-1))
+    assert torch.equal(got, ref), (m, d)
+# the backward's GPU path (its kv sums through the kernel) against its CPU path
+n, h, d, r = 40, 4, 32, 60
+q, kv = torch.randn(n, h, d, generator=g).bfloat16(), torch.randn(r, d, generator=g).bfloat16()
+sink, idx = torch.randn(h, generator=g), torch.randint(-1, r, (n, 100), generator=g)
+out, lse = cpu.sparse_attn_lse(q, kv, sink, idx, d ** -0.5)
+d_out = torch.randn(n, h, d, generator=g).bfloat16()
+a = sparse_attn_grads(q, kv, sink, idx, d ** -0.5, out, lse, d_out, kv_sums_fixed_point)
+b = sparse_attn_grads(q, kv, sink, idx, d ** -0.5, out, lse, d_out)
+assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+assert float((a[1].float() - b[1].float()).abs().max()) <= 2 ** -7 * float(b[1].float().abs().max())
+print("ok")
+"""
+
+
+def test_fixed_point_row_sums_kernel_is_the_torch_op():
+    """The trainer's kv-gradient sums on a GPU (kernels/cuda add_rows_fixed_point, integer atomics) give torch's
+    integer sums exactly, D a power of two or not, -1 rows skipped; the sparse attention backward with them gives
+    its CPU path's gradients (kv's within bf16 rounding)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", FIXED_POINT_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
 def test_training_sinkhorn_backward_kernel_gives_autograds_gradients():
     """The trainer's mHC split on a GPU (train/backend.py _Sinkhorn: the forward kernel keeping its states and
     the backward kernel) against autograd through the reference, under the interpreter: the mixes', scales' and
@@ -434,11 +473,11 @@ def test_training_sinkhorn_backward_kernel_gives_autograds_gradients():
 def test_new_kernels_compile_for_sm90():
     """The interpreter runs kernels as Python, so it misses what only the compiler rejects: compile the
     kernels not yet run on a GPU machine when written (the indexer's, the compressor's pooling, Engram's, the
-    router, the trainer's mHC split) for sm_90 here (Triton ships ptxas; no GPU needed)."""
+    router, the trainer's mHC split and kv-gradient sums) for sm_90 here (Triton ships ptxas; no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from dsflash.kernels.cuda import configs, elementwise, gemm, indexer, mhc, router
+    from dsflash.kernels.cuda import attention, configs, elementwise, gemm, indexer, mhc, router
 
     def check(fn, pointers, constexprs):
         sig = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
@@ -468,6 +507,8 @@ def test_new_kernels_compile_for_sm90():
                                              "keep_ptr": "*u8", "o_ptr": "*bf16"},
               {"H": 32, "D": 128, "BLOCK": 8, "KEEP": keep, "R": configs.INDEX_SCORE_ROWS,
                "BE": configs.INDEX_SCORE_ENTRIES})
+    check(attention._add_rows_fixed_point_kernel, {"src_ptr": "*fp32", "idx_ptr": "*i64", "dst_ptr": "*i64",
+                                                   "factor_ptr": "*fp32"}, {"BLOCK_M": 64, "BLOCK_D": 64})
     hc_pointers = {"mix_ptr": "*fp32", "scale_ptr": "*fp32", "base_ptr": "*fp32", "eps": "fp32"}
     for save in (False, True):
         check(mhc._hc_kernel, {**hc_pointers, "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32",

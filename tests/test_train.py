@@ -15,6 +15,7 @@ from dsflash.checkpoint.reader import Checkpoint
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
 from dsflash.engine.spec import DecodeStats, decode
+from dsflash.kernels import cpu
 from dsflash.model.common import Selections
 from dsflash.model.state import SequenceState
 from dsflash.model.transformer import Debug, Tokens, Transformer
@@ -28,9 +29,12 @@ from dsflash.train.backend import (
     GROUP_ROWS,
     Masters,
     TrainState,
+    _SparseAttention,
     dequantised,
     fake_values,
     grouped_slots,
+    kv_sums,
+    kv_sums_fixed_point,
     quantised,
 )
 from dsflash.train.export import export_weights, stored_tensors
@@ -150,6 +154,62 @@ def test_grouped_expert_gemm_is_the_per_slot_linear(data_dir):
     ref_grads = torch.autograd.grad((ref.float() * probe).sum(), [ref_x, bank[3].master])
     for g, r in zip(grads, ref_grads, strict=True):
         assert torch.allclose(g.float(), r.float(), rtol=2e-2, atol=2e-2 * float(r.abs().max()))
+
+
+def test_sparse_attention_backward_is_the_exact_softmaxs_gradient():
+    """The training backend's sparse attention: the reference's output bits, and gradients of q, kv and the
+    sinks closer to those of an exact float64 softmax than autograd's through the reference (which gives NaN
+    for a query with no valid index); duplicated rows across queries, -1 padding, a query with none."""
+    g = torch.Generator().manual_seed(0)
+    n, h, d, r, k = 50, 4, 32, 70, 150
+    q, kv = torch.randn(n, h, d, generator=g).bfloat16(), torch.randn(r, d, generator=g).bfloat16()
+    sink = torch.randn(h, generator=g)
+    idx = torch.stack([torch.cat([torch.randperm(r, generator=g), torch.full((k - r,), -1)]) for _ in range(n)])
+    idx[3], idx[5, 10:] = -1, -1
+    probe = torch.randn(n, h, d, generator=g)
+
+    def exact(qq, kk, ss):
+        rows = kk[idx.clamp_min(0)]
+        s = torch.where((idx >= 0).unsqueeze(1), torch.einsum("nhd,nkd->nhk", qq, rows) * d ** -0.5, -torch.inf)
+        p = torch.softmax(torch.cat([s, ss.view(1, h, 1).expand(n, h, 1)], -1), -1)[..., :-1]
+        return torch.einsum("nhk,nkd->nhd", p, rows)
+
+    def grads(fn, dtype=None):
+        leaves = [(t.to(dtype) if dtype else t.clone()).requires_grad_() for t in (q, kv, sink)]
+        out = fn(*leaves) if dtype else fn(*leaves, idx, d ** -0.5)
+        (out.double() * probe).sum().backward()
+        return out, [t.grad.double() for t in leaves]
+
+    (out, got), (ref_out, ref) = grads(_SparseAttention.apply), grads(cpu.sparse_attn)
+    truth = grads(exact, torch.float64)[1]
+    assert torch.equal(out, ref_out)
+    rel = [float((a - t).norm() / t.norm()) for a, t in zip(got, truth, strict=True)]
+    assert all(e < 0.01 for e in rel), rel
+    for a, b, t in zip(got[:2], ref[:2], truth[:2], strict=True):  # the sinks' reference gradient is NaN here
+        assert float((a - t).norm()) <= float((b - t).norm())
+    assert not torch.isfinite(ref[2]).all()
+
+
+def test_fixed_point_kv_sums_do_not_depend_on_the_order():
+    """The GPU's kv-gradient sums (train/backend.py kv_sums_fixed_point, here with torch's integer adds standing
+    in for the kernel's atomics): the same bits whatever order the contributions arrive in, within the fixed
+    point's resolution of the CPU's float sums, over magnitudes 1e-6 .. 1e3 and -1 indices."""
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(400, 24, generator=g) * torch.logspace(-6, 3, 400).unsqueeze(-1)
+    idx = torch.randint(-1, 9, (400,), generator=g)
+    src[idx < 0] = 0  # what sparse_attn_grads gives at -1
+
+    def add_rows(dst, rows_of, part, factor):
+        dst.index_add_(0, rows_of.clamp_min(0), (part * factor).to(torch.int64))
+
+    kv = torch.zeros(9, 24)
+    sums = [kv_sums_fixed_point([(idx[o[:150]], src[o[:150]]), (idx[o[150:]], src[o[150:]])], kv, add_rows)
+            for o in (torch.arange(400), torch.randperm(400, generator=g), torch.arange(399, -1, -1))]
+    assert torch.equal(sums[0], sums[1]) and torch.equal(sums[0], sums[2])
+    exact = torch.zeros(9, 24, dtype=torch.float64).index_add_(0, idx.clamp_min(0), src.double())
+    assert ((sums[0].double() - exact).abs() <= exact.abs() * 2.0 ** -24 + 400 * 2.0 ** -(62 - 9 - 12)).all()
+    # closer than the CPU's sequential fp32 adds
+    assert (sums[0].double() - exact).norm() <= (kv_sums([(idx, src)], kv).double() - exact).norm()
 
 
 def test_an_unrouted_expert_gets_no_gradient(data_dir):

@@ -57,3 +57,26 @@ def test_the_sinkhorn_kernels_give_autograds_gradients_on_the_gpu():
     got, again, ref = grads(_Sinkhorn.apply), grads(_Sinkhorn.apply), grads(cpu.hc_split_sinkhorn)
     for a, b, r in zip(got, again, ref, strict=True):
         assert torch.equal(a, b) and float((a - r).norm() / r.norm()) < 1e-5
+
+
+def test_the_sparse_attention_backward_is_deterministic_on_the_gpu():
+    """train/backend.py _SparseAttention on a GPU (the kv rows' gradient by integer atomics): the same bits twice,
+    within bf16 rounding of the CPU's gradients, at a trained_args-like shape (a 128-token window, 64 picks)."""
+    from dsflash.train.backend import _SparseAttention
+
+    g = torch.Generator().manual_seed(0)
+    n, h, d = 2048, 4, 64
+    q, kv = torch.randn(n, h, d, generator=g).bfloat16(), torch.randn(n + 512, d, generator=g).bfloat16()
+    sink = torch.randn(h, generator=g)
+    window = torch.arange(n).unsqueeze(1) + torch.arange(128) - 127
+    idx = torch.cat([torch.where(window >= 0, window, -1), n + torch.randint(0, 512, (n, 64), generator=g)], 1)
+    probe = torch.randn(n, h, d, generator=g)
+
+    def grads(device):
+        leaves = [t.to(device).requires_grad_() for t in (q, kv, sink)]
+        (_SparseAttention.apply(*leaves, idx.to(device), d ** -0.5).float() * probe.to(device)).sum().backward()
+        return [t.grad.cpu().double() for t in leaves]
+
+    got, again, ref = grads("cuda"), grads("cuda"), grads("cpu")
+    for a, b, r in zip(got, again, ref, strict=True):
+        assert torch.equal(a, b) and float((a - r).norm() / r.norm()) < 1e-2

@@ -176,6 +176,13 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     Online softmax over blocks of 64 indices; probabilities rounded to bf16 before the value product,
     relative to the running maximum. A row with no valid index gives zeros. Returns bf16 [N, H, D].
     """
+    return sparse_attn_lse(q, kv, sink, idx, scale)[0]
+
+
+def sparse_attn_lse(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_attn` and the log of each (query, head)'s softmax denominator, sink included (fp32 [N, H]):
+    what a backward needs to recompute the probabilities (train/backend.py)."""
     n, h, d = q.shape
     qf = q.float().unsqueeze(0)
     kvf = kv.float()
@@ -196,7 +203,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         sum_exp = sum_exp * rescale + p.sum(dim=-1)
         acc = acc * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).float(), rows)
     sum_exp = sum_exp + torch.exp(sink.float() - run_max)
-    return (acc / sum_exp.unsqueeze(-1)).to(torch.bfloat16)[0]
+    return (acc / sum_exp.unsqueeze(-1)).to(torch.bfloat16)[0], (run_max + torch.log(sum_exp))[0]
 
 
 def mean_square(x: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,13 @@ What the reference ops (kernels/cpu.py) give autograd, and what this backend cha
   (`expert_linear`), instead of the reference's loop over the experts with its host read of their loads.
 - The packed FP4 caches (compressed KV, index keys): the state holds their fake-quantised values instead of
   packed bytes (`TrainState`), so the gradient reaches the compressors through the entries.
-- Sparse attention is the reference's: autograd follows its online softmax, and a softmax of our own (the
-  same function, other roundings) moved the logits far more than its rounding (a small model amplifies it).
+- Sparse attention: the reference's forward (a softmax of our own, the same function in other roundings, moved
+  the logits far more than its rounding: a small model amplifies it) with an analytic backward
+  (`_SparseAttention`): the probabilities recomputed from the saved log-denominators, the kv rows' gradient
+  summed by index_add_ on the CPU and in 64-bit fixed point on a GPU (`kv_sums_fixed_point`: integer sums, so
+  atomics give the same bits in any order), where autograd kept every block's gathered rows and scatter-added
+  their gradient one duplicate at a time (deterministic CUDA index_put sorts, then adds serially: each kv row
+  is read by ~128 queries).
 - The indexer's scores, top-k and candidate blocks choose indices only: computed without autograd.
 - The mHC split + Sinkhorn on a GPU: kernels/cuda's one-launch forward, keeping each normalisation's result,
   and its backward kernel (`_Sinkhorn`), where autograd through the reference's 20 alternating normalisations
@@ -276,6 +281,83 @@ class _Rows(torch.autograd.Function):
         return F.pad(grad, (0, 0, 0, 1)).index_select(0, inverse), None, None
 
 
+KvParts = list[tuple[torch.Tensor, torch.Tensor]]  # (kv row of each index [M], its gradient fp32 [M, D]), -1: none
+
+
+def kv_sums(parts: KvParts, kv: torch.Tensor) -> torch.Tensor:
+    """The kv rows' gradient, fp32 [R, D]: each part's rows added at their indices in order (the CPU's
+    index_add_ is sequential, so the sums are reproducible; an index of -1 carries a zero gradient)."""
+    out = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    for rows_of, part in parts:
+        out.index_add_(0, rows_of.clamp_min(0), part)
+    return out
+
+
+def kv_sums_fixed_point(parts: KvParts, kv: torch.Tensor, add_rows=None) -> torch.Tensor:
+    """`kv_sums` on a GPU, where adding floats by atomics lands in any order: each contribution times 2^k
+    truncated to int64 (exact in fp32 for a power of two), the integers added (kernels/cuda add_rows_fixed_point),
+    then divided back. k = 62 - bits - e, with every contribution below 2^e and 2^bits above the count of
+    contributions, so no sum overflows; the resolution is 2^-(62 - bits) of the largest (2^-40 at 16K queries
+    of 192 indices); k is capped at 100 so that 2^k stays an fp32."""
+    if add_rows is None:
+        from dsflash.kernels import cuda  # Triton: imported only where a GPU trains
+
+        add_rows = cuda.add_rows_fixed_point
+    largest = torch.stack([part.abs().amax() for _, part in parts]).amax()
+    bits = sum(rows_of.numel() for rows_of, _ in parts).bit_length()
+    k = (62 - bits - torch.frexp(largest).exponent).clamp_max(100)
+    factor = torch.ldexp(torch.ones((), dtype=torch.float32, device=kv.device), k)
+    fixed = torch.zeros(kv.shape, dtype=torch.int64, device=kv.device)
+    for rows_of, part in parts:
+        add_rows(fixed, rows_of, part, factor)
+    return (fixed.double() / factor.double()).float()
+
+
+def sparse_attn_grads(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                      out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, sums=kv_sums
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (q, kv, sink) of cpu.sparse_attn's output `out` ([N, H, D]; lse: cpu.sparse_attn_lse's)
+    given d_out, a block of 64 indices at a time: p = exp(s - lse), ds = p * (d_out . v - d_out . out). K = V, so
+    a picked row's gradient is its key's (ds q) plus its value's (p d_out) over the heads, one product of the
+    two side by side; `sums` adds them into the kv rows. An index of -1 has p = 0, so its gathered row (row 0)
+    contributes nothing. The bf16 rounding of p before the value product is passed straight through, as
+    autograd through the reference did."""
+    qf, do, kvf = q.float(), d_out.float(), kv.float()
+    delta = (do * out.float()).sum(-1)
+    dq = torch.zeros_like(qf)
+    q_and_do = torch.cat([qf, do], dim=1)
+    parts = []
+    for start in range(0, idx.size(1), cpu.SPARSE_ATTN_BLOCK):
+        blk = idx[:, start:start + cpu.SPARSE_ATTN_BLOCK].long()
+        rows = kvf[blk.clamp_min(0)]
+        s = torch.where((blk >= 0).unsqueeze(1), torch.einsum("nhd,nbd->nhb", qf, rows), -torch.inf) * scale
+        p = torch.exp(s - lse.unsqueeze(-1))
+        ds = p * (torch.einsum("nhd,nbd->nhb", do, rows) - delta.unsqueeze(-1)) * scale
+        dq += torch.einsum("nhb,nbd->nhd", ds, rows)
+        parts.append((blk.reshape(-1), torch.einsum("nhb,nhd->nbd", torch.cat([ds, p], dim=1), q_and_do)
+                      .reshape(-1, kv.size(1))))
+    dsink = -(torch.exp(sink.float() - lse) * delta).sum(0)
+    return dq.to(q.dtype), sums(parts, kv).to(kv.dtype), dsink.to(sink.dtype)
+
+
+class _SparseAttention(torch.autograd.Function):
+    """cpu.sparse_attn (its bits) whose backward is `sparse_attn_grads`, the kv sums in fixed point on a GPU."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float
+                ) -> torch.Tensor:
+        out, lse = cpu.sparse_attn_lse(q, kv, sink, idx, scale)
+        ctx.save_for_backward(q, kv, sink, idx, out, lse)
+        ctx.scale = scale
+        return out.clone()  # the caller rotates it in place (inverse RoPE), which a view or the saved out forbid
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, kv, sink, idx, out, lse = ctx.saved_tensors
+        sums = kv_sums_fixed_point if kv.is_cuda else kv_sums
+        return (*sparse_attn_grads(q, kv, sink, idx, ctx.scale, out, lse, d_out, sums), None, None)
+
+
 class _Sinkhorn(torch.autograd.Function):
     """kernels/cuda's hc_split_sinkhorn (the CUDA backend's bits) with its backward kernel; the gradients of the
     mixes, the scales and the bases from the pre-activations' gradient by a product and sums over the rows."""
@@ -385,6 +467,7 @@ def training_kernels(masters: Masters) -> Kernels:
     return dataclasses.replace(
         base, name="training", row_tile=1, slot_moe_rows=sys.maxsize, weight=weight, linear=linear,
         expert_bank=list, expert_linear=expert_linear, engram_rows=engram_rows, hc_split_sinkhorn=sinkhorn,
+        sparse_attn=_SparseAttention.apply,
         fp8_fake_quant=act, fp4_fake_quant=fp4_values,
         fp4_quant_packed=fp4_values, fp4_dequant_packed=lambda values, d, block, e4m3: values,
         index_scores=torch.no_grad()(cpu.index_scores))

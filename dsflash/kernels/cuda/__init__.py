@@ -4,7 +4,8 @@ family; `kernels(device)` builds the backend's `Kernels`.
 - gemm: activation quantisation, the block-scaled FP8/FP4 and the plain bf16/fp32 GEMMs, `linear`,
   `grouped_linear`; weights: the kernels' weight layout (`CudaWeight`) and FP4 -> E4M3 widening;
   experts: the routed experts' bank and `expert_linear`
-- attention: `sparse_attn`; indexer: `index_scores`, `topk_indices`, `candidate_blocks`; router: `moe_route`
+- attention: `sparse_attn` (and the training backward's fixed-point row sums); indexer: `index_scores`,
+  `topk_indices`, `candidate_blocks`; router: `moe_route`
 - mhc: `hc_split_sinkhorn` (and its backward, for training), `collapse`, `expand`; quant: the KV / index fake
   quantisation and the packed FP4 state (numerics/packing.py's bytes)
 - elementwise: the fixed-order row sums and RMS ops, the MoE sum, SwiGLU, the compressor's pooling,
@@ -25,7 +26,7 @@ import torch
 from dsflash.kernels.api import Kernels
 from dsflash.kernels.cpu import Weight
 
-from .attention import sparse_attn
+from .attention import add_rows_fixed_point, sparse_attn
 from .configs import SLOT_MOE_ROWS
 from .elementwise import (
     engram_gate,
@@ -51,8 +52,8 @@ from .weights import CudaWeight, fp4_words, to_cuda_weight, weight_from_codes
 
 __all__ = ["kernels", "CudaWeight", "ExpertBank", "to_cuda_weight", "fp4_words", "quant_act",
            "act_scales", "linear", "grouped_linear", "expert_bank", "expert_slots",
-           "expert_put", "expert_linear", "sparse_attn", "hc_split_sinkhorn", "hc_split_sinkhorn_backward",
-           "index_scores", "topk_indices", "candidate_blocks", "moe_route", "mean_square",
+           "expert_put", "expert_linear", "sparse_attn", "add_rows_fixed_point", "hc_split_sinkhorn",
+           "hc_split_sinkhorn_backward", "index_scores", "topk_indices", "candidate_blocks", "moe_route", "mean_square",
            "row_sum", "small_sum", "stream_mean", "rms_norm", "rms_scale", "fp8_fake_quant", "fp4_fake_quant",
            "fp4_quant_packed", "fp4_dequant_packed", "collapse", "expand", "moe_sum", "swiglu", "softmax_pool",
            "engram_rows", "engram_gate", "rope_rotate"]

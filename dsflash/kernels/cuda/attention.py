@@ -93,3 +93,26 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
                               BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_I=SPARSE_ATTN_BLOCK, BLOCK_O=block_o,
                               num_warps=warps, num_stages=2, enable_fp_fusion=FP_FUSION)
     return o
+
+
+@triton.jit(do_not_specialize=["M"])
+def _add_rows_fixed_point_kernel(src_ptr, idx_ptr, dst_ptr, factor_ptr, M, D, BLOCK_M: tl.constexpr,
+                                 BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    target = tl.load(idx_ptr + rows, mask=rows < M, other=-1)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (target >= 0)[:, None] & (cols < D)[None, :]
+    v = tl.load(src_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=ok, other=0.0)
+    fixed = (v * tl.load(factor_ptr)).to(tl.int64)  # a power of two: exact; truncated toward zero, as torch's cast
+    tl.atomic_add(dst_ptr + target[:, None] * D + cols[None, :], fixed, mask=ok)
+
+
+def add_rows_fixed_point(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, factor: torch.Tensor) -> None:
+    """dst[idx[i]] += trunc(src[i] * factor) for every idx[i] >= 0 (dst int64 [R, D], idx int64 [M], src fp32 [M,
+    D], factor fp32 [] on the device, a power of two): integer atomics, so the sums are the same whatever order
+    they land in (the training backward's kv gradient: train/backend.py kv_sums_fixed_point)."""
+    m, d = src.shape
+    if m:
+        _add_rows_fixed_point_kernel[(triton.cdiv(m, 64),)](src.float().contiguous(), idx.contiguous(), dst, factor,
+                                                            m, d, BLOCK_M=64, BLOCK_D=triton.next_power_of_2(d),
+                                                            num_warps=4)
