@@ -311,38 +311,40 @@ def _part_of(name: str) -> tuple[str, int | None]:
     return "dense", layer
 
 
-def _writes_next_source(args: ModelArgs, name: str) -> bool:
-    """Whether `name` is a tensor of layer d's cache write (its SourceWriter and its attention norm), which
-    the box half loads to compute layer d's entries from its own output."""
+def _next_source_writes(args: ModelArgs, names: list[str]) -> set[str]:
+    """The tensors of layer d's cache write (its SourceWriter and its attention norm), which the box half loads
+    to compute layer d's entries from its own output."""
     d = args.first_decoder_layer
     if d not in args.kv_source_layers:
-        return False
+        return set()
     p = f"layers.{d}."
-    return name == p + "attn_norm.weight" or name.startswith(
-        (p + "attn.compressor.", p + "attn.indexer.wk.", p + "attn.indexer.k_norm."))
+    return {name for name in names if name == p + "attn_norm.weight" or name.startswith(
+        (p + "attn.compressor.", p + "attn.indexer.wk.", p + "attn.indexer.k_norm."))}
 
 
-def half_tensors(args: ModelArgs, names: list[str], half: str) -> list[tuple[str, str]]:
-    """(tensor, unit key) of each tensor the half loads; "all" lists both halves (the embedding twice). Unit
-    keys: "embed" (the token side), "layer.{i}", "head" (norm, head, DSpark and the back's embedding)."""
+def half_tensors(args: ModelArgs, names: list[str], half: str) -> list[tuple[str, str, str]]:
+    """(tensor, unit key, part) of each tensor the half loads; "all" lists both halves (the embedding twice).
+    Unit keys: "embed" (the token side), "layer.{i}", "head" (norm, head, DSpark and the back's embedding);
+    parts as `_part_of`."""
     d = args.first_decoder_layer
+    writes = _next_source_writes(args, names)
+    parts = [(name, *_part_of(name)) for name in names]
     out = []
     for side in (("box", "back") if half == "all" else (half,)):
-        for name in names:
-            part, layer = _part_of(name)
+        for name, part, layer in parts:
             if side == "box":
                 if name == "embed.weight" or part == "vision":
-                    out.append((name, "embed"))
+                    out.append((name, "embed", part))
                 elif layer is not None and layer < d:
-                    out.append((name, f"layer.{layer}"))
-                elif _writes_next_source(args, name):
-                    out.append((name, f"layer.{d - 1}"))
+                    out.append((name, f"layer.{layer}", part))
+                elif name in writes:
+                    out.append((name, f"layer.{d - 1}", part))
             elif name == "embed.weight" or part == "dspark" or (layer is None and part == "dense"):
-                out.append((name, "head"))
+                out.append((name, "head", part))
             elif layer is not None and layer >= d:
                 # the back's layer d reads the entries the box wrote: it loads no cache write of its own
-                if not (layer == d and _writes_next_source(args, name) and name != f"layers.{d}.attn_norm.weight"):
-                    out.append((name, f"layer.{layer}"))
+                if not (layer == d and name in writes and name != f"layers.{d}.attn_norm.weight"):
+                    out.append((name, f"layer.{layer}", part))
     return out
 
 
@@ -405,8 +407,7 @@ def _units(args: ModelArgs, sizes: dict[str, int], req: Request, engram: str, ex
         return units[key]
 
     tier = {"engram": engram, "experts": experts}
-    for name, key in half_tensors(args, list(sizes), req.half):
-        part = _part_of(name)[0]
+    for name, key, part in half_tensors(args, list(sizes), req.half):
         if name in seen:
             part = "copies"
         seen.add(name)
@@ -598,8 +599,7 @@ def _place_ranks(args: ModelArgs, infos: dict[str, tuple[str, tuple[int, ...]]],
 
     counts = _expert_counts(list(sizes))
     seen: set[str] = set()
-    for name, key in half_tensors(args, list(sizes), req.half):
-        part = _part_of(name)[0]
+    for name, key, part in half_tensors(args, list(sizes), req.half):
         label = "copies" if name in seen else part
         seen.add(name)
         where = tier.get(part, "gpu")
