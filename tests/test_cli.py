@@ -27,6 +27,8 @@ def dsflash(*args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+# four CLI processes (~11 s on 2 cores); tests/test_engine.py checks drafts == plain decoding by default
+@pytest.mark.slow
 def test_generate_json_same_tokens_with_and_without_dspark(tmp_path):
     prompt = tmp_path / "p.json"
     prompt.write_text(json.dumps([int(t) for t in np.random.default_rng(1).integers(3, 511, 30)]))

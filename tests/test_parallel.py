@@ -173,7 +173,9 @@ def test_random_step_and_rollback_sequences_equal_one_process(parallel, one):
 
 
 # tp2 runs ~110 sharded linears a forward, each a round trip over the group: ~25 s a decoding on 2 cores
-@pytest.mark.parametrize("parallel", ["ep2", pytest.param("tp2", marks=pytest.mark.slow), "pp2ep2",
+# the default run keeps pp2ep2 (expert parallelism inside each pipeline stage); ep2 alone ~11 s more
+@pytest.mark.parametrize("parallel", [pytest.param("ep2", marks=pytest.mark.slow),
+                                      pytest.param("tp2", marks=pytest.mark.slow), "pp2ep2",
                                       pytest.param("pp2tp2", marks=pytest.mark.slow)], indirect=True)
 @pytest.mark.parametrize("params", [SamplingParams(), pytest.param(SamplingParams(temperature=0.7, seed=5),
                                                                    marks=pytest.mark.slow)], ids=["greedy", "seeded"])
