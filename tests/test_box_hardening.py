@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dsflash.engine.session import ContextLengthError, Engine
-from dsflash.numerics import NUMERICS_VERSION
+from dsflash.numerics import numerics_version
 from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
 from dsflash.split.protocol import HEADER, MAGIC, VERSION, Frame, FrameType, read_frame, tokens_body
 from tests.conftest import after_plan, free_port
@@ -56,8 +56,9 @@ def split_engine(b: BoxProcess, **kw) -> Engine:
     return Engine.load(CASE, max_context=max_context, encoder=box_half(f"127.0.0.1:{b.port}", **kw))
 
 
-def hello(sock: socket.socket, identity: str, token: str = "") -> Frame:
-    meta = {"protocol": VERSION, "identity": identity, "numerics": NUMERICS_VERSION, "token": token}
+def hello(sock: socket.socket, identity: str, token: str = "", numerics: str | int = numerics_version("cpu")) -> Frame:
+    """A HELLO with `identity`, by default as a back side on the CPU (the boxes here run there)."""
+    meta = {"protocol": VERSION, "identity": identity, "numerics": numerics, "token": token}
     sock.sendall(Frame(FrameType.HELLO, 1, meta).encode())
     return read_frame(sock)
 
@@ -103,6 +104,23 @@ def test_a_non_ascii_token_works_and_a_wrong_one_is_refused(local):
             f = hello(sock, local.identity, token="sécret-клюx")
             assert f.type == FrameType.ERROR and f.meta["code"] == "auth"
             assert_closed(sock)
+
+
+def test_a_back_side_on_the_other_backend_is_refused_naming_both_versions(local):
+    """Both halves of a split compute on one backend kind: a CPU box refuses a HELLO with the CUDA backend's
+    numerics (even under its own identity), naming both versions, and welcomes one from a build before the
+    per-backend versions (the CPU's as the number 6)."""
+    cpu_version, cuda_version = numerics_version("cpu"), numerics_version("cuda")
+    with running() as b:
+        assert b.health()["numerics"] == cpu_version
+        with raw_connect(b.port) as sock:
+            f = hello(sock, local.identity, numerics=cuda_version)
+            assert f.type == FrameType.ERROR and f.meta["code"] == "model_mismatch", f.meta
+            assert f.meta["message"] == (f"box serves {local.identity} numerics {cpu_version}, the back side has "
+                                         f"{local.identity} numerics {cuda_version}")
+            assert_closed(sock)
+        with raw_connect(b.port) as sock:
+            assert hello(sock, local.identity, numerics=int(cpu_version)).type == FrameType.WELCOME
 
 
 def test_deeply_nested_meta_and_an_empty_append_get_named_errors(local):

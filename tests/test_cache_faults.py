@@ -36,16 +36,18 @@ def truncate_payload(path):
 def test_a_damaged_snapshot_is_deleted_when_read_and_then_written_again(engine, tmp_path, damage):
     ids = prompt(40, seed=1)
     plain = engine.session().sync(ids, chunk=16).logits
-    engine.session().sync(ids, cache=PrefixCache(engine.identity, disk_dir=tmp_path), chunk=16)  # 16, 32 and 40
+    engine.session().sync(ids, cache=PrefixCache(engine.identity, engine.numerics, disk_dir=tmp_path),
+                          chunk=16)  # 16, 32 and 40
     (whole,) = tmp_path.glob("40-*.dsnap")
     damage(whole)
-    cache = PrefixCache(engine.identity, disk_dir=tmp_path)  # its RAM is empty: the files are all it has
+    # its RAM is empty: the files are all it has
+    cache = PrefixCache(engine.identity, engine.numerics, disk_dir=tmp_path)
     n, _ = cache.lookup(ids)
     assert n == 32 and not whole.exists()
     synced = engine.session().sync(ids, cache=cache, chunk=16)
     assert synced.reused == 32 and torch.equal(synced.logits, plain)
-    n, blob = PrefixCache(engine.identity, disk_dir=tmp_path).lookup(ids)  # the prefix hits again
-    assert n == 40 and decode(blob, engine.identity)[1] == ids
+    n, blob = PrefixCache(engine.identity, engine.numerics, disk_dir=tmp_path).lookup(ids)  # the prefix hits again
+    assert n == 40 and decode(blob, engine.identity, engine.numerics)[1] == ids
 
 
 def test_strangers_in_the_cache_directory_are_left_alone_and_stale_temporary_files_removed(engine, tmp_path):
@@ -57,7 +59,8 @@ def test_strangers_in_the_cache_directory_are_left_alone_and_stale_temporary_fil
     live = tmp_path / f"40-{'c' * 40}.{os.getpid()}.tmp"  # a writer still at work
     for f in [*stale, live]:
         f.write_bytes(b"partial")
-    cache = PrefixCache(engine.identity, disk_dir=tmp_path, disk_bytes=1)  # every write evicts all it can
+    # every write evicts all it can
+    cache = PrefixCache(engine.identity, engine.numerics, disk_dir=tmp_path, disk_bytes=1)
     assert not any(f.exists() for f in stale) and live.exists()
     ids = prompt(20, seed=2)
     engine.session().sync(ids, cache=cache, chunk=16)
@@ -74,7 +77,7 @@ from dsflash.engine.session import Engine
 
 case, cache_dir = sys.argv[1:]
 engine = Engine.load(case)
-cache = PrefixCache(engine.identity, disk_dir=cache_dir)
+cache = PrefixCache(engine.identity, engine.numerics, disk_dir=cache_dir)
 out = []
 for i in range(12):
     ids = torch.randint(3, 511, (40,), generator=torch.Generator().manual_seed(i)).tolist()

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsflash.engine import snapshot
 from dsflash.engine.depth import DraftDepth
 from dsflash.engine.graphs import SegmentGraphs
 from dsflash.engine.halves import LocalHalf
@@ -21,6 +22,7 @@ from dsflash.engine.spec import DecodeStats, decode
 from dsflash.kernels import cpu
 from dsflash.model.load import load_model
 from dsflash.model.state import ROLLBACK_ROWS, TABLES, GrowingRows, RollbackError, SequenceState, StatePool
+from dsflash.numerics import numerics_version
 from tests.conftest import TEXT_CASE, partly_right_drafter
 
 CASE = TEXT_CASE
@@ -293,15 +295,36 @@ def test_bad_snapshots_are_refused(engine):
         type(s).restore(other, blob)
 
 
+def test_a_snapshot_of_the_other_backend_is_refused_naming_both_versions(engine):
+    """The CPU reference and the CUDA backend sum in other orders, so each has its own numerics version and
+    neither resumes a state the other computed; a snapshot written as a build before the per-backend versions
+    wrote the CPU's (the number 6) still resumes on the CPU."""
+    cpu_version, cuda_version = numerics_version("cpu"), numerics_version(torch.device("cuda", 0))
+    assert cpu_version != cuda_version and engine.numerics == cpu_version
+    assert numerics_version("cuda") == cuda_version and numerics_version(torch.device("cpu")) == cpu_version
+    with pytest.raises(ValueError, match="meta"):
+        numerics_version("meta")
+    s = engine.session()
+    s.prefill(prompt(20))
+    states, tokens, extras = snapshot.decode(s.snapshot(), engine.identity, engine.numerics)
+    blob = snapshot.encode(states, tokens, engine.identity, cuda_version, extras)  # as a GPU would have made it
+    with pytest.raises(SnapshotError) as refused:
+        type(s).restore(engine, blob)
+    assert str(refused.value).endswith(f"numerics version {cuda_version}, the loaded model computes version "
+                                       f"{cpu_version}")
+    old = snapshot.encode(states, tokens, engine.identity, int(cpu_version), extras)  # the JSON number 6
+    assert type(s).restore(engine, old).tokens == s.tokens
+
+
 def test_prefix_cache_resume_equals_fresh(engine, tmp_path):
     from dsflash.engine.prefix_cache import PrefixCache
 
     ids = prompt(40, seed=5)
-    cache = PrefixCache(engine.identity, disk_dir=tmp_path)
+    cache = PrefixCache(engine.identity, engine.numerics, disk_dir=tmp_path)
     fresh = engine.session().sync(ids[:30], cache=cache, chunk=8)
     assert fresh.reused == 0
     # a fresh cache object reads the disk entries; the longest cached prefix of the new prompt is 30
-    cache = PrefixCache(engine.identity, disk_dir=tmp_path)
+    cache = PrefixCache(engine.identity, engine.numerics, disk_dir=tmp_path)
     resumed = engine.session().sync(ids, cache=cache, chunk=8)
     assert resumed.reused == 30
     plain = engine.session()
@@ -309,7 +332,7 @@ def test_prefix_cache_resume_equals_fresh(engine, tmp_path):
     # a corrupt cache file is dropped and treated as a miss
     for f in tmp_path.glob("*.dsnap"):
         f.write_bytes(f.read_bytes()[:100])
-    cache = PrefixCache(engine.identity, disk_dir=tmp_path)
+    cache = PrefixCache(engine.identity, engine.numerics, disk_dir=tmp_path)
     again = engine.session().sync(ids, cache=cache, chunk=8)
     assert again.reused == 0 and torch.equal(again.logits, resumed.logits)
 

@@ -61,7 +61,7 @@ def test_image_changes_the_answer_and_the_cache_key(case, tmp_path):
     span = span_of(g)
     other = ImageSpan(span.start, ImageInput(-span.image.pixels, *(span.image.n_vit_h, span.image.n_vit_w,
                                                                    span.image.n_llm_h, span.image.n_llm_w)))
-    cache = PrefixCache(engine.identity, disk_dir=tmp_path)
+    cache = PrefixCache(engine.identity, engine.numerics, disk_dir=tmp_path)
     a = engine.session().sync(ids, images=[span], cache=cache, chunk=16).logits
     again = engine.session().sync(ids, images=[span], cache=cache, chunk=16)
     b = again.logits

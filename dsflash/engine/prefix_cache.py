@@ -48,9 +48,10 @@ def _alive(pid: int) -> bool:
 
 
 class PrefixCache:
-    def __init__(self, identity: str, ram_bytes: int = 1 << 30, disk_dir: str | Path | None = None,
+    def __init__(self, identity: str, numerics: str, ram_bytes: int = 1 << 30, disk_dir: str | Path | None = None,
                  disk_bytes: int = 20 << 30):
-        self.identity = identity
+        """`identity` and `numerics`: the engine's (Engine.identity, Engine.numerics) whose snapshots it keeps."""
+        self.identity, self.numerics = identity, numerics
         self.ram_bytes, self.disk_bytes = ram_bytes, disk_bytes
         self._ram: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
         self._lengths: dict[int, int] = {}  # prefix length -> number of entries with it
@@ -188,7 +189,7 @@ class PrefixCache:
             self._warn_once("read snapshots", e)
             return None
         try:
-            check(blob, self.identity)
+            check(blob, self.identity, self.numerics)
         except SnapshotError as e:
             log.warning("prefix cache: deleting %s: %s", path.name, e)
             self._remove(path, n)

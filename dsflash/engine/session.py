@@ -34,7 +34,7 @@ from dsflash.model.state import ROLLBACK_ROWS, PositionRing
 from dsflash.model.tiers import RESIDENT, Tiers, sum_stats
 from dsflash.model.transformer import Streams, Transformer, tail_rows
 from dsflash.model.vision import TEXT
-from dsflash.numerics import NUMERICS_VERSION
+from dsflash.numerics import numerics_version
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,9 @@ def default_device() -> str:
 
 def engine_identity(model: Transformer) -> str:
     """The model identity both sides of a split compare: the whole checkpoint's config and tensor index
-    (either half loads the same files) and the numerics version."""
-    return f"{model_identity(model.args, model.ckpt)}-n{NUMERICS_VERSION}"
+    (either half loads the same files) and the numerics version of the backend `model` computes on (its
+    outputs' device: a model's layer ranges share one backend kind)."""
+    return f"{model_identity(model.args, model.ckpt)}-n{numerics_version(model.device)}"
 
 
 @dataclass
@@ -108,6 +109,12 @@ class Engine:
     @property
     def args(self) -> ModelArgs:
         return self.decoder.args
+
+    @property
+    def numerics(self) -> str:
+        """The numerics version of the backend the decoder half here computes on (its snapshots', and the one
+        a box's encoder half must share)."""
+        return numerics_version(self.decoder.device)
 
     def session(self) -> Session:
         return Session(self)
@@ -312,7 +319,7 @@ class Session:
         encoder = self.encoder.saved_state()
         if encoder is not None:
             states["encoder"] = encoder
-        return snapshot.encode(states, self.tokens, self.engine.identity, extras)
+        return snapshot.encode(states, self.tokens, self.engine.identity, self.engine.numerics, extras)
 
     @classmethod
     def restore(cls, engine: Engine, blob: bytes) -> Session:
@@ -322,7 +329,7 @@ class Session:
 
     def _load(self, blob: bytes) -> None:
         """Take a snapshot's timeline in place of this one (nothing changes when it is refused)."""
-        states, tokens, extras = snapshot.decode(blob, self.engine.identity, self.device,
+        states, tokens, extras = snapshot.decode(blob, self.engine.identity, self.engine.numerics, self.device,
                                                  {"decoder": self.decoder.pool, "encoder": self.engine.encoder.pool})
         spans = extras.get("image_spans", torch.zeros(0, 3, dtype=torch.int64))
         encoder = self.engine.encoder.resume(tokens, states.get("encoder"), bool(spans.numel()))

@@ -2,9 +2,9 @@
 
     magic "DSFLSNAP" | u32 format version | u32 header length | header JSON | payload
 
-The header names the numerics version, the model identity, the token count, the payload size and its
-SHA-256; the payload is a safetensors blob of the token ids and every state tensor. Anything that does
-not match is refused with the reason, before a single tensor is read.
+The header names the numerics version (the backend's that computed the state), the model identity, the
+token count, the payload size and its SHA-256; the payload is a safetensors blob of the token ids and every
+state tensor. Anything that does not match is refused with the reason, before a single tensor is read.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dsflash.model.state import GrowingRows, PositionRing, SequenceState, StatePool
-from dsflash.numerics import NUMERICS_VERSION, packing
+from dsflash.numerics import packing
 
 MAGIC = b"DSFLSNAP"
 # 2: a prefill's state holds every row a rollback it allows reaches (model/transformer.tail_rows); a version-1
@@ -52,10 +52,11 @@ def _state_tensors(part: str, state: SequenceState) -> dict[str, torch.Tensor]:
     return t
 
 
-def encode(states: dict[str, SequenceState], tokens: list[int], model_id: str,
+def encode(states: dict[str, SequenceState], tokens: list[int], model_id: str, numerics: str,
            extras: dict[str, torch.Tensor]) -> bytes:
-    """`states`: the session's model states by part name (encoder and decoder halves); `extras`: its own
-    tensors (plain names), returned as they were by decode."""
+    """`states`: the session's model states by part name (encoder and decoder halves), computed with the
+    numerics version `numerics` (numerics.numerics_version of their device); `extras`: its own tensors (plain
+    names), returned as they were by decode."""
     tensors = {}
     for part, state in states.items():
         tensors.update(_state_tensors(part, state))
@@ -69,7 +70,7 @@ def encode(states: dict[str, SequenceState], tokens: list[int], model_id: str,
     tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)
     payload = st_save({k: v.contiguous() for k, v in tensors.items()})
     header = json.dumps({
-        "numerics": NUMERICS_VERSION,
+        "numerics": numerics,
         "model": model_id,
         "tokens": len(tokens),
         "parts": {part: {"pos": st.pos, "dspark_pos": st.dspark_pos} for part, st in states.items()},
@@ -96,13 +97,15 @@ def read_header(blob: bytes) -> dict:
     return header
 
 
-def check(blob: bytes, model_id: str) -> tuple[dict, bytes]:
-    """The header and payload of a whole snapshot of `model_id` made by this numerics version: every refusal
-    short of reading tensors (the prefix cache deletes a file that fails here)."""
+def check(blob: bytes, model_id: str, numerics: str) -> tuple[dict, bytes]:
+    """The header and payload of a whole snapshot of `model_id` made with the numerics version `numerics` (the
+    reader's backend's): every refusal short of reading tensors (the prefix cache deletes a file that fails
+    here)."""
     header = read_header(blob)
-    if header.get("numerics") != NUMERICS_VERSION:
+    # str: builds before the per-backend versions wrote the CPU's as the number 6, the same arithmetic as "6"
+    if str(header.get("numerics")) != numerics:
         raise SnapshotError(f"snapshot made with numerics version {header.get('numerics')}, "
-                            f"this build computes version {NUMERICS_VERSION}")
+                            f"the loaded model computes version {numerics}")
     if header.get("model") != model_id:
         raise SnapshotError(f"snapshot belongs to model {header.get('model')}, not to the loaded {model_id}")
     start = _PREFIX.size + len(json.dumps(header).encode())
@@ -114,13 +117,14 @@ def check(blob: bytes, model_id: str) -> tuple[dict, bytes]:
     return header, payload
 
 
-def decode(blob: bytes, model_id: str, device: torch.device | str = "cpu",
+def decode(blob: bytes, model_id: str, numerics: str, device: torch.device | str = "cpu",
            pools: dict[str, StatePool | None] | None = None
            ) -> tuple[dict[str, SequenceState], list[int], dict[str, torch.Tensor]]:
-    """The states by part ("decoder", "encoder"), the tokens and the extras of a snapshot; a part's state
-    takes its buffers from pools[part] when given (a resumed session replays the CUDA graphs of the sessions
-    before it, model/state.StatePool)."""
-    header, payload = check(blob, model_id)
+    """The states by part ("decoder", "encoder"), the tokens and the extras of a snapshot, checked against
+    `model_id` and `numerics` (the version of the backend on `device`); a part's state takes its buffers from
+    pools[part] when given (a resumed session replays the CUDA graphs of the sessions before it,
+    model/state.StatePool)."""
+    header, payload = check(blob, model_id, numerics)
     tensors = st_load(payload)
     packed = header.get("packed", {})
     for key, t in tensors.items():

@@ -48,7 +48,7 @@ from dsflash.model.load import load_model
 from dsflash.model.parallel import Layout, Sharding
 from dsflash.model.state import ROLLBACK_ROWS
 from dsflash.model.tiers import RESIDENT, Tiers
-from dsflash.numerics import NUMERICS_VERSION
+from dsflash.numerics import numerics_version
 from dsflash.parallel.group import Unavailable
 from dsflash.split.protocol import (
     MAX_FRAME,
@@ -151,6 +151,7 @@ class Box:
         self.parallel = parallel
         self.args = self.model.args
         self.identity = engine_identity(self.model.model)
+        self.numerics = numerics_version(self.model.device)  # the back side's decoder half must compute the same
         self.token = token
         self.max_frame = max_frame
         self.limits = limits
@@ -158,7 +159,7 @@ class Box:
         self._open = 0  # connections accepted and not yet closed (the cap counts these)
         self._open_lock = threading.Lock()
         self._warned: set[str] = set()
-        self.cache = PrefixCache(self.identity, ram_bytes=256 << 20, disk_dir=cache_dir)
+        self.cache = PrefixCache(self.identity, self.numerics, ram_bytes=256 << 20, disk_dir=cache_dir)
         self.tasks: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self.connections: set[Connection] = set()
@@ -236,14 +237,15 @@ class Box:
             if not self._authorised(hello.meta.get("token")):
                 conn.send(error_frame(hello.request, "auth", "wrong or missing token", retryable=False))
                 return
-            if hello.meta.get("identity") != self.identity or hello.meta.get("numerics") != NUMERICS_VERSION:
+            # str: builds before the per-backend versions sent the CPU's as the number 6, the same arithmetic as "6"
+            if hello.meta.get("identity") != self.identity or str(hello.meta.get("numerics")) != self.numerics:
                 conn.send(error_frame(hello.request, "model_mismatch",
-                                      f"box serves {self.identity} numerics {NUMERICS_VERSION}, the back side has "
+                                      f"box serves {self.identity} numerics {self.numerics}, the back side has "
                                       f"{hello.meta.get('identity')} numerics {hello.meta.get('numerics')}",
                                       retryable=False))
                 return
             conn.send(Frame(FrameType.WELCOME, hello.request,
-                            {"identity": self.identity, "numerics": NUMERICS_VERSION, "protocol": VERSION,
+                            {"identity": self.identity, "numerics": self.numerics, "protocol": VERSION,
                              "idle_timeout": lim.idle_timeout, "max_context": self.max_context}))
             self.connections.add(conn)
             while conn.alive:
@@ -406,7 +408,7 @@ class Box:
             s = BoxSession(LocalEncoder(self.model))
             if blob is not None:
                 try:
-                    states, tokens, extras = snapshot.decode(blob, self.identity, self.model.device)
+                    states, tokens, extras = snapshot.decode(blob, self.identity, self.numerics, self.model.device)
                     spans = [tuple(r) for r in extras["image_spans"].tolist()] if "image_spans" in extras else []
                     s = BoxSession(LocalEncoder(self.model, states["encoder"]), tokens, spans)
                     cached = n
@@ -431,7 +433,8 @@ class Box:
 
     def _remember(self, s: BoxSession) -> None:
         spans = torch.tensor(s.spans, dtype=torch.int64).view(-1, 3)
-        blob = snapshot.encode({"encoder": s.encoder.state}, s.tokens, self.identity, {"image_spans": spans})
+        blob = snapshot.encode({"encoder": s.encoder.state}, s.tokens, self.identity, self.numerics,
+                               {"image_spans": spans})
         self.cache.put(s.cache_key(), blob)
 
     def health(self) -> dict:
@@ -440,7 +443,7 @@ class Box:
         tokens)."""
         lost = self.parallel.lost if self.parallel is not None else None
         ranks = {} if self.parallel is None else {"ranks_lost": lost}
-        return {"status": "down" if lost else "ok", **ranks, "identity": self.identity, "numerics": NUMERICS_VERSION,
+        return {"status": "down" if lost else "ok", **ranks, "identity": self.identity, "numerics": self.numerics,
                 "sessions": sum(len(c.sessions) for c in self.connections), "connections": len(self.connections),
                 "handshaking": self._open - len(self.connections), "max_context": self.max_context,
                 "queued_tasks": self.tasks.qsize(), "steps_served": self.steps_served,

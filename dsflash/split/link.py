@@ -26,7 +26,6 @@ from dsflash.engine.halves import HandOff
 from dsflash.engine.session import ContextLengthError, Engine
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.model.state import SequenceState
-from dsflash.numerics import NUMERICS_VERSION
 from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
 from dsflash.parallel.group import Unavailable
 from dsflash.split.protocol import (
@@ -69,11 +68,13 @@ def _error(meta: dict) -> Exception:
 
 
 class BoxLink:
-    def __init__(self, addr: str, identity: str, token: str | None = None, deadline: float = 60.0,
+    def __init__(self, addr: str, identity: str, numerics: str, token: str | None = None, deadline: float = 60.0,
                  connect_timeout: float = 5.0):
+        """`identity` and `numerics`: the back side's engine's (Engine.identity, Engine.numerics), which the box
+        compares with its own."""
         host, _, port = addr.rpartition(":")
         self.addr = (host.strip("[]"), int(port))
-        self.identity, self.token = identity, token
+        self.identity, self.numerics, self.token = identity, numerics, token
         self.deadline, self.connect_timeout = deadline, connect_timeout
         # a connected box silent this long counts as lost (hung, or cut off). It answers PINGs from its reader
         # thread, so a long prefill chunk on its worker keeps it talking. Half the deadline at most: a hang is
@@ -105,7 +106,7 @@ class BoxLink:
         sock = socket.create_connection(self.addr, timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = {"protocol": VERSION, "identity": self.identity, "numerics": NUMERICS_VERSION,
+            hello = {"protocol": VERSION, "identity": self.identity, "numerics": self.numerics,
                      "token": self.token or ""}
             sock.sendall(Frame(FrameType.HELLO, 0, hello).encode())
             reply = read_frame(sock, 1 << 16)
@@ -401,5 +402,5 @@ class BoxHalf:
 
 def box_half(addr: str, token: str | None = None, deadline: float = 60.0) -> Callable[[Engine], BoxHalf]:
     """For `Engine.load(..., encoder=box_half(...))`: the box at HOST:PORT, checked against the engine's
-    identity."""
-    return lambda engine: BoxHalf(BoxLink(addr, engine.identity, token, deadline), engine.args)
+    identity and numerics version (both halves compute on one backend kind)."""
+    return lambda engine: BoxHalf(BoxLink(addr, engine.identity, engine.numerics, token, deadline), engine.args)
