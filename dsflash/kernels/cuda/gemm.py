@@ -1,16 +1,18 @@
 """The GEMMs: activation quantisation, the block-scaled FP8/FP4 GEMM, the plain bf16/fp32 GEMM, the in-order
 sum of K-range partials; `linear` and `grouped_linear`.
 
-Numerics (spec §3, as dsflash/kernels/cpu.py):
+Numerics (spec §3; the CUDA backend's own, numerics.CUDA_NUMERICS_VERSION):
 - FP8/FP4 linear: the activation is quantised to E4M3 per 32 values with a power-of-two scale (the
-  exponent-bit trick, bit-exact with numerics/quant.py), each 32-wide K block's product is one
-  tensor-core dot with a fresh fp32 accumulator, scaled by a_s * b_s and added in K order to the fp32
-  sum of its K range (ranges fixed by the weight's shape, quant.k_range_blocks), the range sums added in
-  order, then rounded once to bf16, as the CPU does. With power-of-two scales the scaling is exact, so
-  a difference from the CPU can only come from inside a block's 32-term dot (tensor-core vs CPU fp32
-  summation; measured: FIDELITY.md); the MMA takes f16 operands: E4M3 codes convert exactly, FP4 weight
-  codes are stored in a word layout (`fp4_words`) that shifts and masks turn into f16 pairs of value / 2^14
-  (every E2M1 value is an f16 value; the 2^14 goes into the exact power-of-two weight scale).
+  exponent-bit trick, bit-exact with numerics/quant.py); the GEMM is the dequantised matmul of Q8(x) and W
+  up to fp32 summation order, as the spec defines it: both operands are exactly dequantised to bf16 (E4M3
+  and E2M1 codes have at most 3 mantissa bits and every scale is a power of two) and each K range (fixed by
+  the weight's shape, quant.k_range_blocks) is one tensor-core MMA chain in K order from a fresh fp32
+  accumulator; the range sums are added in order and rounded once to bf16. The CPU reference instead sums
+  each 32-wide block apart and adds the scaled block sums (kernels/cpu.py): another fp32 order over the same
+  exact products (FIDELITY.md measures the difference). A decode call dequantises its tiles in registers
+  (FP8 codes, FP4 words that shifts and masks turn into f16 pairs of value / 2^14); from DEQUANT_MIN_M rows
+  both operands are dequantised to bf16 in memory first and the plain GEMM below runs the same chains at
+  the tensor cores' rate. Every tile's MMAs are k16 steps in K order, so the bits never depend on M.
 - bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
   3xTF32 tensor-core products by default, IEEE fp32 FMA dots on request); output in the weight's dtype.
 """
@@ -29,17 +31,19 @@ from .common import FP_FUSION, TL_BLOCK, quant_tile
 from .configs import (
     ACT_QUANT_BLOCKS,
     ACT_QUANT_ROWS,
+    DEQUANT_MIN_M,
     FP4_PRECONVERT_M,
     FUSE_QUANT_MAX_M,
     PLAIN_WIDE_MIN_M,
     SPREAD_MAX_M,
     LinearConfig,
+    dequant_gemm_config,
     linear_config,
     ordered_sum_config,
     plain_k_per_split,
     plain_wide_config,
 )
-from .weights import CudaWeight, fp4_to_fp8, to_cuda_weight
+from .weights import CudaWeight, dequantise, fp4_to_fp8, to_cuda_weight
 
 _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
 
@@ -49,7 +53,7 @@ _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
 # ---------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, e_ptr, M, KB, stride_xm, stride_qm,
-                      BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr, DEQUANTISE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -59,10 +63,21 @@ def _act_quant_kernel(x_ptr, q_ptr, e_ptr, M, KB, stride_xm, stride_qm,
         if kb < KB:
             cols = kb * TL_BLOCK + tl.arange(0, TL_BLOCK)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=rmask[:, None], other=0.0)
-            q, e, _s = quant_tile(x.to(tl.float32))
+            q, e, s = quant_tile(x.to(tl.float32))
+            if DEQUANTISE:  # Q8(x) as bf16: the code times its power-of-two scale, exact
+                q = (q.to(tl.float32) * s[:, None]).to(tl.bfloat16)
             tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=rmask[:, None])
-            # byte kb % 4 of word (kb // 4, row): words [ceil(KB/4), M]
-            tl.store(e_ptr + ((kb // 4) * M + rows).to(tl.int64) * 4 + kb % 4, e.to(tl.uint8), mask=rmask)
+            if not DEQUANTISE:  # byte kb % 4 of word (kb // 4, row): words [ceil(KB/4), M]
+                tl.store(e_ptr + ((kb // 4) * M + rows).to(tl.int64) * 4 + kb % 4, e.to(tl.uint8), mask=rmask)
+
+
+def _act_quant(x: torch.Tensor, q: torch.Tensor, e: torch.Tensor, dequantise: bool) -> None:
+    m, kb = x.size(0), x.size(1) // BLOCK
+    if m:
+        grid = (triton.cdiv(m, ACT_QUANT_ROWS), triton.cdiv(kb, ACT_QUANT_BLOCKS))
+        _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=ACT_QUANT_ROWS,
+                                BLOCK_KB=ACT_QUANT_BLOCKS, DEQUANTISE=dequantise, num_warps=4,
+                                enable_fp_fusion=FP_FUSION)
 
 
 def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,16 +88,21 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
     m, k = x.shape
     kb = k // BLOCK
-    kc = triton.cdiv(kb, K_RANGE_GROUP)
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    e = torch.empty((kc, m, K_RANGE_GROUP), dtype=torch.uint8, device=x.device)
+    e = torch.empty((triton.cdiv(kb, K_RANGE_GROUP), m, K_RANGE_GROUP), dtype=torch.uint8, device=x.device)
     if kb % K_RANGE_GROUP:
         e[-1] = 127  # bytes past the last K block: 2^0
-    if m:
-        grid = (triton.cdiv(m, ACT_QUANT_ROWS), triton.cdiv(kb, ACT_QUANT_BLOCKS))
-        _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=ACT_QUANT_ROWS,
-                                BLOCK_KB=ACT_QUANT_BLOCKS, num_warps=4, enable_fp_fusion=FP_FUSION)
+    _act_quant(x, q, e, False)
     return q, e.view(torch.int32)[..., 0]
+
+
+def dequant_act(x: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, K] -> Q8(x) as bf16 [M, K]: each E4M3 code of quant_act times its block's scale (exact)."""
+    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.size(1) % BLOCK == 0
+    x = x.contiguous()
+    q = torch.empty_like(x)
+    _act_quant(x, q, q, True)
+    return q
 
 
 def act_scales(words: torch.Tensor, k: int) -> torch.Tensor:
@@ -139,32 +159,47 @@ def _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4: tl.constexpr):
 
 
 @triton.jit
-def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, FP4: tl.constexpr,
-                FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr):
-    """One K block's scaled product dot32(A, B) * a_s * b_s, fp32 [BM, BN]; j: the block's byte in the
-    chunk's scale words."""
-    if FUSE_QUANT:
-        a, _e, a_s = quant_tile(a.to(tl.float32))
+def _block_operands(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, FP4: tl.constexpr,
+                    FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, DEQUANTISED: tl.constexpr,
+                    BN: tl.constexpr):
+    """One K block's operands, exactly dequantised to bf16: A [BM, 32] = Q8(x) (codes times their power-of-two
+    scale) and B [32, BN] = W^T (codes times the weight's scale); j: the block's byte in the chunk's scale
+    words. E4M3 and E2M1 codes have at most 3 mantissa bits and the scales are powers of two, so both products
+    are exact in bf16 (a float32 weight scale that is no power of two -- never a checkpoint's -- is rounded
+    here). DEQUANTISED: both tiles were dequantised in memory already (dequant_act, dequantise)."""
+    if DEQUANTISED:
+        a_d = a
+        b_d = w
     else:
-        a_s = _word_scale(aw, j)
-    if FP4:
-        b = _fp4_word_values(w, BN)
+        if FUSE_QUANT:
+            a, _e, a_s = quant_tile(a.to(tl.float32))
+        else:
+            a_s = _word_scale(aw, j)
+        if FP4:
+            b = _fp4_word_values(w, BN)
+        else:
+            b = w
+        if SCALE_E8M0:
+            b_s = _word_scale(bw, j)
+        else:
+            b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
+        if FP4:  # the f16 operand holds value / 2^14
+            b_s = b_s * 16384.0
+        a_d = (a.to(tl.float32) * a_s[:, None]).to(tl.bfloat16)
+        b_d = (b.to(tl.float32) * b_s[None, :]).to(tl.bfloat16)
+    return a_d, b_d
+
+
+@triton.jit
+def _mma(a, b, acc, SWAP: tl.constexpr):
+    """acc + A B, one tensor-core MMA chain in K order. SWAP: acc is the transposed [BN, BM] sum and the
+    weight tile is the MMA's A operand: a decode's few rows cannot fill a Hopper wgmma's 64-row M, 64 weight
+    rows can (and only wgmma gives the large tiles' bits: mma.sync accumulates another way)."""
+    if SWAP:
+        acc = tl.dot(tl.trans(b), tl.trans(a), acc)
     else:
-        b = w
-    if SCALE_E8M0:
-        b_s = _word_scale(bw, j)
-    else:
-        b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
-    if FP4:  # the f16 operand holds value / 2^14 (exact, and so is the MMA's sum: all scaled alike)
-        b_s = b_s * 16384.0
-    # f16 operands hold every E4M3 (2^-9 ... 448) and E2M1 code exactly (E4M3 -> f16 is one hardware
-    # conversion per pair), and the f16 MMA accumulates in fp32, so the block's 32 exact products are
-    # summed like the CPU reference's fp32 GEMM (the FP8 MMA keeps fewer accumulator bits and moved every
-    # golden battery row off the reference)
-    partial = tl.dot(a.to(tl.float16), b.to(tl.float16))
-    # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's (partial * a_s) * b_s,
-    # exact too; the caller's add is the only rounding
-    return partial * (a_s[:, None] * b_s[None, :])
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk", "expert_lo", "expert_hi"])
@@ -172,11 +207,14 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
                     stride_xm, stride_wn, stride_wsk, stride_ym, stride_xs, stride_pk, stride_we, stride_wse,
                     slots_per_row, expert_lo, expert_hi,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                    SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
-    """y[M, N] = the block-scaled product (see linear), fp32 sums rounded once to bf16. K runs in chunks of
-    4 blocks (one scale word); the chunks form ranges of `chunks_per_split` (quant.k_range_blocks, fixed by
-    the weight's shape): each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
+                    SCALE_E8M0: tl.constexpr, DEQUANTISED: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr,
+                    GROUPED: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr,
+                    SWAP: tl.constexpr):
+    """y[M, N] = the product of the exactly dequantised operands (see linear), fp32 sums rounded once to bf16.
+    K runs in chunks of 4 blocks (one scale word); the chunks form ranges of `chunks_per_split`
+    (quant.k_range_blocks, fixed by the weight's shape): each range is one tensor-core MMA chain in K order from a
+    fresh fp32 accumulator, and the range sums are added in range order.
     The loads are plain, so that Triton's pipeliner streams them through shared memory (cp.async,
     num_stages deep): a register double buffer measured 2-3x slower at large M (bench/results).
     SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
@@ -186,7 +224,8 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
     GROUPED (routed experts, many slots): program_id(2) is tile t of up to BM slots of one expert
     (tile[t] = (expert, first, count): slots slot[first .. first + count), grouped by expert); each slot's
     row is computed as in SLOTS (a row's bits never depend on its tile) and stored at its slot's row; only the
-    tiles of experts [expert_lo, expert_hi) work, the bank at w_ptr holding just those experts."""
+    tiles of experts [expert_lo, expert_hi) work, the bank at w_ptr holding just those experts.
+    DEQUANTISED: x and w hold bf16 operands dequantised in memory (a prefill's expert banks), no scales."""
     if SLOTS:
         s = tl.program_id(2)
         e = tl.load(slot_ptr + s).to(tl.int64)
@@ -229,39 +268,46 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
     if SPREAD:
         c_lo = tl.program_id(1) * chunks_per_split
         c_hi = tl.minimum(c_lo + chunks_per_split, KC)
-    if not FUSE_QUANT:
+    # the scale words (none for operands dequantised in memory)
+    if not FUSE_QUANT and not DEQUANTISED:
         aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
-    if SCALE_E8M0:
+    if SCALE_E8M0 and not DEQUANTISED:
         bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
     # one loop over the chunks (a loop per range would drain Triton's load pipeline at every range end).
     # RANGES (the program crosses range ends): `total` sums the current range, added to `acc` where the
     # range ends -- a second accumulator, ~70 more registers on 64x64 tiles, so only where needed
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if SWAP:  # see _mma
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
     if RANGES:
-        total = tl.zeros([BM, BN], dtype=tl.float32)
+        total = tl.zeros_like(acc)
     for c in range(c_lo, c_hi):
         more = c + 1 < c_hi
         aw = 0
         bw = 0
-        if not FUSE_QUANT:
+        if not FUSE_QUANT and not DEQUANTISED:
             aw = aw_next
             aw_next = tl.load(xs_rows + (c + 1) * stride_xs, mask=mmask & more, other=_ONE_WORD)
-        if SCALE_E8M0:
+        if SCALE_E8M0 and not DEQUANTISED:
             bw = bw_next
             bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
         for j in tl.static_range(4):
             kb = c * 4 + j
             a, w = _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4)
-            # a block past K adds +0 to a sum that is never -0
-            term = _block_term(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
+            # one MMA chain over the range: a block past K adds 0 products to a sum that is never -0
+            a, b = _block_operands(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0,
+                                   DEQUANTISED, BN)
             if RANGES:
-                total += term
+                total = _mma(a, b, total, SWAP)
             else:
-                acc += term
+                acc = _mma(a, b, acc, SWAP)
         if RANGES:
             if ((c + 1) % chunks_per_split == 0) | (c + 1 == KC):  # the range ends
                 acc += total
-                total = tl.zeros([BM, BN], dtype=tl.float32)
+                total = tl.zeros_like(total)
+    if SWAP:
+        acc = tl.trans(acc)
     # SPREAD: acc is this program's range sum, stored for _ordered_sum_kernel
     mask = mmask[:, None] & nmask[None, :]
     if SPREAD:
@@ -323,18 +369,24 @@ def _ordered_sum(part: torch.Tensor, y: torch.Tensor, terms: int) -> None:
                                                       num_warps=warps, enable_fp_fusion=FP_FUSION)
 
 
+def _range_blocks(w: Weight, n: int, kb: int) -> int:
+    """K blocks per summation range: a tensor-parallel shard sums by its whole weight's K ranges (an expert
+    bank has no such field)."""
+    return k_range_blocks(getattr(w, "k_range_out", None) or n, kb)
+
+
 def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
                       fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
                       slots: torch.Tensor | None = None, slots_per_row: int = 1,
-                      tiles: torch.Tensor | None = None, experts: tuple[int, int] | None = None) -> None:
+                      tiles: torch.Tensor | None = None, experts: tuple[int, int] | None = None,
+                      dequantised: bool = False) -> None:
     """Launch the block-scaled GEMM into y (and the sum of the K ranges when they run as separate programs).
     With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]; with
     `tiles` too (experts.py's expert tiles), `slots` is the slot order grouped by expert and tile t takes up
     to BM of them, only those of `experts` (lo, hi) when given, the bank then holding experts lo .. hi - 1."""
     n, k = y.size(1), a.size(1)
     kb = k // BLOCK
-    # a tensor-parallel shard sums by its whole weight's K ranges (an expert bank has no such field)
-    cps = k_range_blocks(getattr(w, "k_range_out", None) or n, kb) // K_RANGE_GROUP
+    cps = _range_blocks(w, n, kb) // K_RANGE_GROUP
     splits = triton.cdiv(triton.cdiv(kb, K_RANGE_GROUP), cps)
     rows = y.size(0)
     stacked = slots is not None and tiles is None
@@ -353,11 +405,11 @@ def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: W
                           a_s.stride(0) if not fuse else m, rows * n,
                           wv.stride(0) if slots is not None else 0, w.scale.stride(0) if slots is not None else 0,
                           slots_per_row, lo, hi, FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
-                          SCALE_E8M0=w.scale_e8m0,
+                          SCALE_E8M0=w.scale_e8m0, DEQUANTISED=dequantised,
                           SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM, BN=cfg.BN,
                           GROUP_M=cfg.GROUP_M,
-                          RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                          enable_fp_fusion=FP_FUSION)
+                          RANGES=splits > 1 and not spread, SWAP=cfg.swap, num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
     if spread:
         _ordered_sum(part, y, splits)
 
@@ -442,18 +494,36 @@ def _plain_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, kind: str, gr
         _ordered_sum(part, y, splits)
 
 
+def _dequantised_gemm(x: torch.Tensor, w: CudaWeight, y: torch.Tensor) -> None:
+    """y = Q8(x) @ W^T for a large M: both operands dequantised to bf16 in memory (exact), then the plain
+    GEMM's kernel with the FP8/FP4 weight's K ranges, one program adding them in order -- per output element
+    the MMA chain of the register-dequantising tiles, at the tensor cores' rate (the dequantisation reads and
+    writes the weight once a call)."""
+    m, k = x.shape
+    n = y.size(1)
+    range_k = _range_blocks(w, n, k // BLOCK) * BLOCK
+    a, b = dequant_act(x), dequantise(w)
+    cfg = dequant_gemm_config(n)
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), 1, 1)
+    _plain_gemm_kernel[grid](a, b, y, y, m, n, k, range_k, n, a.stride(0), b.stride(0), y.stride(0), 0, 0, 0,
+                             PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, SPLIT=False,
+                             RANGES=range_k < k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                             enable_fp_fusion=FP_FUSION)
+
+
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
            config: LinearConfig | None = None, fuse_quant: bool | None = None,
-           spread: bool | None = None, preconvert: bool | None = None,
+           spread: bool | None = None, preconvert: bool | None = None, dequantise: bool | None = None,
            fp32_precision: str = "tf32x3") -> torch.Tensor:
     """y = x @ W^T by the weight's storage kind (see cpu.linear). x: [M, in] on CUDA. fp8/fp4 take a
     bf16 activation and give bf16; bf16/fp32 weights give their own dtype. A non-CUDA-layout Weight
     is converted on the fly (convert once with to_cuda_weight instead).
-    Keyword overrides are for tests and benchmarks: `config` (tile config), and three choices that
-    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs) and `preconvert`
-    (widen FP4 to E4M3 before the GEMM); `fp32_precision` for fp32 weights: "tf32x3" (default: three
-    TF32 tensor-core products, measured closer to the CPU's fp32 than the alternative and 3-4.5x
-    faster) or "ieee" (fp32 FMA dots, one long K chain per output)."""
+    Keyword overrides are for tests and benchmarks: `config` (tile config), and four choices that
+    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs), `preconvert`
+    (widen FP4 to E4M3 before the GEMM) and `dequantise` (both operands to bf16 in memory first, the plain
+    GEMM's tiles; default from DEQUANT_MIN_M rows unless `config` names the tiles); `fp32_precision` for
+    fp32 weights: "tf32x3" (default: three TF32 tensor-core products, measured closer to the CPU's fp32
+    than the alternative and 3-4.5x faster) or "ieee" (fp32 FMA dots, one long K chain per output)."""
     if not isinstance(w, CudaWeight) or w.values.device != x.device:
         w = to_cuda_weight(w, x.device)
     assert x.dim() == 2 and x.size(1) == w.in_features, (tuple(x.shape), w.in_features)
@@ -467,6 +537,9 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
         if m == 0:
             return y
         x = x.contiguous()
+        if dequantise if dequantise is not None else config is None and m >= DEQUANT_MIN_M:
+            _dequantised_gemm(x, w, y)
+            return y
         fuse = m <= FUSE_QUANT_MAX_M if fuse_quant is None else fuse_quant
         a, a_s = (x, x) if fuse else quant_act(x)  # fused: a_s unused
         wv, fp4 = w.values, w.kind == "fp4"
