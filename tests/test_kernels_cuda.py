@@ -668,14 +668,14 @@ def test_expert_linear_equals_one_row_calls(kind, n, k):
 
 @pytest.mark.parametrize("n,k", [(2304, 5120), (5120, 2304)])
 def test_prefill_expert_tiles_widened_in_groups_give_one_row_bits(n, k, monkeypatch):
-    """A prefill's slots in per-expert tiles, its FP4 bank widened to E4M3 a group of experts at a time (here
+    """A prefill's slots in per-expert tiles, its FP4 bank dequantised to bf16 a group of experts at a time (here
     three experts: four launches over 10 experts, one without slots): every slot's bits are a one-row call's."""
     g = gen(n * 7 + k)
     bank = kc.expert_bank([kc.to_cuda_weight(rand_weight("fp4", n, k, g), DEV) for _ in range(10)])
     x = rand_act(120, k, g).to(DEV)
     ids = torch.stack([torch.randperm(9, generator=g)[:6] + 1 for _ in range(120)]).to(DEV)
     assert ids.numel() >= configs.EXPERT_TILE_MIN_SLOTS
-    monkeypatch.setattr(experts, "EXPERT_WIDEN_BYTES", 3 * 2 * bank.values[0].numel())
+    monkeypatch.setattr(experts, "EXPERT_WIDEN_BYTES", 3 * 2 * n * k)  # three experts' bf16 weights
     got = kc.expert_linear(x, bank, ids, 6, preconvert=True)
     assert torch.equal(got, kc.expert_linear(x, bank, ids, 6))  # 72 slots an expert: not widened
     assert torch.equal(got, kc.expert_linear(x, bank, ids, 6, preconvert=False))

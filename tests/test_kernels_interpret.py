@@ -490,19 +490,20 @@ def test_new_kernels_compile_for_sm90():
     pointers = {"x_ptr": "*fp8e4nv", "xs_ptr": "*i32", "w_ptr": "*u8", "ws_ptr": "*i32", "y_ptr": "*bf16",
                 "part_ptr": "*fp32", "slot_ptr": "*i32", "tile_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"}
     check(gemm._bs_gemm_kernel, pointers, {"FP4": True, "FUSE_QUANT": False, "SCALE_ROWS": 1, "SCALE_E8M0": True,
-                                           "DEQUANTISED": False, "SPREAD": False, "SLOTS": False, "GROUPED": True,
-                                           "BM": 64, "BN": 64, "GROUP_M": 8, "RANGES": True, "SWAP": False})
-    # a decode's swapped tiles (the weight as the wgmma's A operand), and a prefill's dequantised expert tiles
+                                           "SPREAD": False, "SLOTS": False, "GROUPED": True, "BM": 64, "BN": 64,
+                                           "GROUP_M": 8, "RANGES": True, "SWAP": False})
+    # a decode's swapped tiles (the weight as the wgmma's A operand)
     check(gemm._bs_gemm_kernel, {**pointers, "x_ptr": "*bf16"},
-          {"FP4": True, "FUSE_QUANT": True, "SCALE_ROWS": 1, "SCALE_E8M0": True, "DEQUANTISED": False, "SPREAD": True,
-           "SLOTS": True, "GROUPED": False, "BM": 16, "BN": 64, "GROUP_M": 8, "RANGES": False, "SWAP": True})
-    check(gemm._bs_gemm_kernel, {**pointers, "x_ptr": "*bf16", "w_ptr": "*bf16"},
-          {"FP4": False, "FUSE_QUANT": False, "SCALE_ROWS": 1, "SCALE_E8M0": True, "DEQUANTISED": True,
-           "SPREAD": False, "SLOTS": False, "GROUPED": True, "BM": 64, "BN": 64, "GROUP_M": 8, "RANGES": True,
-           "SWAP": False})
+          {"FP4": True, "FUSE_QUANT": True, "SCALE_ROWS": 1, "SCALE_E8M0": True, "SPREAD": True, "SLOTS": True,
+           "GROUPED": False, "BM": 16, "BN": 64, "GROUP_M": 8, "RANGES": False, "SWAP": True})
     # the dequantised-operand route of a large call: Q8(x) and the weight as bf16
     check(gemm._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*bf16", "e_ptr": "*bf16"},
           {"BLOCK_M": configs.ACT_QUANT_ROWS, "BLOCK_KB": configs.ACT_QUANT_BLOCKS, "DEQUANTISE": True})
+    # ... and a prefill's expert tiles over dequantised banks
+    check(gemm._plain_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*bf16",
+                                    "slot_ptr": "*i32", "tile_ptr": "*i32", "group_w": "i64"},
+          {"PREC": "tf32", "BM": 128, "BN": 128, "BK": 64, "GROUP_M": 8, "SPLIT": False, "RANGES": True,
+           "GATHER": True})
     for e8m0 in (False, True):
         check(weights._dequant_kernel, {"w_ptr": "*fp8e4nv", "ws_ptr": "*i32" if e8m0 else "*fp32", "o_ptr": "*bf16"},
               {"SCALE_ROWS": 32, "SCALE_E8M0": e8m0, "ROWS": configs.DEQUANT_ROWS})

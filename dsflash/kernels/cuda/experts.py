@@ -16,10 +16,11 @@ from .configs import (
     EXPERT_WIDEN_MIN_SLOTS,
     FUSE_QUANT_MAX_M,
     LinearConfig,
+    dequant_gemm_config,
     linear_config,
 )
-from .gemm import block_scaled_gemm, dequant_act, quant_act
-from .weights import CudaWeight, dequantise, to_cuda_weight
+from .gemm import block_scaled_gemm, dequant_act, dequantised_gemm, quant_act
+from .weights import CudaWeight, dequant_weight, to_cuda_weight
 
 
 @dataclass
@@ -87,24 +88,25 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
         return y
     x = x.contiguous()
     if config is None and slots.numel() >= EXPERT_TILE_MIN_SLOTS:
-        # a prefill's slots: each expert's slots share 64-row tiles (the same bits as one-row tiles, tested)
-        cfg = linear_config(bank.kind, n, x.size(1))
+        # a prefill's slots: each expert's slots share tiles (the same bits as one-row tiles, tested). The tiles
+        # dequantise their operands in registers, in the MMA's issue slots; dequantised to bf16 in memory once per
+        # call, 128-row tiles run at the tensor cores' rate where an expert has enough rows to pay for it
+        # (EXPERT_WIDEN_MIN_SLOTS). A group of experts at a time bounds the scratch; each launch's other tiles
+        # exit at once
         experts_n = bank.values.size(0)
-        order, tiles = _expert_tiles(slots, experts_n, cfg.BM)
-        # tiles dequantise their operands in registers, in the MMA's issue slots; dequantised to bf16 in memory
-        # once per call they run faster where an expert has enough rows to pay for it (EXPERT_WIDEN_MIN_SLOTS).
-        # A group of experts at a time bounds the scratch; each launch's other tiles exit at once
         if preconvert is None:
             preconvert = slots.numel() >= EXPERT_WIDEN_MIN_SLOTS * experts_n
         if preconvert:
+            order, tiles = _expert_tiles(slots, experts_n, dequant_gemm_config(n).BM)
             a = dequant_act(x)
             group = max(1, EXPERT_WIDEN_BYTES // (2 * n * x.size(1)))
             for lo in range(0, experts_n, group):
                 hi = min(lo + group, experts_n)
-                part = _dequantised(bank, lo, hi)
-                block_scaled_gemm(a, a, part, bank[lo], y, fp4=False, fuse=False, cfg=cfg, spread=False, slots=order,
-                                  slots_per_row=slots_per_row, tiles=tiles, experts=(lo, hi), dequantised=True)
+                dequantised_gemm(a, _dequantised(bank, lo, hi), bank[lo], y, slots=order, slots_per_row=slots_per_row,
+                                 tiles=tiles, experts=(lo, hi))
             return y
+        cfg = linear_config(bank.kind, n, x.size(1))
+        order, tiles = _expert_tiles(slots, experts_n, cfg.BM)
         a, a_s = quant_act(x)
         block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=False, cfg=cfg, spread=False,
                           slots=order, slots_per_row=slots_per_row, tiles=tiles)
@@ -125,7 +127,7 @@ def _dequantised(bank: ExpertBank, lo: int, hi: int) -> torch.Tensor:
     assert n % bank.scale_rows == 0, (n, bank.scale_rows)
     values = bank.values[lo:hi].flatten(0, 1)
     scale = bank.scale[lo:hi].transpose(0, 1).flatten(1)  # [K words, experts x scale rows]
-    return dequantise(CudaWeight(bank.kind, values, scale, bank.scale_rows)).view(hi - lo, n, -1)
+    return dequant_weight(CudaWeight(bank.kind, values, scale, bank.scale_rows)).view(hi - lo, n, -1)
 
 
 def _expert_tiles(slots: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:

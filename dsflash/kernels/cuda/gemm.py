@@ -43,7 +43,7 @@ from .configs import (
     plain_k_per_split,
     plain_wide_config,
 )
-from .weights import CudaWeight, dequantise, fp4_to_fp8, to_cuda_weight
+from .weights import CudaWeight, dequant_weight, fp4_to_fp8, to_cuda_weight
 
 _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
 
@@ -160,33 +160,28 @@ def _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4: tl.constexpr):
 
 @triton.jit
 def _block_operands(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, FP4: tl.constexpr,
-                    FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, DEQUANTISED: tl.constexpr,
-                    BN: tl.constexpr):
+                    FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr):
     """One K block's operands, exactly dequantised to bf16: A [BM, 32] = Q8(x) (codes times their power-of-two
     scale) and B [32, BN] = W^T (codes times the weight's scale); j: the block's byte in the chunk's scale
     words. E4M3 and E2M1 codes have at most 3 mantissa bits and the scales are powers of two, so both products
     are exact in bf16 (a float32 weight scale that is no power of two -- never a checkpoint's -- is rounded
-    here). DEQUANTISED: both tiles were dequantised in memory already (dequant_act, dequantise)."""
-    if DEQUANTISED:
-        a_d = a
-        b_d = w
+    here)."""
+    if FUSE_QUANT:
+        a, _e, a_s = quant_tile(a.to(tl.float32))
     else:
-        if FUSE_QUANT:
-            a, _e, a_s = quant_tile(a.to(tl.float32))
-        else:
-            a_s = _word_scale(aw, j)
-        if FP4:
-            b = _fp4_word_values(w, BN)
-        else:
-            b = w
-        if SCALE_E8M0:
-            b_s = _word_scale(bw, j)
-        else:
-            b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
-        if FP4:  # the f16 operand holds value / 2^14
-            b_s = b_s * 16384.0
-        a_d = (a.to(tl.float32) * a_s[:, None]).to(tl.bfloat16)
-        b_d = (b.to(tl.float32) * b_s[None, :]).to(tl.bfloat16)
+        a_s = _word_scale(aw, j)
+    if FP4:
+        b = _fp4_word_values(w, BN)
+    else:
+        b = w
+    if SCALE_E8M0:
+        b_s = _word_scale(bw, j)
+    else:
+        b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
+    if FP4:  # the f16 operand holds value / 2^14
+        b_s = b_s * 16384.0
+    a_d = (a.to(tl.float32) * a_s[:, None]).to(tl.bfloat16)
+    b_d = (b.to(tl.float32) * b_s[None, :]).to(tl.bfloat16)
     return a_d, b_d
 
 
@@ -207,8 +202,7 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
                     stride_xm, stride_wn, stride_wsk, stride_ym, stride_xs, stride_pk, stride_we, stride_wse,
                     slots_per_row, expert_lo, expert_hi,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                    SCALE_E8M0: tl.constexpr, DEQUANTISED: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr,
-                    GROUPED: tl.constexpr,
+                    SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr,
                     SWAP: tl.constexpr):
     """y[M, N] = the product of the exactly dequantised operands (see linear), fp32 sums rounded once to bf16.
@@ -224,8 +218,7 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
     GROUPED (routed experts, many slots): program_id(2) is tile t of up to BM slots of one expert
     (tile[t] = (expert, first, count): slots slot[first .. first + count), grouped by expert); each slot's
     row is computed as in SLOTS (a row's bits never depend on its tile) and stored at its slot's row; only the
-    tiles of experts [expert_lo, expert_hi) work, the bank at w_ptr holding just those experts.
-    DEQUANTISED: x and w hold bf16 operands dequantised in memory (a prefill's expert banks), no scales."""
+    tiles of experts [expert_lo, expert_hi) work, the bank at w_ptr holding just those experts."""
     if SLOTS:
         s = tl.program_id(2)
         e = tl.load(slot_ptr + s).to(tl.int64)
@@ -268,10 +261,9 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
     if SPREAD:
         c_lo = tl.program_id(1) * chunks_per_split
         c_hi = tl.minimum(c_lo + chunks_per_split, KC)
-    # the scale words (none for operands dequantised in memory)
-    if not FUSE_QUANT and not DEQUANTISED:
+    if not FUSE_QUANT:
         aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
-    if SCALE_E8M0 and not DEQUANTISED:
+    if SCALE_E8M0:
         bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
     # one loop over the chunks (a loop per range would drain Triton's load pipeline at every range end).
     # RANGES (the program crosses range ends): `total` sums the current range, added to `acc` where the
@@ -286,18 +278,17 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
         more = c + 1 < c_hi
         aw = 0
         bw = 0
-        if not FUSE_QUANT and not DEQUANTISED:
+        if not FUSE_QUANT:
             aw = aw_next
             aw_next = tl.load(xs_rows + (c + 1) * stride_xs, mask=mmask & more, other=_ONE_WORD)
-        if SCALE_E8M0 and not DEQUANTISED:
+        if SCALE_E8M0:
             bw = bw_next
             bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
         for j in tl.static_range(4):
             kb = c * 4 + j
             a, w = _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4)
             # one MMA chain over the range: a block past K adds 0 products to a sum that is never -0
-            a, b = _block_operands(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0,
-                                   DEQUANTISED, BN)
+            a, b = _block_operands(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
             if RANGES:
                 total = _mma(a, b, total, SWAP)
             else:
@@ -378,8 +369,7 @@ def _range_blocks(w: Weight, n: int, kb: int) -> int:
 def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
                       fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
                       slots: torch.Tensor | None = None, slots_per_row: int = 1,
-                      tiles: torch.Tensor | None = None, experts: tuple[int, int] | None = None,
-                      dequantised: bool = False) -> None:
+                      tiles: torch.Tensor | None = None, experts: tuple[int, int] | None = None) -> None:
     """Launch the block-scaled GEMM into y (and the sum of the K ranges when they run as separate programs).
     With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]; with
     `tiles` too (experts.py's expert tiles), `slots` is the slot order grouped by expert and tile t takes up
@@ -405,7 +395,7 @@ def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: W
                           a_s.stride(0) if not fuse else m, rows * n,
                           wv.stride(0) if slots is not None else 0, w.scale.stride(0) if slots is not None else 0,
                           slots_per_row, lo, hi, FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
-                          SCALE_E8M0=w.scale_e8m0, DEQUANTISED=dequantised,
+                          SCALE_E8M0=w.scale_e8m0,
                           SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM, BN=cfg.BN,
                           GROUP_M=cfg.GROUP_M,
                           RANGES=splits > 1 and not spread, SWAP=cfg.swap, num_warps=cfg.num_warps,
@@ -417,17 +407,19 @@ def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: W
 # ---------------------------------------------------------------------------------------------
 # plain bf16 / fp32 GEMM
 # ---------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["M"])
-def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part_cols, stride_xm, stride_wn,
-                       stride_ym, group_x, group_w, group_y,
-                       PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr, RANGES: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "expert_lo", "expert_hi"])
+def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, K, k_per_split, part_cols,
+                       stride_xm, stride_wn, stride_ym, group_x, group_w, group_y, slots_per_row, expert_lo,
+                       expert_hi, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr, RANGES: tl.constexpr, GATHER: tl.constexpr):
     # program_id(1) picks one of several independent GEMMs laid side by side (grouped `wo_a`); each is
     # computed exactly as a single call with the same config would. The K ranges [s * k_per_split, (s + 1) *
     # k_per_split) are fixed by the weight's shape, never by M; each range's dots chain from a zero
     # accumulator and the range sums add in s order. SPLIT: program_id(2) takes range s and stores its fp32
     # sum to part[s, m, g * N + n] (part_cols = groups * N columns) for _ordered_sum_kernel. RANGES (large M):
-    # one program runs every range and adds their sums in order itself: the same bits, no partials in memory
+    # one program runs every range and adds their sums in order itself: the same bits, no partials in memory.
+    # GATHER (a prefill's routed experts, operands dequantised): program_id(2) is tile t of up to BM slots of one
+    # expert as _bs_gemm_kernel's GROUPED, the bank's experts group_w apart (only [expert_lo, expert_hi) here)
     g = tl.program_id(1).to(tl.int64)
     x_ptr += g * group_x
     w_ptr += g * group_w
@@ -438,10 +430,22 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part
     rk = tl.arange(0, BK)
     mmask = rm < M
     nmask = rn < N
-    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    wp = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    in_rows = rm
+    out_rows = rm
     k_lo = 0
     k_hi = K
+    if GATHER:
+        t = tl.program_id(2)
+        e = tl.load(tile_ptr + 3 * t).to(tl.int64)
+        count = tl.load(tile_ptr + 3 * t + 2)
+        count = tl.where((e >= expert_lo) & (e < expert_hi), count, 0)
+        w_ptr += (e - expert_lo) * group_w
+        mmask = tl.arange(0, BM) < count
+        out_rows = tl.load(slot_ptr + tl.load(tile_ptr + 3 * t + 1) + tl.arange(0, BM), mask=mmask, other=0)
+        in_rows = out_rows // slots_per_row
+        k_hi = tl.where(count > 0, K, 0)  # the table's spare tiles and other experts' tiles do no work
+    xp = x_ptr + in_rows[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    wp = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     if SPLIT:
         k_lo = tl.program_id(2) * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -465,7 +469,7 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part
                 + g * N + rn[None, :])
         tl.store(part, acc, mask=mmask[:, None] & nmask[None, :])
     else:
-        y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        y = y_ptr + out_rows[:, None].to(tl.int64) * stride_ym + rn[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
@@ -486,29 +490,33 @@ def _plain_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, kind: str, gr
     split = splits > 1 and not wide
     part = torch.empty((splits, m, groups * n), dtype=torch.float32, device=x.device) if split else y
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), groups, splits if split else 1)
-    _plain_gemm_kernel[grid](x, w, y, part, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2), y.stride(0),
-                             k, n * k, n, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
-                             SPLIT=split, RANGES=wide and splits > 1, num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
+    _plain_gemm_kernel[grid](x, w, y, part, y, y, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2),
+                             y.stride(0), k, n * k, n, 1, 0, 0, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                             GROUP_M=cfg.GROUP_M, SPLIT=split, RANGES=wide and splits > 1, GATHER=False,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
     if split:
         _ordered_sum(part, y, splits)
 
 
-def _dequantised_gemm(x: torch.Tensor, w: CudaWeight, y: torch.Tensor) -> None:
-    """y = Q8(x) @ W^T for a large M: both operands dequantised to bf16 in memory (exact), then the plain
-    GEMM's kernel with the FP8/FP4 weight's K ranges, one program adding them in order -- per output element
-    the MMA chain of the register-dequantising tiles, at the tensor cores' rate (the dequantisation reads and
-    writes the weight once a call)."""
-    m, k = x.shape
+def dequantised_gemm(a: torch.Tensor, b: torch.Tensor, w: Weight, y: torch.Tensor, *,
+                     slots: torch.Tensor | None = None, slots_per_row: int = 1, tiles: torch.Tensor | None = None,
+                     experts: tuple[int, int] = (0, 1)) -> None:
+    """y = a @ b^T over operands dequantised to bf16 in memory (dequant_act, weights.dequantise: exact) with the
+    FP8/FP4 weight w's K ranges, one program adding them in order: per output element the MMA chain of the
+    register-dequantising tiles, at the tensor cores' rate. With `tiles` (experts.py's expert tiles; b a bank
+    [experts hi - lo, out, in]), y's rows are the slots as in block_scaled_gemm."""
+    k = a.size(1)
     n = y.size(1)
     range_k = _range_blocks(w, n, k // BLOCK) * BLOCK
-    a, b = dequant_act(x), dequantise(w)
     cfg = dequant_gemm_config(n)
-    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), 1, 1)
-    _plain_gemm_kernel[grid](a, b, y, y, m, n, k, range_k, n, a.stride(0), b.stride(0), y.stride(0), 0, 0, 0,
-                             PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, SPLIT=False,
-                             RANGES=range_k < k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                             enable_fp_fusion=FP_FUSION)
+    m = cfg.BM if tiles is not None else a.size(0)  # rows per program column: a tile's slots
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), 1, tiles.size(0) if tiles is not None else 1)
+    lo, hi = experts
+    _plain_gemm_kernel[grid](a, b, y, y, slots if slots is not None else y, tiles if tiles is not None else y, m, n,
+                             k, range_k, n, a.stride(0), b.stride(-2), y.stride(0), 0, b.stride(0) if b.dim() == 3
+                             else 0, 0, slots_per_row, lo, hi, PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                             GROUP_M=cfg.GROUP_M, SPLIT=False, RANGES=range_k < k, GATHER=tiles is not None,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
 
 
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
@@ -538,7 +546,8 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
             return y
         x = x.contiguous()
         if dequantise if dequantise is not None else config is None and m >= DEQUANT_MIN_M:
-            _dequantised_gemm(x, w, y)
+            # Q8(x) and W dequantised in memory once a call, then a tensor-core-rate GEMM
+            dequantised_gemm(dequant_act(x), dequant_weight(w), w, y)
             return y
         fuse = m <= FUSE_QUANT_MAX_M if fuse_quant is None else fuse_quant
         a, a_s = (x, x) if fuse else quant_act(x)  # fused: a_s unused

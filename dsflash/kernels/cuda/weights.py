@@ -180,7 +180,7 @@ def _dequant_kernel(w_ptr, ws_ptr, o_ptr, N, K, stride_wn, stride_wsk, SCALE_ROW
              mask=mask)
 
 
-def dequantise(w: CudaWeight) -> torch.Tensor:
+def dequant_weight(w: CudaWeight) -> torch.Tensor:
     """An fp8/fp4 CudaWeight's values times their scales, bf16 [out, in] (exact for power-of-two scales: E4M3
     and E2M1 codes have at most 3 mantissa bits)."""
     codes = fp4_to_fp8(w.values) if w.kind == "fp4" else w.values
