@@ -45,13 +45,13 @@ def composed() -> Kernels:
 # written tolerances: (‖Δ‖/‖ref‖, max ulp of the output dtype over elements whose |ref| >= 1/8 of the
 # output's rms; a result that cancels to near zero has an ulp far below its inputs' rounding, so its
 # ulp distance measures the inputs' magnitude, not this kernel -- it is reported, not asserted).
-# fp8/fp4 (CUDA numerics 6.cuda1): the same exact products as the CPU's (dequantised operands), summed as
-# one tensor-core MMA chain per K range where the CPU sums each 32-wide block apart and adds the scaled block
-# sums: another fp32 order, so an output differs only where its fp32 sums round to neighbouring bf16 values
-# (1 ulp); fp32: 3xTF32 tensor-core products (the default) in another summation order over K=5120.
+# fp8/fp4: the bf16 MMA of the E4M3/E2M1 codes gives the CPU's fp32 block sums, and both backends add the
+# scaled blocks in the same K ranges (quant.k_range_blocks) in the same order: measured bit-equal on every
+# shape but FP8 5120->2304, where 0.001 % of outputs (none of typical size) differ by 1 ulp (rel 3e-9);
+# fp32: 3xTF32 tensor-core products (the default) in another summation order over K=5120.
 TOL = {
-    "fp8": (1e-4, 1),
-    "fp4": (1e-4, 1),
+    "fp8": (1e-8, 0),
+    "fp4": (1e-8, 0),
     "bf16": (1e-3, 2),
     "fp32": (1e-5, 4096),
     "sparse_attn": (2e-3, 8),
@@ -185,11 +185,6 @@ def test_linear_matches_cpu(kind, n, k):
     y = kc.linear(x.to(DEV), wc, out=out)
     assert y.data_ptr() == out.data_ptr() and y.dtype == ref.dtype
     check(f"linear {kind} {k}->{n} M={m}", kind, y, ref)
-    if kind in ("fp8", "fp4"):  # the spec's form: the dequantised matmul of Q8(x) and W, exact, rounded once
-        q, s = fp8_act_codes(x)
-        exact = (q.double() * s.double().repeat_interleave(BLOCK, -1)) @ (
-            w.values.double() * w.scale.double().repeat_interleave(BLOCK, -1)).T
-        check(f"linear {kind} {k}->{n} M={m} vs the exact dequantised matmul", kind, y, exact.bfloat16())
     # the same rows through the small-M route (fused quantisation, K split over programs) and alone
     assert torch.equal(kc.linear(x[:5].to(DEV), wc), y[:5])
     assert torch.equal(kc.linear(x[3:4].to(DEV), wc), y[3:4])
@@ -460,8 +455,6 @@ def test_linear_batch_invariant(kind, n, k):
                 assert torch.equal(kc.linear(x[rows], wc, fuse_quant=fuse), full[rows]), f"fuse={fuse} M={m}"
             for spread in (False, True):
                 assert torch.equal(kc.linear(x[rows], wc, spread=spread), full[rows]), f"spread={spread} M={m}"
-            for deq in (False, True):  # the operands dequantised in memory (large calls) or in the tiles
-                assert torch.equal(kc.linear(x[rows], wc, dequantise=deq), full[rows]), f"dequantise={deq} M={m}"
             if kind == "fp4":
                 for pre in (False, True):
                     assert torch.equal(kc.linear(x[rows], wc, preconvert=pre), full[rows]), f"pre={pre} M={m}"
@@ -668,14 +661,14 @@ def test_expert_linear_equals_one_row_calls(kind, n, k):
 
 @pytest.mark.parametrize("n,k", [(2304, 5120), (5120, 2304)])
 def test_prefill_expert_tiles_widened_in_groups_give_one_row_bits(n, k, monkeypatch):
-    """A prefill's slots in per-expert tiles, its FP4 bank dequantised to bf16 a group of experts at a time (here
+    """A prefill's slots in per-expert tiles, its FP4 bank widened to E4M3 a group of experts at a time (here
     three experts: four launches over 10 experts, one without slots): every slot's bits are a one-row call's."""
     g = gen(n * 7 + k)
     bank = kc.expert_bank([kc.to_cuda_weight(rand_weight("fp4", n, k, g), DEV) for _ in range(10)])
     x = rand_act(120, k, g).to(DEV)
     ids = torch.stack([torch.randperm(9, generator=g)[:6] + 1 for _ in range(120)]).to(DEV)
     assert ids.numel() >= configs.EXPERT_TILE_MIN_SLOTS
-    monkeypatch.setattr(experts, "EXPERT_WIDEN_BYTES", 3 * 2 * n * k)  # three experts' bf16 weights
+    monkeypatch.setattr(experts, "EXPERT_WIDEN_BYTES", 3 * 2 * bank.values[0].numel())
     got = kc.expert_linear(x, bank, ids, 6, preconvert=True)
     assert torch.equal(got, kc.expert_linear(x, bank, ids, 6))  # 72 slots an expert: not widened
     assert torch.equal(got, kc.expert_linear(x, bank, ids, 6, preconvert=False))

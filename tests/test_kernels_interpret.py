@@ -68,7 +68,6 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
         assert torch.equal(cuda.linear(x[:m], wc, spread=False), full[:m]), (kind, m)
         assert torch.equal(cuda.linear(x[:m], wc, spread=True), full[:m]), (kind, m)
         assert torch.equal(cuda.linear(x[:m], wc, fuse_quant=True), full[:m]), (kind, m)
-        assert torch.equal(cuda.linear(x[:m], wc, dequantise=True), full[:m]), (kind, m)
         if kind == "fp4":
             assert torch.equal(cuda.linear(x[:m], wc, preconvert=True), full[:m]), (kind, m)
     assert torch.equal(cuda.linear(x[3:4], wc), full[3:4])
@@ -474,12 +473,11 @@ def test_training_sinkhorn_backward_kernel_gives_autograds_gradients():
 def test_new_kernels_compile_for_sm90():
     """The interpreter runs kernels as Python, so it misses what only the compiler rejects: compile the
     kernels not yet run on a GPU machine when written (the indexer's, the compressor's pooling, Engram's, the
-    router, the trainer's mHC split and kv-gradient sums, the GEMMs' dequantisation) for sm_90 here (Triton
-    ships ptxas; no GPU needed)."""
+    router, the trainer's mHC split and kv-gradient sums) for sm_90 here (Triton ships ptxas; no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from dsflash.kernels.cuda import attention, configs, elementwise, gemm, indexer, mhc, router, weights
+    from dsflash.kernels.cuda import attention, configs, elementwise, gemm, indexer, mhc, router
 
     def check(fn, pointers, constexprs):
         sig = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
@@ -491,22 +489,7 @@ def test_new_kernels_compile_for_sm90():
                 "part_ptr": "*fp32", "slot_ptr": "*i32", "tile_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"}
     check(gemm._bs_gemm_kernel, pointers, {"FP4": True, "FUSE_QUANT": False, "SCALE_ROWS": 1, "SCALE_E8M0": True,
                                            "SPREAD": False, "SLOTS": False, "GROUPED": True, "BM": 64, "BN": 64,
-                                           "GROUP_M": 8, "RANGES": True, "SWAP": False})
-    # a decode's swapped tiles (the weight as the wgmma's A operand)
-    check(gemm._bs_gemm_kernel, {**pointers, "x_ptr": "*bf16"},
-          {"FP4": True, "FUSE_QUANT": True, "SCALE_ROWS": 1, "SCALE_E8M0": True, "SPREAD": True, "SLOTS": True,
-           "GROUPED": False, "BM": 16, "BN": 64, "GROUP_M": 8, "RANGES": False, "SWAP": True})
-    # the dequantised-operand route of a large call: Q8(x) and the weight as bf16
-    check(gemm._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*bf16", "e_ptr": "*bf16"},
-          {"BLOCK_M": configs.ACT_QUANT_ROWS, "BLOCK_KB": configs.ACT_QUANT_BLOCKS, "DEQUANTISE": True})
-    # ... and a prefill's expert tiles over dequantised banks
-    check(gemm._plain_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*bf16",
-                                    "slot_ptr": "*i32", "tile_ptr": "*i32", "group_w": "i64"},
-          {"PREC": "tf32", "BM": 128, "BN": 128, "BK": 64, "GROUP_M": 8, "SPLIT": False, "RANGES": True,
-           "GATHER": True})
-    for e8m0 in (False, True):
-        check(weights._dequant_kernel, {"w_ptr": "*fp8e4nv", "ws_ptr": "*i32" if e8m0 else "*fp32", "o_ptr": "*bf16"},
-              {"SCALE_ROWS": 32, "SCALE_E8M0": e8m0, "ROWS": configs.DEQUANT_ROWS})
+                                           "GROUP_M": 8, "RANGES": True})
     for cand, group in ((False, 1), (True, 8)):
         check(indexer._topk_kernel, {"s_ptr": "*bf16", "vis_ptr": "*i64", "o_ptr": "*i8" if cand else "*i64"},
               {"GROUP": group, "CAND": cand, "BLOCK": configs.TOPK_BLOCK // group})

@@ -67,7 +67,7 @@ def compile_variant(fp4: bool, spread: bool, slots: bool, ranges: bool, fuse: bo
     constexprs = {"FP4": fp4, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else BLOCK, "SCALE_E8M0": True,
                   "SPREAD": spread, "SLOTS": slots, "GROUPED": False, "BM": cfg.BM, "BN": cfg.BN,
                   "GROUP_M": cfg.GROUP_M,
-                  "RANGES": ranges, "EVEN": True, "SWAP": cfg.swap}
+                  "RANGES": ranges, "EVEN": True}
     constexprs = {k: v for k, v in constexprs.items() if k in names}  # an older variant may lack a flag
     sig.update({name: "constexpr" for name in constexprs})
     # what the JIT assumes at run time for 16-aligned pointers and strides

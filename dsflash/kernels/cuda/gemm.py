@@ -1,18 +1,16 @@
 """The GEMMs: activation quantisation, the block-scaled FP8/FP4 GEMM, the plain bf16/fp32 GEMM, the in-order
 sum of K-range partials; `linear` and `grouped_linear`.
 
-Numerics (spec §3; the CUDA backend's own, numerics.CUDA_NUMERICS_VERSION):
+Numerics (spec §3, as dsflash/kernels/cpu.py):
 - FP8/FP4 linear: the activation is quantised to E4M3 per 32 values with a power-of-two scale (the
-  exponent-bit trick, bit-exact with numerics/quant.py); the GEMM is the dequantised matmul of Q8(x) and W
-  up to fp32 summation order, as the spec defines it: both operands are exactly dequantised to bf16 (E4M3
-  and E2M1 codes have at most 3 mantissa bits and every scale is a power of two) and each K range (fixed by
-  the weight's shape, quant.k_range_blocks) is one tensor-core MMA chain in K order from a fresh fp32
-  accumulator; the range sums are added in order and rounded once to bf16. The CPU reference instead sums
-  each 32-wide block apart and adds the scaled block sums (kernels/cpu.py): another fp32 order over the same
-  exact products (FIDELITY.md measures the difference). A decode call dequantises its tiles in registers
-  (FP8 codes, FP4 words that shifts and masks turn into f16 pairs of value / 2^14); from DEQUANT_MIN_M rows
-  both operands are dequantised to bf16 in memory first and the plain GEMM below runs the same chains at
-  the tensor cores' rate. Every tile's MMAs are k16 steps in K order, so the bits never depend on M.
+  exponent-bit trick, bit-exact with numerics/quant.py), each 32-wide K block's product is one
+  tensor-core dot with a fresh fp32 accumulator, scaled by a_s * b_s and added in K order to the fp32
+  sum of its K range (ranges fixed by the weight's shape, quant.k_range_blocks), the range sums added in
+  order, then rounded once to bf16, as the CPU does. With power-of-two scales the scaling is exact, so
+  a difference from the CPU can only come from inside a block's 32-term dot (tensor-core vs CPU fp32
+  summation; measured: FIDELITY.md); the MMA takes f16 operands: E4M3 codes convert exactly, FP4 weight
+  codes are stored in a word layout (`fp4_words`) that shifts and masks turn into f16 pairs of value / 2^14
+  (every E2M1 value is an f16 value; the 2^14 goes into the exact power-of-two weight scale).
 - bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
   3xTF32 tensor-core products by default, IEEE fp32 FMA dots on request); output in the weight's dtype.
 """
@@ -31,19 +29,17 @@ from .common import FP_FUSION, TL_BLOCK, quant_tile
 from .configs import (
     ACT_QUANT_BLOCKS,
     ACT_QUANT_ROWS,
-    DEQUANT_MIN_M,
     FP4_PRECONVERT_M,
     FUSE_QUANT_MAX_M,
     PLAIN_WIDE_MIN_M,
     SPREAD_MAX_M,
     LinearConfig,
-    dequant_gemm_config,
     linear_config,
     ordered_sum_config,
     plain_k_per_split,
     plain_wide_config,
 )
-from .weights import CudaWeight, dequant_weight, fp4_to_fp8, to_cuda_weight
+from .weights import CudaWeight, fp4_to_fp8, to_cuda_weight
 
 _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
 
@@ -53,7 +49,7 @@ _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
 # ---------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, e_ptr, M, KB, stride_xm, stride_qm,
-                      BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr, DEQUANTISE: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -63,21 +59,10 @@ def _act_quant_kernel(x_ptr, q_ptr, e_ptr, M, KB, stride_xm, stride_qm,
         if kb < KB:
             cols = kb * TL_BLOCK + tl.arange(0, TL_BLOCK)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=rmask[:, None], other=0.0)
-            q, e, s = quant_tile(x.to(tl.float32))
-            if DEQUANTISE:  # Q8(x) as bf16: the code times its power-of-two scale, exact
-                q = (q.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+            q, e, _s = quant_tile(x.to(tl.float32))
             tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=rmask[:, None])
-            if not DEQUANTISE:  # byte kb % 4 of word (kb // 4, row): words [ceil(KB/4), M]
-                tl.store(e_ptr + ((kb // 4) * M + rows).to(tl.int64) * 4 + kb % 4, e.to(tl.uint8), mask=rmask)
-
-
-def _act_quant(x: torch.Tensor, q: torch.Tensor, e: torch.Tensor, dequantise: bool) -> None:
-    m, kb = x.size(0), x.size(1) // BLOCK
-    if m:
-        grid = (triton.cdiv(m, ACT_QUANT_ROWS), triton.cdiv(kb, ACT_QUANT_BLOCKS))
-        _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=ACT_QUANT_ROWS,
-                                BLOCK_KB=ACT_QUANT_BLOCKS, DEQUANTISE=dequantise, num_warps=4,
-                                enable_fp_fusion=FP_FUSION)
+            # byte kb % 4 of word (kb // 4, row): words [ceil(KB/4), M]
+            tl.store(e_ptr + ((kb // 4) * M + rows).to(tl.int64) * 4 + kb % 4, e.to(tl.uint8), mask=rmask)
 
 
 def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,21 +73,16 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
     m, k = x.shape
     kb = k // BLOCK
+    kc = triton.cdiv(kb, K_RANGE_GROUP)
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    e = torch.empty((triton.cdiv(kb, K_RANGE_GROUP), m, K_RANGE_GROUP), dtype=torch.uint8, device=x.device)
+    e = torch.empty((kc, m, K_RANGE_GROUP), dtype=torch.uint8, device=x.device)
     if kb % K_RANGE_GROUP:
         e[-1] = 127  # bytes past the last K block: 2^0
-    _act_quant(x, q, e, False)
+    if m:
+        grid = (triton.cdiv(m, ACT_QUANT_ROWS), triton.cdiv(kb, ACT_QUANT_BLOCKS))
+        _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=ACT_QUANT_ROWS,
+                                BLOCK_KB=ACT_QUANT_BLOCKS, num_warps=4, enable_fp_fusion=FP_FUSION)
     return q, e.view(torch.int32)[..., 0]
-
-
-def dequant_act(x: torch.Tensor) -> torch.Tensor:
-    """bf16 [M, K] -> Q8(x) as bf16 [M, K]: each E4M3 code of quant_act times its block's scale (exact)."""
-    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.size(1) % BLOCK == 0
-    x = x.contiguous()
-    q = torch.empty_like(x)
-    _act_quant(x, q, q, True)
-    return q
 
 
 def act_scales(words: torch.Tensor, k: int) -> torch.Tensor:
@@ -159,13 +139,10 @@ def _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4: tl.constexpr):
 
 
 @triton.jit
-def _block_operands(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, FP4: tl.constexpr,
-                    FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr):
-    """One K block's operands, exactly dequantised to bf16: A [BM, 32] = Q8(x) (codes times their power-of-two
-    scale) and B [32, BN] = W^T (codes times the weight's scale); j: the block's byte in the chunk's scale
-    words. E4M3 and E2M1 codes have at most 3 mantissa bits and the scales are powers of two, so both products
-    are exact in bf16 (a float32 weight scale that is no power of two -- never a checkpoint's -- is rounded
-    here)."""
+def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, FP4: tl.constexpr,
+                FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr):
+    """One K block's scaled product dot32(A, B) * a_s * b_s, fp32 [BM, BN]; j: the block's byte in the
+    chunk's scale words."""
     if FUSE_QUANT:
         a, _e, a_s = quant_tile(a.to(tl.float32))
     else:
@@ -178,23 +155,16 @@ def _block_operands(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmas
         b_s = _word_scale(bw, j)
     else:
         b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
-    if FP4:  # the f16 operand holds value / 2^14
+    if FP4:  # the f16 operand holds value / 2^14 (exact, and so is the MMA's sum: all scaled alike)
         b_s = b_s * 16384.0
-    a_d = (a.to(tl.float32) * a_s[:, None]).to(tl.bfloat16)
-    b_d = (b.to(tl.float32) * b_s[None, :]).to(tl.bfloat16)
-    return a_d, b_d
-
-
-@triton.jit
-def _mma(a, b, acc, SWAP: tl.constexpr):
-    """acc + A B, one tensor-core MMA chain in K order. SWAP: acc is the transposed [BN, BM] sum and the
-    weight tile is the MMA's A operand: a decode's few rows cannot fill a Hopper wgmma's 64-row M, 64 weight
-    rows can (and only wgmma gives the large tiles' bits: mma.sync accumulates another way)."""
-    if SWAP:
-        acc = tl.dot(tl.trans(b), tl.trans(a), acc)
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
+    # f16 operands hold every E4M3 (2^-9 ... 448) and E2M1 code exactly (E4M3 -> f16 is one hardware
+    # conversion per pair), and the f16 MMA accumulates in fp32, so the block's 32 exact products are
+    # summed like the CPU reference's fp32 GEMM (the FP8 MMA keeps fewer accumulator bits and moved every
+    # golden battery row off the reference)
+    partial = tl.dot(a.to(tl.float16), b.to(tl.float16))
+    # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's (partial * a_s) * b_s,
+    # exact too; the caller's add is the only rounding
+    return partial * (a_s[:, None] * b_s[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk", "expert_lo", "expert_hi"])
@@ -203,12 +173,10 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
                     slots_per_row, expert_lo, expert_hi,
                     FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
                     SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr,
-                    SWAP: tl.constexpr):
-    """y[M, N] = the product of the exactly dequantised operands (see linear), fp32 sums rounded once to bf16.
-    K runs in chunks of 4 blocks (one scale word); the chunks form ranges of `chunks_per_split`
-    (quant.k_range_blocks, fixed by the weight's shape): each range is one tensor-core MMA chain in K order from a
-    fresh fp32 accumulator, and the range sums are added in range order.
+                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
+    """y[M, N] = the block-scaled product (see linear), fp32 sums rounded once to bf16. K runs in chunks of
+    4 blocks (one scale word); the chunks form ranges of `chunks_per_split` (quant.k_range_blocks, fixed by
+    the weight's shape): each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
     The loads are plain, so that Triton's pipeliner streams them through shared memory (cp.async,
     num_stages deep): a register double buffer measured 2-3x slower at large M (bench/results).
     SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
@@ -268,12 +236,9 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
     # one loop over the chunks (a loop per range would drain Triton's load pipeline at every range end).
     # RANGES (the program crosses range ends): `total` sums the current range, added to `acc` where the
     # range ends -- a second accumulator, ~70 more registers on 64x64 tiles, so only where needed
-    if SWAP:  # see _mma
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
     if RANGES:
-        total = tl.zeros_like(acc)
+        total = tl.zeros([BM, BN], dtype=tl.float32)
     for c in range(c_lo, c_hi):
         more = c + 1 < c_hi
         aw = 0
@@ -287,18 +252,16 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
         for j in tl.static_range(4):
             kb = c * 4 + j
             a, w = _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4)
-            # one MMA chain over the range: a block past K adds 0 products to a sum that is never -0
-            a, b = _block_operands(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
+            # a block past K adds +0 to a sum that is never -0
+            term = _block_term(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
             if RANGES:
-                total = _mma(a, b, total, SWAP)
+                total += term
             else:
-                acc = _mma(a, b, acc, SWAP)
+                acc += term
         if RANGES:
             if ((c + 1) % chunks_per_split == 0) | (c + 1 == KC):  # the range ends
                 acc += total
-                total = tl.zeros_like(total)
-    if SWAP:
-        acc = tl.trans(acc)
+                total = tl.zeros([BM, BN], dtype=tl.float32)
     # SPREAD: acc is this program's range sum, stored for _ordered_sum_kernel
     mask = mmask[:, None] & nmask[None, :]
     if SPREAD:
@@ -360,12 +323,6 @@ def _ordered_sum(part: torch.Tensor, y: torch.Tensor, terms: int) -> None:
                                                       num_warps=warps, enable_fp_fusion=FP_FUSION)
 
 
-def _range_blocks(w: Weight, n: int, kb: int) -> int:
-    """K blocks per summation range: a tensor-parallel shard sums by its whole weight's K ranges (an expert
-    bank has no such field)."""
-    return k_range_blocks(getattr(w, "k_range_out", None) or n, kb)
-
-
 def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
                       fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
                       slots: torch.Tensor | None = None, slots_per_row: int = 1,
@@ -376,7 +333,8 @@ def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: W
     to BM of them, only those of `experts` (lo, hi) when given, the bank then holding experts lo .. hi - 1."""
     n, k = y.size(1), a.size(1)
     kb = k // BLOCK
-    cps = _range_blocks(w, n, kb) // K_RANGE_GROUP
+    # a tensor-parallel shard sums by its whole weight's K ranges (an expert bank has no such field)
+    cps = k_range_blocks(getattr(w, "k_range_out", None) or n, kb) // K_RANGE_GROUP
     splits = triton.cdiv(triton.cdiv(kb, K_RANGE_GROUP), cps)
     rows = y.size(0)
     stacked = slots is not None and tiles is None
@@ -398,8 +356,8 @@ def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: W
                           SCALE_E8M0=w.scale_e8m0,
                           SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM, BN=cfg.BN,
                           GROUP_M=cfg.GROUP_M,
-                          RANGES=splits > 1 and not spread, SWAP=cfg.swap, num_warps=cfg.num_warps,
-                          num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
+                          RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                          enable_fp_fusion=FP_FUSION)
     if spread:
         _ordered_sum(part, y, splits)
 
@@ -407,19 +365,17 @@ def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: W
 # ---------------------------------------------------------------------------------------------
 # plain bf16 / fp32 GEMM
 # ---------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["M", "expert_lo", "expert_hi"])
-def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, K, k_per_split, part_cols,
-                       stride_xm, stride_wn, stride_ym, group_x, group_w, group_y, slots_per_row, expert_lo,
-                       expert_hi, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr, RANGES: tl.constexpr, GATHER: tl.constexpr):
+@triton.jit(do_not_specialize=["M"])
+def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part_cols, stride_xm, stride_wn,
+                       stride_ym, group_x, group_w, group_y,
+                       PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr, RANGES: tl.constexpr):
     # program_id(1) picks one of several independent GEMMs laid side by side (grouped `wo_a`); each is
     # computed exactly as a single call with the same config would. The K ranges [s * k_per_split, (s + 1) *
     # k_per_split) are fixed by the weight's shape, never by M; each range's dots chain from a zero
     # accumulator and the range sums add in s order. SPLIT: program_id(2) takes range s and stores its fp32
     # sum to part[s, m, g * N + n] (part_cols = groups * N columns) for _ordered_sum_kernel. RANGES (large M):
-    # one program runs every range and adds their sums in order itself: the same bits, no partials in memory.
-    # GATHER (a prefill's routed experts, operands dequantised): program_id(2) is tile t of up to BM slots of one
-    # expert as _bs_gemm_kernel's GROUPED, the bank's experts group_w apart (only [expert_lo, expert_hi) here)
+    # one program runs every range and adds their sums in order itself: the same bits, no partials in memory
     g = tl.program_id(1).to(tl.int64)
     x_ptr += g * group_x
     w_ptr += g * group_w
@@ -430,22 +386,10 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, 
     rk = tl.arange(0, BK)
     mmask = rm < M
     nmask = rn < N
-    in_rows = rm
-    out_rows = rm
+    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    wp = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     k_lo = 0
     k_hi = K
-    if GATHER:
-        t = tl.program_id(2)
-        e = tl.load(tile_ptr + 3 * t).to(tl.int64)
-        count = tl.load(tile_ptr + 3 * t + 2)
-        count = tl.where((e >= expert_lo) & (e < expert_hi), count, 0)
-        w_ptr += (e - expert_lo) * group_w
-        mmask = tl.arange(0, BM) < count
-        out_rows = tl.load(slot_ptr + tl.load(tile_ptr + 3 * t + 1) + tl.arange(0, BM), mask=mmask, other=0)
-        in_rows = out_rows // slots_per_row
-        k_hi = tl.where(count > 0, K, 0)  # the table's spare tiles and other experts' tiles do no work
-    xp = x_ptr + in_rows[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    wp = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     if SPLIT:
         k_lo = tl.program_id(2) * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -469,7 +413,7 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, 
                 + g * N + rn[None, :])
         tl.store(part, acc, mask=mmask[:, None] & nmask[None, :])
     else:
-        y = y_ptr + out_rows[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
@@ -490,48 +434,26 @@ def _plain_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, kind: str, gr
     split = splits > 1 and not wide
     part = torch.empty((splits, m, groups * n), dtype=torch.float32, device=x.device) if split else y
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), groups, splits if split else 1)
-    _plain_gemm_kernel[grid](x, w, y, part, y, y, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2),
-                             y.stride(0), k, n * k, n, 1, 0, 0, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-                             GROUP_M=cfg.GROUP_M, SPLIT=split, RANGES=wide and splits > 1, GATHER=False,
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
+    _plain_gemm_kernel[grid](x, w, y, part, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2), y.stride(0),
+                             k, n * k, n, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+                             SPLIT=split, RANGES=wide and splits > 1, num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
     if split:
         _ordered_sum(part, y, splits)
 
 
-def dequantised_gemm(a: torch.Tensor, b: torch.Tensor, w: Weight, y: torch.Tensor, *,
-                     slots: torch.Tensor | None = None, slots_per_row: int = 1, tiles: torch.Tensor | None = None,
-                     experts: tuple[int, int] = (0, 1)) -> None:
-    """y = a @ b^T over operands dequantised to bf16 in memory (dequant_act, weights.dequantise: exact) with the
-    FP8/FP4 weight w's K ranges, one program adding them in order: per output element the MMA chain of the
-    register-dequantising tiles, at the tensor cores' rate. With `tiles` (experts.py's expert tiles; b a bank
-    [experts hi - lo, out, in]), y's rows are the slots as in block_scaled_gemm."""
-    k = a.size(1)
-    n = y.size(1)
-    range_k = _range_blocks(w, n, k // BLOCK) * BLOCK
-    cfg = dequant_gemm_config(n)
-    m = cfg.BM if tiles is not None else a.size(0)  # rows per program column: a tile's slots
-    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), 1, tiles.size(0) if tiles is not None else 1)
-    lo, hi = experts
-    _plain_gemm_kernel[grid](a, b, y, y, slots if slots is not None else y, tiles if tiles is not None else y, m, n,
-                             k, range_k, n, a.stride(0), b.stride(-2), y.stride(0), 0, b.stride(0) if b.dim() == 3
-                             else 0, 0, slots_per_row, lo, hi, PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-                             GROUP_M=cfg.GROUP_M, SPLIT=False, RANGES=range_k < k, GATHER=tiles is not None,
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
-
-
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
            config: LinearConfig | None = None, fuse_quant: bool | None = None,
-           spread: bool | None = None, preconvert: bool | None = None, dequantise: bool | None = None,
+           spread: bool | None = None, preconvert: bool | None = None,
            fp32_precision: str = "tf32x3") -> torch.Tensor:
     """y = x @ W^T by the weight's storage kind (see cpu.linear). x: [M, in] on CUDA. fp8/fp4 take a
     bf16 activation and give bf16; bf16/fp32 weights give their own dtype. A non-CUDA-layout Weight
     is converted on the fly (convert once with to_cuda_weight instead).
-    Keyword overrides are for tests and benchmarks: `config` (tile config), and four choices that
-    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs), `preconvert`
-    (widen FP4 to E4M3 before the GEMM) and `dequantise` (both operands to bf16 in memory first, the plain
-    GEMM's tiles; default from DEQUANT_MIN_M rows unless `config` names the tiles); `fp32_precision` for
-    fp32 weights: "tf32x3" (default: three TF32 tensor-core products, measured closer to the CPU's fp32
-    than the alternative and 3-4.5x faster) or "ieee" (fp32 FMA dots, one long K chain per output)."""
+    Keyword overrides are for tests and benchmarks: `config` (tile config), and three choices that
+    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs) and `preconvert`
+    (widen FP4 to E4M3 before the GEMM); `fp32_precision` for fp32 weights: "tf32x3" (default: three
+    TF32 tensor-core products, measured closer to the CPU's fp32 than the alternative and 3-4.5x
+    faster) or "ieee" (fp32 FMA dots, one long K chain per output)."""
     if not isinstance(w, CudaWeight) or w.values.device != x.device:
         w = to_cuda_weight(w, x.device)
     assert x.dim() == 2 and x.size(1) == w.in_features, (tuple(x.shape), w.in_features)
@@ -545,10 +467,6 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
         if m == 0:
             return y
         x = x.contiguous()
-        if dequantise if dequantise is not None else config is None and m >= DEQUANT_MIN_M:
-            # Q8(x) and W dequantised in memory once a call, then a tensor-core-rate GEMM
-            dequantised_gemm(dequant_act(x), dequant_weight(w), w, y)
-            return y
         fuse = m <= FUSE_QUANT_MAX_M if fuse_quant is None else fuse_quant
         a, a_s = (x, x) if fuse else quant_act(x)  # fused: a_s unused
         wv, fp4 = w.values, w.kind == "fp4"

@@ -1,6 +1,6 @@
 """The CUDA kernels' weight layouts: CudaWeight (FP8 codes with E8M0 scale words; FP4 codes in the word
 layout the GEMM decodes with shifts and masks), made from checkpoint codes or from a reference Weight, and
-an FP4 weight widened to E4M3 (the prefill's expert tiles), a weight dequantised to bf16 (the prefill's GEMMs)."""
+an FP4 weight widened to E4M3 (the prefill's GEMMs and expert tiles)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import decode_e2m1, encode_e2m1, pack_fp4
 from dsflash.numerics.quant import K_RANGE_GROUP
 
-from .common import FP_FUSION, TL_BLOCK
-from .configs import DEQUANT_ROWS, FP4_WIDEN_WORDS
+from .common import FP_FUSION
+from .configs import FP4_WIDEN_WORDS
 
 
 @dataclass
@@ -157,36 +157,3 @@ def fp4_to_fp8(values: torch.Tensor) -> torch.Tensor:
                                                                        BLOCK=FP4_WIDEN_WORDS, num_warps=4,
                                                                        enable_fp_fusion=FP_FUSION)
     return out.view(torch.float8_e4m3fn)
-
-
-@triton.jit
-def _dequant_kernel(w_ptr, ws_ptr, o_ptr, N, K, stride_wn, stride_wsk, SCALE_ROWS: tl.constexpr,
-                    SCALE_E8M0: tl.constexpr, ROWS: tl.constexpr):
-    """E4M3 codes [N, K] times their scales (CudaWeight's layout) -> bf16 [N, K]; one program a K chunk
-    (4 blocks: one scale word) of ROWS rows."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    c = tl.program_id(1)
-    j = tl.arange(0, 4 * TL_BLOCK) // TL_BLOCK  # each column's block in the chunk: its byte of the word
-    cols = c * 4 * TL_BLOCK + tl.arange(0, 4 * TL_BLOCK)
-    rmask = rows < N
-    mask = rmask[:, None] & (cols < K)[None, :]
-    codes = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :], mask=mask, other=0.0)
-    if SCALE_E8M0:
-        word = tl.load(ws_ptr + c * stride_wsk + rows // SCALE_ROWS, mask=rmask, other=0)
-        s = (((word[:, None] >> (8 * j[None, :])) & 0xFF) << 23).to(tl.float32, bitcast=True)
-    else:
-        s = tl.load(ws_ptr + (c * 4 + j[None, :]) * stride_wsk + (rows // SCALE_ROWS)[:, None], mask=mask, other=1.0)
-    tl.store(o_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], (codes.to(tl.float32) * s).to(tl.bfloat16),
-             mask=mask)
-
-
-def dequant_weight(w: CudaWeight) -> torch.Tensor:
-    """An fp8/fp4 CudaWeight's values times their scales, bf16 [out, in] (exact for power-of-two scales: E4M3
-    and E2M1 codes have at most 3 mantissa bits)."""
-    codes = fp4_to_fp8(w.values) if w.kind == "fp4" else w.values
-    n, k = codes.shape
-    out = torch.empty((n, k), dtype=torch.bfloat16, device=codes.device)
-    grid = (triton.cdiv(n, DEQUANT_ROWS), triton.cdiv(k, 4 * BLOCK))
-    _dequant_kernel[grid](codes, w.scale, out, n, k, codes.stride(0), w.scale.stride(-2), SCALE_ROWS=w.scale_rows,
-                          SCALE_E8M0=w.scale_e8m0, ROWS=DEQUANT_ROWS, num_warps=4, enable_fp_fusion=FP_FUSION)
-    return out
