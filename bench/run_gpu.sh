@@ -16,6 +16,9 @@
 # experiment only). `... patch-step FILE...`: engine patches (git apply, in order): the CUDA kernel and model
 # tests with them, the step benchmark before, with (twice) and after them, and the prefill before and with
 # them, in one session (steps vary ~5 ms between machines).
+# `... cuda1` applies bench/experiments/cuda1_gemm.patch (issue 22's GEMMs, CUDA numerics 6.cuda1) and runs, in
+# ~9 minutes: the CUDA kernel tests, the decode-tile experiment, the model tests (golden tiers, invariants), the
+# prefill and step benchmarks and a prefill profile (the shipped model moved out first: the 64 MiB limit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -83,4 +86,19 @@ if [ "$part" = all ] || [ "$part" = ab ]; then
   timeout 120 $step --eager 2>&1 | tail -12
   timeout 60 python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 \
     --rows 1 --out "$out" 2>&1 | head -40
+fi
+if [ "$part" = cuda1 ]; then
+  git apply bench/experiments/cuda1_gemm.patch || exit 1
+  DSFLASH_TOL_REPORT=$out/kernels-tolerances-cuda1.jsonl timeout 170 python -m pytest -q -p no:cacheprovider \
+    tests/test_kernels_cuda.py > "$out/kernel-tests-cuda1.log" 2>&1
+  grep -E "^E  |FAILED|passed|failed" "$out/kernel-tests-cuda1.log" | cut -c1-200 | tail -14
+  timeout 100 python bench/experiments/decode_tiles.py 2>&1 | tee "$out/decode-tiles-cuda1.md" | grep -E "^\| " | head -50
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 | grep -E "tier|FAILED|passed|failed" | tail -8
+  timeout 80 python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768 \
+    --out "$out" 2>&1 | grep -E "^\| [0-9]"
+  timeout 80 python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 \
+    --reps 7 --out "$out" 2>&1 | grep -E "^\| [0-9]"
+  timeout 100 python -m dsflash.cli bench profile --prefill --preset bench --experts 48 --device cuda --context 8192 \
+    --out "$out" > /dev/null 2>&1
+  git apply -R bench/experiments/cuda1_gemm.patch
 fi
