@@ -65,7 +65,7 @@ def generate(args: argparse.Namespace, parallel: Sharding | None) -> int:
                                 args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
     except ValueError as e:
         raise SystemExit(f"dsflash generate: {e}") from e
-    cache = PrefixCache(engine.identity, engine.numerics, disk_dir=args.cache_dir) if args.cache_dir else None
+    cache = PrefixCache(engine.identity, lambda: engine.numerics, disk_dir=args.cache_dir) if args.cache_dir else None
     stats = DecodeStats()
     t0 = time.perf_counter()
     progress = ProgressBar("prefill", "tokens", enabled=not args.json)

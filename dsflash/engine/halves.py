@@ -20,6 +20,7 @@ from dsflash.engine.snapshot import SnapshotError
 from dsflash.model.state import SequenceState, StatePool
 from dsflash.model.transformer import Tokens
 from dsflash.model.vision import IMAGE, IMAGE_START, TEXT
+from dsflash.numerics import numerics_version
 
 
 @dataclass
@@ -58,6 +59,7 @@ class EncoderHalf(Protocol):
 
     reconnects: int | None  # link reconnections so far (None: in this process, no link)
     pool: StatePool | None  # where a snapshot's encoder state takes its buffers (None: elsewhere or fresh)
+    numerics: str  # the numerics version of the backend it computes on (numerics.numerics_version)
 
     def open(self) -> EncoderSession: ...
 
@@ -132,6 +134,7 @@ class LocalHalf:
     def __init__(self, runner: Runner):
         self.runner = runner
         self.pool = runner.pool
+        self.numerics = numerics_version(runner.device)
 
     def open(self) -> LocalEncoder:
         return LocalEncoder(self.runner)

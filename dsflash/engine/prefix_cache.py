@@ -1,4 +1,4 @@
-"""Prefix cache: session snapshots keyed by (model identity with numerics version, token prefix).
+"""Prefix cache: session snapshots keyed by (model identity, numerics version, token prefix).
 
 RAM holds the most recently used snapshots up to a byte budget; a disk directory (optional) holds
 more, evicted by hits and age. A request resumes from the longest cached prefix of its tokens.
@@ -19,6 +19,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from dsflash.engine.snapshot import SnapshotError, check
@@ -48,10 +49,11 @@ def _alive(pid: int) -> bool:
 
 
 class PrefixCache:
-    def __init__(self, identity: str, numerics: str, ram_bytes: int = 1 << 30, disk_dir: str | Path | None = None,
-                 disk_bytes: int = 20 << 30):
-        """`identity` and `numerics`: the engine's (Engine.identity, Engine.numerics) whose snapshots it keeps."""
-        self.identity, self.numerics = identity, numerics
+    def __init__(self, identity: str, numerics: str | Callable[[], str], ram_bytes: int = 1 << 30,
+                 disk_dir: str | Path | None = None, disk_bytes: int = 20 << 30):
+        """`identity` and `numerics`: the engine's (Engine.identity, Engine.numerics) whose snapshots it keeps;
+        numerics may be a function, asked at each use (a split's includes the box's, known once it answered)."""
+        self.identity, self._numerics = identity, numerics
         self.ram_bytes, self.disk_bytes = ram_bytes, disk_bytes
         self._ram: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
         self._lengths: dict[int, int] = {}  # prefix length -> number of entries with it
@@ -67,6 +69,15 @@ class PrefixCache:
                     self._unlink(f)
             for _, n, _ in self._disk_files():
                 self._count(n, +1)
+
+    @property
+    def numerics(self) -> str:
+        return self._numerics() if callable(self._numerics) else self._numerics
+
+    @property
+    def _keyed(self) -> str:
+        """What an entry's key is made of besides its tokens: the model identity and the numerics version."""
+        return f"{self.identity}|{self.numerics}"
 
     def _count(self, n: int, delta: int) -> None:
         self._lengths[n] = self._lengths.get(n, 0) + delta
@@ -105,7 +116,7 @@ class PrefixCache:
             self._put(tokens, blob)
 
     def _put(self, tokens: list[int], blob: bytes) -> None:
-        key, n = prefix_key(self.identity, tokens), len(tokens)
+        key, n = prefix_key(self._keyed, tokens), len(tokens)
         if key not in self._ram:
             self._count(n, +1)
         self._ram[key] = (n, blob)
@@ -166,7 +177,7 @@ class PrefixCache:
 
     def _lookup(self, tokens: list[int]) -> tuple[int, bytes | None]:
         for n in sorted((n for n in self._lengths if n <= len(tokens)), reverse=True):
-            key = prefix_key(self.identity, tokens[:n])
+            key = prefix_key(self._keyed, tokens[:n])
             hit = self._ram.get(key)
             if hit is not None:
                 self._ram.move_to_end(key)

@@ -61,11 +61,17 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def checkpoint_identity(model: Transformer) -> str:
+    """What both sides of a split compare: the whole checkpoint's config and tensor index (either half loads the
+    same files). Each half may compute on its own backend (a GPU box, a back side on another machine's CPU)."""
+    return model_identity(model.args, model.ckpt)
+
+
 def engine_identity(model: Transformer) -> str:
-    """The model identity both sides of a split compare: the whole checkpoint's config and tensor index
-    (either half loads the same files) and the numerics version of the backend `model` computes on (its
-    outputs' device: a model's layer ranges share one backend kind)."""
-    return f"{model_identity(model.args, model.ckpt)}-n{numerics_version(model.device)}"
+    """The identity of what `model` computes, which keys its snapshots and prefix cache: the checkpoint and the
+    numerics version of the backend it computes on (its outputs' device: a model's layer ranges share one
+    backend kind)."""
+    return f"{checkpoint_identity(model)}-n{numerics_version(model.device)}"
 
 
 @dataclass
@@ -112,9 +118,12 @@ class Engine:
 
     @property
     def numerics(self) -> str:
-        """The numerics version of the backend the decoder half here computes on (its snapshots', and the one
-        a box's encoder half must share)."""
-        return numerics_version(self.decoder.device)
+        """The numerics its states are computed with, which key its snapshots and prefix cache: the decoder
+        half's backend version, and the encoder half's before it where that one differs (a box on another
+        backend: "6.cuda0+6"). A box's version is known once it has answered (asking for it may connect)."""
+        own = numerics_version(self.decoder.device)
+        encoder = self.encoder.numerics
+        return own if encoder == own else f"{encoder}+{own}"
 
     def session(self) -> Session:
         return Session(self)

@@ -51,7 +51,7 @@ def _serve(args: argparse.Namespace, model: str, parallel: Sharding | None) -> i
                          ranges=layer_devices(args, model, half), parallel=parallel)
     loading.close()
     tokenizer = load_tokenizer(model)
-    cache = PrefixCache(engine.identity, engine.numerics, disk_dir=args.cache_dir) if args.cache_dir else None
+    cache = PrefixCache(engine.identity, lambda: engine.numerics, disk_dir=args.cache_dir) if args.cache_dir else None
     name = args.served_model_name or "deepseek-v4.1-flash"
     api_key = args.api_key or os.environ.get("DSFLASH_API_KEY")
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -23,9 +23,10 @@ import torch
 
 from dsflash.config import ModelArgs
 from dsflash.engine.halves import HandOff
-from dsflash.engine.session import ContextLengthError, Engine
+from dsflash.engine.session import ContextLengthError, Engine, checkpoint_identity
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.model.state import SequenceState
+from dsflash.numerics import numerics_version
 from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
 from dsflash.parallel.group import Unavailable
 from dsflash.split.protocol import (
@@ -70,11 +71,15 @@ def _error(meta: dict) -> Exception:
 class BoxLink:
     def __init__(self, addr: str, identity: str, numerics: str, token: str | None = None, deadline: float = 60.0,
                  connect_timeout: float = 5.0):
-        """`identity` and `numerics`: the back side's engine's (Engine.identity, Engine.numerics), which the box
-        compares with its own."""
+        """`identity`: the back side's checkpoint (session.checkpoint_identity), which the box compares with its
+        own; `numerics`: the version of the back side's backend, told to the box. The box may compute on
+        another backend: its version, from its first answer, is `box_numerics`, and a box that answers with
+        another one later (restarted on other hardware) is refused, so that no session continues on other
+        arithmetic."""
         host, _, port = addr.rpartition(":")
         self.addr = (host.strip("[]"), int(port))
         self.identity, self.numerics, self.token = identity, numerics, token
+        self.box_numerics: str | None = None
         self.deadline, self.connect_timeout = deadline, connect_timeout
         # a connected box silent this long counts as lost (hung, or cut off). It answers PINGs from its reader
         # thread, so a long prefill chunk on its worker keeps it talking. Half the deadline at most: a hang is
@@ -124,10 +129,16 @@ class BoxLink:
         if reply.type != FrameType.WELCOME or reply.meta.get("identity") != self.identity:
             sock.close()
             raise BoxRefused(f"box serves another model: {reply.meta}")
+        box_numerics = str(reply.meta.get("numerics"))
+        if self.box_numerics not in (None, box_numerics):
+            sock.close()
+            raise BoxRefused(f"box now computes numerics {box_numerics}, this back side's sessions were computed with "
+                             f"the box's numerics {self.box_numerics}: restart the back side")
         idle = reply.meta.get("idle_timeout")
         ping_every = min(self.liveness, idle if isinstance(idle, int | float) and idle > 0 else self.liveness) / 4
         sock.settimeout(self.liveness)  # every later read and send on it
         with self._cv:
+            self.box_numerics = box_numerics
             self._sock, self._ping_every = sock, ping_every
             self._down_since = None
             self.epoch += 1
@@ -384,6 +395,14 @@ class BoxHalf:
         return self.link.reconnects
 
     @property
+    def numerics(self) -> str:
+        """The box's numerics version, connecting first if it has not answered yet (BoxUnavailable while it is
+        away)."""
+        if self.link.box_numerics is None:
+            self.link.ensure()
+        return self.link.box_numerics
+
+    @property
     def available(self) -> bool:
         """Whether the box is reachable now (for a health check: False while it is away or hung)."""
         return self.link.connected
@@ -402,5 +421,7 @@ class BoxHalf:
 
 def box_half(addr: str, token: str | None = None, deadline: float = 60.0) -> Callable[[Engine], BoxHalf]:
     """For `Engine.load(..., encoder=box_half(...))`: the box at HOST:PORT, checked against the engine's
-    identity and numerics version (both halves compute on one backend kind)."""
-    return lambda engine: BoxHalf(BoxLink(addr, engine.identity, engine.numerics, token, deadline), engine.args)
+    checkpoint; it may compute on another backend than the engine's decoder half (Engine.numerics keys the
+    back side's states by both)."""
+    return lambda engine: BoxHalf(BoxLink(addr, checkpoint_identity(engine.decoder.model),
+                                          numerics_version(engine.decoder.device), token, deadline), engine.args)
