@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from dsflash.engine.session import ContextLengthError, Engine, checkpoint_identity
+from dsflash.engine.session import ContextLengthError, Engine
 from dsflash.numerics import numerics_version
 from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
 from dsflash.split.protocol import HEADER, MAGIC, VERSION, Frame, FrameType, read_frame, tokens_body
@@ -101,7 +101,7 @@ def test_a_non_ascii_token_works_and_a_wrong_one_is_refused(local):
     with running(token=token) as b:
         assert same_prefill(split_engine(b, token=token, deadline=5), local, prompt(12, seed=5))
         with raw_connect(b.port) as sock:
-            f = hello(sock, checkpoint_identity(local.decoder.model), token="sécret-клюx")
+            f = hello(sock, local.identity, token="sécret-клюx")
             assert f.type == FrameType.ERROR and f.meta["code"] == "auth"
             assert_closed(sock)
 
@@ -111,16 +111,15 @@ def test_halves_on_two_backends_key_the_back_sides_states_by_both(local):
     checkpoints only, welcomes a back side of another backend and tells its own version; the back side keys
     its snapshots and cache by both versions, and refuses a box that comes back computing another one."""
     cpu_version, cuda_version = numerics_version("cpu"), numerics_version("cuda")
-    ckpt = checkpoint_identity(local.decoder.model)
     with running() as b:
         assert b.health()["numerics"] == cpu_version
         with raw_connect(b.port) as sock:
-            f = hello(sock, ckpt, numerics=cuda_version)
+            f = hello(sock, local.identity, numerics=cuda_version)
             assert f.type == FrameType.WELCOME and f.meta["numerics"] == cpu_version, f.meta
         with raw_connect(b.port) as sock:
             f = hello(sock, "another checkpoint")
             assert f.type == FrameType.ERROR and f.meta["code"] == "model_mismatch", f.meta
-            assert f.meta["message"] == f"box serves {ckpt}, the back side has another checkpoint"
+            assert f.meta["message"] == f"box serves {local.identity}, the back side has another checkpoint"
             assert_closed(sock)
         engine = split_engine(b, deadline=5)
         assert engine.numerics == cpu_version  # both halves on the CPU: one version
@@ -141,7 +140,7 @@ def test_deeply_nested_meta_and_an_empty_append_get_named_errors(local):
             assert f.type == FrameType.ERROR and f.meta["code"] == "malformed" and "nests" in f.meta["message"]
             assert_closed(sock)
         with raw_connect(b.port) as sock:
-            assert hello(sock, checkpoint_identity(local.decoder.model)).type == FrameType.WELCOME
+            assert hello(sock, local.identity).type == FrameType.WELCOME
             sock.sendall(append(2, 1, []))
             f = read_frame(sock)
             assert (f.type, f.request, f.meta["code"]) == (FrameType.ERROR, 2, "empty_append"), f.meta
@@ -160,9 +159,9 @@ def test_silent_truncated_and_stalled_connections_are_closed_after_their_timeout
         truncated = raw_connect(b.port)  # a HELLO header announcing 100 bytes, then 10 of them
         truncated.sendall(HEADER.pack(MAGIC, VERSION, int(FrameType.HELLO), 0, 1, 100) + b"x" * 10)
         silent = raw_connect(b.port)  # authenticated, then nothing (not even a PING)
-        assert hello(silent, checkpoint_identity(local.decoder.model)).type == FrameType.WELCOME
+        assert hello(silent, local.identity).type == FrameType.WELCOME
         stalled = raw_connect(b.port)  # authenticated, then a header announcing 200 MiB and 10 bytes of it
-        assert hello(stalled, checkpoint_identity(local.decoder.model)).type == FrameType.WELCOME
+        assert hello(stalled, local.identity).type == FrameType.WELCOME
         stalled.sendall(HEADER.pack(MAGIC, VERSION, int(FrameType.APPEND), 0, 2, 200 << 20) + b"x" * 10)
         assert proc_status(b, "Threads") >= threads + 40
         for sock in [truncated, stalled, silent, *idle]:
@@ -305,7 +304,7 @@ def test_the_box_refuses_a_history_past_its_context_limit(local):
         assert torch.equal(s.prefill(ids), local.session().prefill(ids))  # the same session goes on
         rss = proc_status(b, "VmRSS")
         with raw_connect(b.port) as sock:
-            assert hello(sock, checkpoint_identity(local.decoder.model)).type == FrameType.WELCOME
+            assert hello(sock, local.identity).type == FrameType.WELCOME
             body = torch.full((8_400_000,), 5, dtype=torch.int32).numpy().tobytes()
             sock.sendall(Frame(FrameType.APPEND, 2, {"session": 1, "keep": 0, "chunk": 8192, "tail": 1},
                                body).encode())
@@ -327,7 +326,7 @@ def test_sessions_and_queued_requests_of_a_connection_are_bounded(local):
         held[0].close()
         assert torch.equal(extra.prefill(ids), local.session().prefill(ids))
         with raw_connect(b.port) as sock:
-            assert hello(sock, checkpoint_identity(local.decoder.model)).type == FrameType.WELCOME
+            assert hello(sock, local.identity).type == FrameType.WELCOME
             # six prefills at once, each many 8-row chunks: the first two are still queued when the rest arrive
             sock.sendall(b"".join(append(10 + i, i, prompt(40, seed=i)) for i in range(6)))
             answers = {}

@@ -176,8 +176,9 @@ class PrefixCache:
             return self._lookup(tokens)
 
     def _lookup(self, tokens: list[int]) -> tuple[int, bytes | None]:
+        keyed = self._keyed
         for n in sorted((n for n in self._lengths if n <= len(tokens)), reverse=True):
-            key = prefix_key(self._keyed, tokens[:n])
+            key = prefix_key(keyed, tokens[:n])
             hit = self._ram.get(key)
             if hit is not None:
                 self._ram.move_to_end(key)

@@ -61,17 +61,11 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def checkpoint_identity(model: Transformer) -> str:
-    """What both sides of a split compare: the whole checkpoint's config and tensor index (either half loads the
-    same files). Each half may compute on its own backend (a GPU box, a back side on another machine's CPU)."""
-    return model_identity(model.args, model.ckpt)
-
-
 def engine_identity(model: Transformer) -> str:
-    """The identity of what `model` computes, which keys its snapshots and prefix cache: the checkpoint and the
-    numerics version of the backend it computes on (its outputs' device: a model's layer ranges share one
-    backend kind)."""
-    return f"{checkpoint_identity(model)}-n{numerics_version(model.device)}"
+    """The model identity both sides of a split compare and, with the numerics version (Engine.numerics),
+    every snapshot and prefix-cache entry carries: the whole checkpoint's config and tensor index (either half
+    loads the same files; each may compute on its own backend)."""
+    return model_identity(model.args, model.ckpt)
 
 
 @dataclass

@@ -43,7 +43,7 @@ from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.progress import LayerCount
 from dsflash.engine.ranks import run_ranked
 from dsflash.engine.runner import Runner
-from dsflash.engine.session import MAX_STEP_ROWS, checkpoint_identity, default_device, engine_identity
+from dsflash.engine.session import MAX_STEP_ROWS, default_device, engine_identity
 from dsflash.model.load import load_model
 from dsflash.model.parallel import Layout, Sharding
 from dsflash.model.state import ROLLBACK_ROWS
@@ -150,8 +150,7 @@ class Box:
         self.layout = parallel.layout if parallel is not None else Layout()
         self.parallel = parallel
         self.args = self.model.args
-        self.identity = engine_identity(self.model.model)  # keys its own snapshots and cache
-        self.checkpoint = checkpoint_identity(self.model.model)  # what the back side must load too
+        self.identity = engine_identity(self.model.model)
         # its backend's version: the back side keys its states by it (its own backend may be another)
         self.numerics = numerics_version(self.model.device)
         self.token = token
@@ -239,13 +238,13 @@ class Box:
             if not self._authorised(hello.meta.get("token")):
                 conn.send(error_frame(hello.request, "auth", "wrong or missing token", retryable=False))
                 return
-            if hello.meta.get("identity") != self.checkpoint:
+            if hello.meta.get("identity") != self.identity:
                 conn.send(error_frame(hello.request, "model_mismatch",
-                                      f"box serves {self.checkpoint}, the back side has {hello.meta.get('identity')}",
+                                      f"box serves {self.identity}, the back side has {hello.meta.get('identity')}",
                                       retryable=False))
                 return
             conn.send(Frame(FrameType.WELCOME, hello.request,
-                            {"identity": self.checkpoint, "numerics": self.numerics, "protocol": VERSION,
+                            {"identity": self.identity, "numerics": self.numerics, "protocol": VERSION,
                              "idle_timeout": lim.idle_timeout, "max_context": self.max_context}))
             self.connections.add(conn)
             while conn.alive:

@@ -23,7 +23,7 @@ import torch
 
 from dsflash.config import ModelArgs
 from dsflash.engine.halves import HandOff
-from dsflash.engine.session import ContextLengthError, Engine, checkpoint_identity
+from dsflash.engine.session import ContextLengthError, Engine
 from dsflash.engine.snapshot import SnapshotError
 from dsflash.model.state import SequenceState
 from dsflash.numerics import numerics_version
@@ -71,11 +71,10 @@ def _error(meta: dict) -> Exception:
 class BoxLink:
     def __init__(self, addr: str, identity: str, numerics: str, token: str | None = None, deadline: float = 60.0,
                  connect_timeout: float = 5.0):
-        """`identity`: the back side's checkpoint (session.checkpoint_identity), which the box compares with its
-        own; `numerics`: the version of the back side's backend, told to the box. The box may compute on
-        another backend: its version, from its first answer, is `box_numerics`, and a box that answers with
-        another one later (restarted on other hardware) is refused, so that no session continues on other
-        arithmetic."""
+        """`identity`: the back side's model identity (Engine.identity), which the box compares with its own;
+        `numerics`: the version of the back side's backend, told to the box. The box may compute on another
+        backend: its version, from its first answer, is `box_numerics`, and a box that answers with another one
+        later (restarted on other hardware) is refused, so that no session continues on other arithmetic."""
         host, _, port = addr.rpartition(":")
         self.addr = (host.strip("[]"), int(port))
         self.identity, self.numerics, self.token = identity, numerics, token
@@ -423,5 +422,5 @@ def box_half(addr: str, token: str | None = None, deadline: float = 60.0) -> Cal
     """For `Engine.load(..., encoder=box_half(...))`: the box at HOST:PORT, checked against the engine's
     checkpoint; it may compute on another backend than the engine's decoder half (Engine.numerics keys the
     back side's states by both)."""
-    return lambda engine: BoxHalf(BoxLink(addr, checkpoint_identity(engine.decoder.model),
-                                          numerics_version(engine.decoder.device), token, deadline), engine.args)
+    return lambda engine: BoxHalf(BoxLink(addr, engine.identity, numerics_version(engine.decoder.device), token,
+                                          deadline), engine.args)
