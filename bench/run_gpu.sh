@@ -17,8 +17,10 @@
 # tests with them, the step benchmark before, with (twice) and after them, and the prefill before and with
 # them, in one session (steps vary ~5 ms between machines).
 # `... cuda1` applies bench/experiments/cuda1_gemm.patch (issue 22's GEMMs, CUDA numerics 6.cuda1) and runs, in
-# ~9 minutes: the CUDA kernel tests, the decode-tile experiment, the model tests (golden tiers, invariants), the
-# prefill and step benchmarks and a prefill profile (the shipped model moved out first: the 64 MiB limit).
+# ~9 minutes: main's prefill and step (the same card), then with the patch the CUDA kernel tests, the model tests
+# (golden tiers, invariants), the prefill and step benchmarks and the decode-tile experiment (the shipped model
+# moved out first: the 64 MiB limit); `... cuda1-more` the decode-tile experiment and one- and five-row step
+# profiles with the patch and without it.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -87,18 +89,36 @@ if [ "$part" = all ] || [ "$part" = ab ]; then
   timeout 60 python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 \
     --rows 1 --out "$out" 2>&1 | head -40
 fi
-if [ "$part" = cuda1 ]; then
+if [ "$part" = cuda1 ]; then  # main's prefill and step first: a call may land on an H100 or an H200
+  mkdir -p "$out/main"
+  timeout 80 python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768 \
+    --out "$out/main" 2>&1 | grep -E "^\| [0-9]"
+  timeout 80 python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 \
+    --reps 7 --out "$out/main" 2>&1 | grep -E "^\| [0-9]"
   git apply bench/experiments/cuda1_gemm.patch || exit 1
   DSFLASH_TOL_REPORT=$out/kernels-tolerances-cuda1.jsonl timeout 170 python -m pytest -q -p no:cacheprovider \
     tests/test_kernels_cuda.py > "$out/kernel-tests-cuda1.log" 2>&1
   grep -E "^E  |FAILED|passed|failed" "$out/kernel-tests-cuda1.log" | cut -c1-200 | tail -14
-  timeout 100 python bench/experiments/decode_tiles.py 2>&1 | tee "$out/decode-tiles-cuda1.md" | grep -E "^\| " | head -50
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 | grep -E "tier|FAILED|passed|failed" | tail -8
   timeout 80 python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768 \
     --out "$out" 2>&1 | grep -E "^\| [0-9]"
   timeout 80 python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 \
     --reps 7 --out "$out" 2>&1 | grep -E "^\| [0-9]"
-  timeout 100 python -m dsflash.cli bench profile --prefill --preset bench --experts 48 --device cuda --context 8192 \
-    --out "$out" > /dev/null 2>&1
+  timeout 100 python bench/experiments/decode_tiles.py > "$out/decode-tiles-cuda1.md" 2>&1
   git apply -R bench/experiments/cuda1_gemm.patch
+fi
+if [ "$part" = cuda1-more ]; then  # the decode-tile experiment and one- and five-row step profiles of 6.cuda1, then
+  # main's step profiles on the same card
+  git apply bench/experiments/cuda1_gemm.patch || exit 1
+  timeout 120 python bench/experiments/decode_tiles.py > "$out/decode-tiles-cuda1.md" 2>&1
+  for rows in 1 5; do
+    mkdir -p "$out/cuda1-$rows" "$out/main-$rows"
+    timeout 80 python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 \
+      --rows $rows --out "$out/cuda1-$rows" 2>&1 | grep -E "_kernel|Self CUDA time" | head -8
+  done
+  git apply -R bench/experiments/cuda1_gemm.patch
+  for rows in 1 5; do
+    timeout 80 python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 \
+      --rows $rows --out "$out/main-$rows" 2>&1 | grep -E "_kernel|Self CUDA time" | head -8
+  done
 fi
