@@ -19,8 +19,9 @@
 # `... cuda1` applies bench/experiments/cuda1_gemm.patch (issue 22's GEMMs, CUDA numerics 6.cuda1) and runs, in
 # ~9 minutes: main's prefill and step (the same card), then with the patch the CUDA kernel tests, the model tests
 # (golden tiers, invariants), the prefill and step benchmarks and the decode-tile experiment (the shipped model
-# moved out first: the 64 MiB limit); `... cuda1-more` the decode-tile experiment and one- and five-row step
-# profiles with the patch and without it.
+# moved out first: the 64 MiB limit); `... cuda1-more` the decode-tile experiment and one-row step
+# profiles with the patch and without it; `... cuda1-quick` (~2 minutes) main's steps, then the patch's decode-tile
+# and expert bit tests and its steps.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -104,21 +105,25 @@ if [ "$part" = cuda1 ]; then  # main's prefill and step first: a call may land o
     --out "$out" 2>&1 | grep -E "^\| [0-9]"
   timeout 80 python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 \
     --reps 7 --out "$out" 2>&1 | grep -E "^\| [0-9]"
-  timeout 100 python bench/experiments/decode_tiles.py > "$out/decode-tiles-cuda1.md" 2>&1
+  timeout 160 python bench/experiments/decode_tiles.py > "$out/decode-tiles-cuda1.md" 2>&1
   git apply -R bench/experiments/cuda1_gemm.patch
 fi
-if [ "$part" = cuda1-more ]; then  # the decode-tile experiment and one- and five-row step profiles of 6.cuda1, then
-  # main's step profiles on the same card
+if [ "$part" = cuda1-quick ]; then  # ~2 minutes: main's one- and five-row steps, then with the patch the bit tests
+  # of the decode tiles and routed experts and the same steps
+  quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5 --reps 5"
+  mkdir -p "$out/main"
+  timeout 60 $quick --out "$out/main" 2>&1 | grep -E "^\| [0-9]"
   git apply bench/experiments/cuda1_gemm.patch || exit 1
-  timeout 120 python bench/experiments/decode_tiles.py > "$out/decode-tiles-cuda1.md" 2>&1
-  for rows in 1 5; do
-    mkdir -p "$out/cuda1-$rows" "$out/main-$rows"
-    timeout 80 python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 \
-      --rows $rows --out "$out/cuda1-$rows" 2>&1 | grep -E "_kernel|Self CUDA time" | head -8
-  done
+  timeout 90 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py -k "tiles or expert" 2>&1 | tail -3
+  timeout 60 $quick --out "$out" 2>&1 | grep -E "^\| [0-9]"
   git apply -R bench/experiments/cuda1_gemm.patch
-  for rows in 1 5; do
-    timeout 80 python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 \
-      --rows $rows --out "$out/main-$rows" 2>&1 | grep -E "_kernel|Self CUDA time" | head -8
-  done
+fi
+if [ "$part" = cuda1-more ]; then  # the decode-tile experiment and a one-row step profile of 6.cuda1, then main's
+  profile="python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 --rows 1"
+  mkdir -p "$out/cuda1" "$out/main"
+  git apply bench/experiments/cuda1_gemm.patch || exit 1
+  timeout 160 python bench/experiments/decode_tiles.py > "$out/decode-tiles-cuda1.md" 2>&1
+  timeout 60 $profile --out "$out/cuda1" 2>&1 | grep -E "_kernel|Self CUDA time" | head -8
+  git apply -R bench/experiments/cuda1_gemm.patch
+  timeout 60 $profile --out "$out/main" 2>&1 | grep -E "_kernel|Self CUDA time" | head -8
 fi
