@@ -20,8 +20,8 @@
 # ~9 minutes: main's prefill and step (the same card), then with the patch the CUDA kernel tests, the model tests
 # (golden tiers, invariants), the prefill and step benchmarks and the decode-tile experiment (the shipped model
 # moved out first: the 64 MiB limit); `... cuda1-more` the decode-tile experiment and one-row step
-# profiles with the patch and without it; `... cuda1-quick` (~3 minutes) the patch's decode-tile and expert bit
-# tests and its steps, then main's steps.
+# profiles with the patch and without it; `... cuda1-quick` (~3 minutes) the patch's steps and its decode-tile and
+# expert bit tests, then main's steps.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -108,13 +108,13 @@ if [ "$part" = cuda1 ]; then  # main's prefill and step first: a call may land o
   timeout 160 python bench/experiments/decode_tiles.py > "$out/decode-tiles-cuda1.md" 2>&1
   git apply -R bench/experiments/cuda1_gemm.patch
 fi
-if [ "$part" = cuda1-quick ]; then  # ~3 minutes: with the patch the bit tests of the decode tiles and routed experts
-  # and the one- and five-row steps, then main's steps
+if [ "$part" = cuda1-quick ]; then  # ~3 minutes: with the patch the one- and five-row steps and the bit tests of
+  # the decode tiles and routed experts, then main's steps
   quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5 --reps 5"
   mkdir -p "$out/main"
   git apply bench/experiments/cuda1_gemm.patch || exit 1
-  timeout 90 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py -k "tiles or expert" 2>&1 | tail -3
   timeout 60 $quick --out "$out" 2>&1 | grep -E "^\| [0-9]"
+  timeout 90 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py -k "tiles or expert" 2>&1 | tail -3
   git apply -R bench/experiments/cuda1_gemm.patch
   timeout 60 $quick --out "$out/main" 2>&1 | grep -E "^\| [0-9]"
 fi
