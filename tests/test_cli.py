@@ -98,6 +98,9 @@ def test_bench_commands_write_results(tmp_path):
                for s in a.kv_source_layers) / 300
     assert data["cache_bytes_per_token"]["300"] == want
     assert data["cuda_graphs"] is True
+    (report,) = tmp_path.glob("engine-all-tiny-a-*.md")
+    text = report.read_text()  # the seed's published numbers and the targets under ours
+    assert "7.2-7.8 ms" in text and "13,812" in text and "20,000 tok/s" in text
     for args, name in ((["--prefill"], "engine-profile-prefill-tiny-a-*.md"), ([], "engine-profile-tiny-a-*.md")):
         r = dsflash("bench", "profile", "--preset", "tiny-a", "--device", "cpu", "--context", "70", "--rows", "2",
                     *args, "--out", str(tmp_path))
