@@ -19,9 +19,9 @@
 # `... cuda1` applies bench/experiments/cuda1_gemm.patch (issue 22's GEMMs, CUDA numerics 6.cuda1) and runs, in
 # ~9 minutes: main's prefill and step (the same card), then with the patch the CUDA kernel tests, the model tests
 # (golden tiers, invariants), the prefill and step benchmarks and the decode-tile experiment (the shipped model
-# moved out first: the 64 MiB limit); `... cuda1-more` the decode-tile experiment and one-row step
-# profiles with the patch and without it; `... cuda1-quick` (~3 minutes) the patch's steps and its decode-tile and
-# expert bit tests, then main's steps.
+# moved out first: the 64 MiB limit), results of each tree in $out/main and $out/cuda1; `... cuda1-more` one-row
+# step profiles with the patch and without it; `... cuda1-quick` (~3 minutes) the patch's steps and its
+# decode-tile and expert bit tests, then main's steps.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -90,39 +90,36 @@ if [ "$part" = all ] || [ "$part" = ab ]; then
   timeout 60 python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 \
     --rows 1 --out "$out" 2>&1 | head -40
 fi
-if [ "$part" = cuda1 ]; then  # main's prefill and step first: a call may land on an H100 or an H200
-  mkdir -p "$out/main"
-  timeout 80 python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768 \
-    --out "$out/main" 2>&1 | grep -E "^\| [0-9]"
-  timeout 80 python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 \
-    --reps 7 --out "$out/main" 2>&1 | grep -E "^\| [0-9]"
+if [ "$part" = cuda1 ] || [ "$part" = cuda1-quick ] || [ "$part" = cuda1-more ]; then
+  # issue 22's 6.cuda1 against main in one call (a call may land on an H100 or an H200)
+  prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
+  steps="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192"
+  profile="python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 --rows 1"
+  mkdir -p "$out/main" "$out/cuda1"
+fi
+if [ "$part" = cuda1 ]; then  # main's prefill and step, then the patch's tests, prefill, step and decode tiles
+  timeout 80 $prefill --out "$out/main" 2>&1 | grep -E "^\| [0-9]"
+  timeout 80 $steps --rows 1,5,8 --reps 7 --out "$out/main" 2>&1 | grep -E "^\| [0-9]"
   git apply bench/experiments/cuda1_gemm.patch || exit 1
   DSFLASH_TOL_REPORT=$out/kernels-tolerances-cuda1.jsonl timeout 170 python -m pytest -q -p no:cacheprovider \
     tests/test_kernels_cuda.py > "$out/kernel-tests-cuda1.log" 2>&1
   grep -E "^E  |FAILED|passed|failed" "$out/kernel-tests-cuda1.log" | cut -c1-200 | tail -14
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 | grep -E "tier|FAILED|passed|failed" | tail -8
-  timeout 80 python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768 \
-    --out "$out" 2>&1 | grep -E "^\| [0-9]"
-  timeout 80 python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 \
-    --reps 7 --out "$out" 2>&1 | grep -E "^\| [0-9]"
+  timeout 80 $prefill --out "$out/cuda1" 2>&1 | grep -E "^\| [0-9]"
+  timeout 80 $steps --rows 1,5,8 --reps 7 --out "$out/cuda1" 2>&1 | grep -E "^\| [0-9]"
   timeout 160 python bench/experiments/decode_tiles.py > "$out/decode-tiles-cuda1.md" 2>&1
   git apply -R bench/experiments/cuda1_gemm.patch
 fi
-if [ "$part" = cuda1-quick ]; then  # ~3 minutes: with the patch the one- and five-row steps and the bit tests of
-  # the decode tiles and routed experts, then main's steps
-  quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5 --reps 5"
-  mkdir -p "$out/main"
+if [ "$part" = cuda1-quick ]; then  # ~3 minutes: the patch's one- and five-row steps and the bit tests of the
+  # decode tiles and routed experts, then main's steps
   git apply bench/experiments/cuda1_gemm.patch || exit 1
-  timeout 60 $quick --out "$out" 2>&1 | grep -E "^\| [0-9]"
+  timeout 60 $steps --rows 1,5 --reps 5 --out "$out/cuda1" 2>&1 | grep -E "^\| [0-9]"
   timeout 90 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py -k "tiles or expert" 2>&1 | tail -3
   git apply -R bench/experiments/cuda1_gemm.patch
-  timeout 60 $quick --out "$out/main" 2>&1 | grep -E "^\| [0-9]"
+  timeout 60 $steps --rows 1,5 --reps 5 --out "$out/main" 2>&1 | grep -E "^\| [0-9]"
 fi
-if [ "$part" = cuda1-more ]; then  # the decode-tile experiment and a one-row step profile of 6.cuda1, then main's
-  profile="python -m dsflash.cli bench profile --preset bench --experts 48 --device cuda --context 2048 --rows 1"
-  mkdir -p "$out/cuda1" "$out/main"
+if [ "$part" = cuda1-more ]; then  # a one-row step profile of 6.cuda1, then main's (after `cuda1`)
   git apply bench/experiments/cuda1_gemm.patch || exit 1
-  timeout 160 python bench/experiments/decode_tiles.py > "$out/decode-tiles-cuda1.md" 2>&1
   timeout 60 $profile --out "$out/cuda1" 2>&1 | grep -E "_kernel|Self CUDA time" | head -8
   git apply -R bench/experiments/cuda1_gemm.patch
   timeout 60 $profile --out "$out/main" 2>&1 | grep -E "_kernel|Self CUDA time" | head -8
