@@ -12,7 +12,6 @@ from dsflash.checkpoint.builtin import builtin_checkpoint
 from dsflash.checkpoint.manifest import verify_weights
 from dsflash.engine.images import ImageSpan
 from dsflash.engine.placement import add_placement_options, checked_plan, layer_devices, tiers_from
-from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.progress import LayerCount, ProgressBar, local_layers
 from dsflash.engine.ranks import run_ranked
 from dsflash.engine.sampling import SamplingParams
@@ -65,7 +64,7 @@ def generate(args: argparse.Namespace, parallel: Sharding | None) -> int:
                                 args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
     except ValueError as e:
         raise SystemExit(f"dsflash generate: {e}") from e
-    cache = PrefixCache(engine.identity, lambda: engine.numerics, disk_dir=args.cache_dir) if args.cache_dir else None
+    cache = engine.prefix_cache(disk_dir=args.cache_dir) if args.cache_dir else None
     stats = DecodeStats()
     t0 = time.perf_counter()
     progress = ProgressBar("prefill", "tokens", enabled=not args.json)

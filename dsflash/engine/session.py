@@ -119,6 +119,11 @@ class Engine:
         encoder = self.encoder.numerics
         return own if encoder == own else f"{encoder}+{own}"
 
+    def prefix_cache(self, **kw) -> PrefixCache:
+        """A prefix cache for this engine's snapshots (PrefixCache's options in `kw`), keyed by its identity and
+        numerics; the numerics asked at each use, since a box's part is known only once the box has answered."""
+        return PrefixCache(self.identity, lambda: self.numerics, **kw)
+
     def session(self) -> Session:
         return Session(self)
 

@@ -62,7 +62,7 @@ def create_app(engine: Engine, tokenizer, cache: PrefixCache | None = None, mode
     body in bytes (413 past it); `request_timeout`: seconds for a body to arrive (408 past it); `max_queue`:
     generation requests that may wait beyond the running ones (503 and Retry-After past it)."""
     if cache is None and prefix_cache:
-        cache = PrefixCache(engine.identity, lambda: engine.numerics)
+        cache = engine.prefix_cache()
     srv = Server(engine, tokenizer, cache, model_name, dspark, chunk, thinking)
     app = FastAPI(title="dsflash", version="0.1")
     app.state.server = srv

@@ -32,7 +32,6 @@ def _serve(args: argparse.Namespace, model: str, parallel: Sharding | None) -> i
     """The server on rank 0 (or alone), the model sharded over `parallel` when given."""
     from dsflash.checkpoint.manifest import thinks, verify_weights
     from dsflash.engine.placement import checked_plan, layer_devices, tiers_from
-    from dsflash.engine.prefix_cache import PrefixCache
     from dsflash.engine.progress import LayerCount, local_layers
     from dsflash.engine.session import DEFAULT_CHUNK, Engine
     from dsflash.server.app import create_app
@@ -51,7 +50,7 @@ def _serve(args: argparse.Namespace, model: str, parallel: Sharding | None) -> i
                          ranges=layer_devices(args, model, half), parallel=parallel)
     loading.close()
     tokenizer = load_tokenizer(model)
-    cache = PrefixCache(engine.identity, lambda: engine.numerics, disk_dir=args.cache_dir) if args.cache_dir else None
+    cache = engine.prefix_cache(disk_dir=args.cache_dir) if args.cache_dir else None
     name = args.served_model_name or "deepseek-v4.1-flash"
     api_key = args.api_key or os.environ.get("DSFLASH_API_KEY")
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
