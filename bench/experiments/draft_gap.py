@@ -1,0 +1,85 @@
+"""Experiment (CPU is enough): is the drafter's acceptance in decoding what its training measures? For held-out
+Python prompts the engine decodes greedily with DSpark drafts of a fixed depth (the quality gate's
+measurement: accepted drafts a verify cycle). The prompt and its plain greedy continuation then go through
+the trainer's forward and its teacher-forced drafts (train/loop.py `draft_logits`, as a DSpark training step
+scores them) at every position of the continuation, and the drafts accepted per block are counted the same
+way. In a block's accepted prefix both see the same tokens, so the two agree up to which positions start a
+cycle (the same cycles replayed on the teacher-forced drafts give the measured acceptance back); a gap
+beyond that is a mismatch between training and decoding.
+
+`PYTHONPATH=$PWD python3 bench/experiments/draft_gap.py [--prompts 4 --tokens 64]`
+"""
+
+import argparse
+
+import numpy as np
+import torch
+
+from dsflash.bench.drafts import python_prompts
+from dsflash.checkpoint.builtin import HELDOUT, TRAINED
+from dsflash.checkpoint.reader import Checkpoint
+from dsflash.engine.sampling import SamplingParams
+from dsflash.engine.session import Engine
+from dsflash.engine.spec import DecodeStats, decode
+from dsflash.model.load import engram_token_map
+from dsflash.model.transformer import Tokens, Transformer
+from dsflash.train.backend import Masters, TrainState, training_kernels
+from dsflash.train.loop import draft_logits
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=str(TRAINED))
+    p.add_argument("--heldout", default=str(TRAINED / HELDOUT))
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=64)
+    ns = p.parse_args()
+    engine = Engine.load(ns.model)
+    with np.load(ns.heldout) as f:
+        prompts = python_prompts(f["code"], ns.prompts, ns.prompt_len)
+    ckpt = Checkpoint(ns.model)
+    masters = Masters(ckpt, "cpu")
+    b = ckpt.args.dspark_block_size
+    model = Transformer(ckpt.args, masters, engram_token_map(ckpt.path, ckpt.args), kernels=training_kernels(masters))
+    stats, blocks, agree, cycles = DecodeStats(), [], [], []
+    for ids in prompts:
+        s = engine.session()
+        # b more tokens than drafted: labels for the last cycles' blocks
+        plain = list(decode(s, s.prefill(ids), ns.tokens + b, SamplingParams(), stop=set()))
+        s = engine.session()
+        drafted = list(decode(s, s.prefill(ids), ns.tokens, SamplingParams(), stop=set(), dspark=b, stats=stats,
+                              adaptive=False))
+        assert drafted == plain[:ns.tokens]
+        x = torch.tensor(ids + plain)
+        with torch.no_grad():
+            out = model.forward(TrainState(device="cpu"), Tokens(x))
+            greedy = out.logits.argmax(-1)
+            # the trainer's forward gives the engine's greedy tokens where the continuation was decoded
+            agree.append(float((greedy[len(ids) - 1:-1] == x[len(ids):]).float().mean()))
+            anchors = torch.arange(len(ids) - 1, x.numel() - b)
+            logits, _y, _e, labels = draft_logits(model, masters, out.main_hidden, x, greedy, anchors)
+        right = (logits.argmax(-1) == labels).view(-1, b)
+        blocks.append(right.float())
+        # decoding's cycles: the first anchors the prefill's token (position len(ids)); each cycle's accepted
+        # drafts and the target's own next token move the anchor on
+        lead = right.long().cumprod(1).sum(1)
+        q = len(ids)
+        while q - len(ids) < ns.tokens - 1:
+            cycles.append(int(lead[q - (len(ids) - 1)]))
+            q += cycles[-1] + 1
+    right = torch.cat(blocks)
+    taught = float(right.cumprod(dim=1).sum(dim=1).mean())
+    print(f"{ns.prompts} prompts x {ns.tokens} tokens, depth {b}")
+    print(f"trainer's greedy == engine's greedy on the continuation: {np.mean(agree):.4f}")
+    print(f"decoding: {stats.accept_rate:.4f} of drafts accepted, {stats.tokens_per_cycle:.3f} tokens a cycle "
+          f"({stats.tokens_per_cycle - 1:.3f} drafts accepted a cycle)")
+    print(f"teacher-forced, at decoding's cycle anchors: {np.mean(cycles):.3f} drafts accepted a cycle "
+          f"({len(cycles)} cycles; decoding had {stats.cycles})")
+    print(f"teacher-forced, every position: {taught:.3f} drafts accepted a block ({taught / b:.4f} of drafts); "
+          f"each slot right: {[round(float(v), 3) for v in right.mean(0)]}, "
+          f"given the slots before it: {[round(float(v), 3) for v in right.cumprod(1).mean(0)]}")
+
+
+if __name__ == "__main__":
+    main()
