@@ -14,6 +14,7 @@ from dsflash.numerics.codecs import (
     decode_e2m1,
     decode_e4m3,
     decode_e8m0,
+    decode_fp4_packed,
     dequant_fp4_rows,
     dequant_fp8_blocks,
     dequant_fp8_rows,
@@ -65,6 +66,10 @@ def test_e2m1_table():
     assert torch.equal(unpack_fp4(packed.view(torch.uint8)).flatten()[0::2], torch.arange(256) & 0xF)
     with pytest.raises(ValueError, match="4-bit"):
         decode_e2m1(torch.tensor([16], dtype=torch.uint8))
+    # packed bytes in one gather: the values (and -0s) of unpacking, then decoding, every byte, numpy too
+    every = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    assert torch.equal(decode_fp4_packed(every).view(torch.int32), decode_e2m1(unpack_fp4(every)).view(torch.int32))
+    assert np.array_equal(decode_fp4_packed(every.numpy()), decode_e2m1(unpack_fp4(every)).numpy())
 
 
 def test_decoders_take_numpy_and_torch_storage_dtypes():

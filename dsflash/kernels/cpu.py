@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.numerics import BLOCK
-from dsflash.numerics.codecs import decode_e2m1, unpack_fp4
+from dsflash.numerics.codecs import decode_fp4_packed
 from dsflash.numerics.quant import fp8_act_codes, k_range_blocks
 
 ROW_TILE = 64
@@ -87,7 +87,7 @@ class StoredWeight(Weight):
     def values(self) -> torch.Tensor:
         if self.kind == "fp8":
             return self.codes.float()
-        return decode_e2m1(unpack_fp4(self.codes))
+        return decode_fp4_packed(self.codes)
 
     @property
     def scale(self) -> torch.Tensor:
@@ -109,13 +109,15 @@ class StoredWeight(Weight):
 
 def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, w: Weight) -> torch.Tensor:
     """sum_k (A_k @ B_k^T) * a_s[:, k] * b_s[:, k] over 32-wide K blocks: the partials of each K range
-    (quant.k_range_blocks) added in K order, then the range sums in order."""
-    m, k = a.shape
+    (quant.k_range_blocks) added in K order, then the range sums in order. `a` may have more rows than `a_s`
+    (the ROW_TILE a GEMM's bits are pinned to): their partials are computed and dropped, and only a_s's rows
+    are scaled and summed (elementwise, so the other rows never change a row's bits)."""
+    m, k = a_s.size(0), a.size(1)
     nb = k // BLOCK
     partial = torch.bmm(
-        a.view(m, nb, BLOCK).transpose(0, 1),
+        a.view(-1, nb, BLOCK).transpose(0, 1),
         w.values.view(-1, nb, BLOCK).permute(1, 2, 0),
-    )  # [nb, m, n]
+    )[:, :m]  # [nb, m, n]
     scaled = partial * a_s.t().unsqueeze(-1) * w.scale.t().unsqueeze(1)
     acc = torch.zeros(m, w.out_features, dtype=torch.float32, device=a.device)
     per = k_range_blocks(w.k_range_out or w.out_features, nb)
@@ -129,15 +131,12 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, w: Weight) -> torch.T
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """y = x @ W^T by the weight's storage kind. x: [N, in]. Quantised weights take an FP8 activation
-    (per-32 power-of-two scales) and give bf16; bf16/fp32 weights give their own dtype."""
-    n = x.size(0)
-    xp = pad_rows(x)
+    (per-32 power-of-two scales) and give bf16; bf16/fp32 weights give their own dtype. The GEMMs run on
+    ROW_TILE-padded rows, whatever N: their bits are those of a full tile."""
     if w.kind in ("fp8", "fp4"):
-        codes, scales = fp8_act_codes(xp)
-        y = _block_scaled_gemm(codes, scales, w).to(torch.bfloat16)
-    else:
-        y = F.linear(xp.to(w.values.dtype), w.values)  # a bf16 x widens exactly for an fp32 weight
-    return y[:n]
+        codes, scales = fp8_act_codes(x)
+        return _block_scaled_gemm(pad_rows(codes), scales, w).to(torch.bfloat16)
+    return F.linear(pad_rows(x).to(w.values.dtype), w.values)[: x.size(0)]  # a bf16 x widens exactly for fp32
 
 
 def expert_bank(weights: list[Weight]) -> list[Weight]:

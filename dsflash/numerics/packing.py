@@ -14,14 +14,13 @@ import torch
 
 from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import (
-    decode_e2m1,
     decode_e4m3,
     decode_e8m0,
+    decode_fp4_packed,
     encode_e2m1,
     encode_e4m3,
     encode_e8m0,
     pack_fp4,
-    unpack_fp4,
 )
 from dsflash.numerics.quant import fp4_scaled
 
@@ -56,5 +55,5 @@ def dequant_packed(packed: torch.Tensor, d: int, block: int, e4m3_scale: bool) -
     check_width(packed, d, block)
     codes, scale_codes = packed[..., : d // 2], packed[..., d // 2:]
     scale = decode_e4m3(scale_codes) if e4m3_scale else decode_e8m0(scale_codes)
-    v = decode_e2m1(unpack_fp4(codes)).unflatten(-1, (-1, block)) * scale.unsqueeze(-1)
+    v = decode_fp4_packed(codes).unflatten(-1, (-1, block)) * scale.unsqueeze(-1)
     return v.flatten(-2).to(torch.bfloat16)
