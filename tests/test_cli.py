@@ -120,6 +120,13 @@ def test_generate_without_a_model_uses_the_built_in_checkpoint(tmp_path):
     assert (used / "tokenizer.json").is_file() and used in (TRAINED, tmp_path / "builtin-tiny-a-s0-v3")
     out = json.loads(r.stdout)
     assert out["generated"] == 4 and isinstance(out["text"], str)
+    # the text streamed, then one summary line; drafts reported only where DSpark drafted
+    for extra, drafted in (([], False), (["--dspark", "2"], True)):
+        r = subprocess.run([sys.executable, "-m", "dsflash.cli", "generate", "--prompt", "Hello there", "-n", "4",
+                            *extra], env={**ENV, "DSFLASH_HOME": str(tmp_path)}, capture_output=True, text=True,
+                           timeout=600)
+        summary = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 0 and "decode" in summary and ("draft acceptance" in summary) == drafted, r.stderr
 
 
 def test_threads_default_to_the_cores_this_process_may_use():

@@ -94,9 +94,10 @@ def generate(args: argparse.Namespace, parallel: Sharding | None) -> int:
     if args.json:
         print(json.dumps(report))
     else:
+        drafts = (f" · draft acceptance {stats.accept_rate:.0%} · {stats.tokens_per_cycle:.2f} tokens/cycle"
+                  if args.dspark else "")  # plain decoding has no drafts to report
         print(f"\n--\nTTFT {stats.ttft_s * 1000:.0f} ms · prefill {report['prefill_tok_s']:,.0f} tok/s "
-              f"({stats.cached_tokens} cached) · decode {report['decode_tok_s']:.1f} tok/s · "
-              f"draft acceptance {stats.accept_rate:.0%} · {stats.tokens_per_cycle:.2f} tokens/cycle", file=sys.stderr)
+              f"({stats.cached_tokens} cached) · decode {report['decode_tok_s']:.1f} tok/s{drafts}", file=sys.stderr)
     return 0
 
 
