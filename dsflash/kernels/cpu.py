@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.numerics import BLOCK
-from dsflash.numerics.codecs import decode_fp4_packed
+from dsflash.numerics.codecs import decode_e4m3, decode_fp4_packed
 from dsflash.numerics.quant import fp8_act_codes, k_range_blocks
 
 ROW_TILE = 64
@@ -86,7 +86,7 @@ class StoredWeight(Weight):
     @property
     def values(self) -> torch.Tensor:
         if self.kind == "fp8":
-            return self.codes.float()
+            return decode_e4m3(self.codes)
         return decode_fp4_packed(self.codes)
 
     @property

@@ -79,9 +79,16 @@ def _like(t: torch.Tensor, x: Array) -> Array:
     return t.numpy() if isinstance(x, np.ndarray) else t
 
 
+def _lookup(table: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """table[c] for uint8 codes c: one embedding row a code, int32 indices (twice torch's float8 -> float32
+    conversion on a CPU; the weights' decode runs at every GEMM of the reference backend)."""
+    return torch.nn.functional.embedding(c.int(), table.to(c.device).view(table.size(0), -1)).view(
+        *c.shape, *table.shape[1:])
+
+
 def _decode(table: torch.Tensor, codes: Array) -> Array:
     c = _codes(codes)
-    return _like(table.to(c.device)[c.long()], codes)
+    return _like(_lookup(table, c), codes)
 
 
 def _nibbles(codes: Array) -> torch.Tensor:
@@ -97,7 +104,7 @@ def _nibbles(codes: Array) -> torch.Tensor:
 def decode_e2m1(codes: Array) -> Array:
     """4-bit E2M1 codes (0..15, one per element) -> float32."""
     c = _nibbles(codes)
-    return _like(_E2M1_T.to(c.device)[c.long()], codes)
+    return _like(_lookup(_E2M1_T, c), codes)
 
 
 # each byte's two E2M1 values, its low nibble's first: packed FP4 decodes in one gather
@@ -108,7 +115,7 @@ def decode_fp4_packed(packed: Array) -> Array:
     """Packed E2M1 bytes [..., n] (pack_fp4's layout) -> float32 [..., 2n]: decode_e2m1(unpack_fp4(packed)),
     one table row a byte (the CPU backend decodes its stored FP4 weights at every GEMM: 3x faster)."""
     p = _codes(packed)
-    return _like(torch.nn.functional.embedding(p.long(), _E2M1_PAIRS.to(p.device)).flatten(-2), packed)
+    return _like(_lookup(_E2M1_PAIRS, p).flatten(-2), packed)
 
 
 def decode_e4m3(codes: Array) -> Array:
