@@ -21,7 +21,9 @@
 # (golden tiers, invariants), the prefill and step benchmarks and the decode-tile experiment (the shipped model
 # moved out first: the 64 MiB limit), results of each tree in $out/main and $out/cuda1; `... cuda1-more` one-row
 # step profiles with the patch and without it; `... cuda1-quick` (~3 minutes) the patch's steps and its
-# decode-tile and expert bit tests, then main's steps.
+# decode-tile and expert bit tests, then main's steps. `... patch-step bench/experiments/fused_rms.patch` tests and
+# times the RMS kernels that sum their row's squares themselves (issue 22 item 4: one launch an RMSNorm and mix
+# scale instead of two; it applies with or without the cuda1 patch).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
