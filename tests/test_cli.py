@@ -111,9 +111,12 @@ def test_bench_commands_write_results(tmp_path):
 
 def test_generate_without_a_model_uses_the_built_in_checkpoint(tmp_path):
     """`dsflash generate` works with no --model, as `serve` does: the built-in checkpoint and its tokenizer."""
-    r = subprocess.run([sys.executable, "-m", "dsflash.cli", "generate", "--prompt", "Hello there", "-n", "4",
-                        "--json"], env={**ENV, "DSFLASH_HOME": str(tmp_path)}, capture_output=True, text=True,
-                       timeout=600)
+    def generate(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dsflash.cli", "generate", "--prompt", "Hello there", "-n", "4",
+                               *extra], env={**ENV, "DSFLASH_HOME": str(tmp_path)}, capture_output=True, text=True,
+                              timeout=600)
+
+    r = generate("--json")
     assert r.returncode == 0, r.stderr
     # the shipped trained checkpoint, or the seeded one made under DSFLASH_HOME
     used = Path(r.stderr.partition("using the built-in tiny checkpoint at ")[2].splitlines()[0])
@@ -122,9 +125,7 @@ def test_generate_without_a_model_uses_the_built_in_checkpoint(tmp_path):
     assert out["generated"] == 4 and isinstance(out["text"], str)
     # the text streamed, then one summary line; drafts reported only where DSpark drafted
     for extra, drafted in (([], False), (["--dspark", "2"], True)):
-        r = subprocess.run([sys.executable, "-m", "dsflash.cli", "generate", "--prompt", "Hello there", "-n", "4",
-                            *extra], env={**ENV, "DSFLASH_HOME": str(tmp_path)}, capture_output=True, text=True,
-                           timeout=600)
+        r = generate(*extra)
         summary = r.stderr.strip().splitlines()[-1]
         assert r.returncode == 0 and "decode" in summary and ("draft acceptance" in summary) == drafted, r.stderr
 

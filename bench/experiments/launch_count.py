@@ -31,12 +31,12 @@ NO_LAUNCH = {"view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze"
 
 
 class Launches(TorchDispatchMode):
-    """Counts the torch ops that compute, by op and by the dsflash line that issued them, and the Triton kernels
-    by name; the interpreter's own torch ops inside a kernel are not counted."""
+    """Counts the torch ops that compute, by (op, the dsflash line that issued it), and the Triton kernels by
+    name; the interpreter's own torch ops inside a kernel are not counted."""
 
     def __init__(self):
         super().__init__()
-        self.kernels, self.ops, self.sites = collections.Counter(), collections.Counter(), collections.Counter()
+        self.kernels, self.sites = collections.Counter(), collections.Counter()
         self.inside = False
         run = interpreter.GridExecutor.__call__
 
@@ -53,7 +53,6 @@ class Launches(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not self.inside and name not in NO_LAUNCH:
-            self.ops[name] += 1
             line = next((f"{f.filename.split('/dsflash/')[1]}:{f.lineno}" for f in reversed(traceback.extract_stack())
                          if "/dsflash/" in f.filename), "?")
             self.sites[(name, line)] += 1
@@ -74,7 +73,7 @@ def main() -> None:
     with counter:
         s.step(s.pos, [tok])
     layers = engine.args.n_layers
-    triton_total, torch_total = sum(counter.kernels.values()), sum(counter.ops.values())
+    triton_total, torch_total = sum(counter.kernels.values()), sum(counter.sites.values())
     print(f"{Path(case).name}: {layers} layers, one decode step of one row (both halves, the head)")
     print(f"launches: {triton_total + torch_total} ({triton_total} Triton kernels, {torch_total} torch ops), "
           f"{(triton_total + torch_total) / layers:.0f} a layer")
