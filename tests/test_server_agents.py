@@ -333,11 +333,13 @@ def test_serve_chunk_thinking_and_model_names(tmp_path):
         events = _progress(base, {"model": "tiny", "max_tokens": 1, **NO_THINK,
                                   "messages": [{"role": "user", "content": "a long story " * 30}]})
         # the stream samples the worker's progress every 0.25 s, so it may skip updates (a loaded machine skipped
-        # two in a row): each one it sends lies on the 16-token grid of --chunk 16's passes, and a prefill of 14
+        # two in a row): each one it sends ends a pass on --chunk 16's grid of prompt positions, or at the snapshot
+        # where the generation tail starts (fewer than 16 tokens from the end; CI sampled it), and a prefill of 14
         # passes is reported on the way
-        grid = [e["processed"] - e["cache"] for e in events[:-1]]
-        assert events[-1]["processed"] == events[-1]["total"] and all(v % 16 == 0 for v in grid), grid
-        assert len(grid) >= 2, events
+        ends = [e["processed"] for e in events[:-1]]
+        assert events[-1]["processed"] == events[-1]["total"], events
+        assert all(v % 16 == 0 or events[-1]["total"] - v < 16 for v in ends), (ends, events[-1])
+        assert len(ends) >= 2, events
     finally:
         proc.terminate()
         proc.wait(10)
