@@ -23,7 +23,10 @@
 # step profiles with the patch and without it; `... cuda1-quick` (~3 minutes) the patch's steps and its
 # decode-tile and expert bit tests, then main's steps. `... patch-step bench/experiments/fused_rms.patch` tests and
 # times the RMS kernels that sum their row's squares themselves (issue 22 item 4: one launch an RMSNorm and mix
-# scale instead of two; it applies with or without the cuda1 patch).
+# scale instead of two; it applies with or without the cuda1 patch). `... pdl` (~6 minutes): programmatic dependent
+# launch (DSFLASH_PDL=1, kernels/cuda/common.py) against plain launches on the same card, steps alternating
+# 0 1 0 1, prefill both ways, after the CUDA model tests with it (its bit test first). `DSFLASH_PDL=1 bash
+# bench/run_gpu.sh patch-step ...` measures patches with it.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -85,6 +88,19 @@ if [ "$part" = patch-step ]; then  # engine patches (git apply, in order): the C
   timeout 100 $prefill --out "$out/patched" 2>&1 | grep "^| [0-9]"
   for ((i = $#; i >= 1; i--)); do git apply -R "${!i}"; done
   timeout 100 $quick --out "$out/after" 2>&1 | grep "^| [0-9]"
+fi
+if [ "$part" = pdl ]; then
+  quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 --reps 7"
+  prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
+  DSFLASH_PDL=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 \
+    | grep -E "tier|FAILED|passed|failed|Error" | tail -8
+  for round in a b; do
+    for flag in 0 1; do
+      mkdir -p "$out/pdl$flag$round" && echo "DSFLASH_PDL=$flag ($round)"
+      DSFLASH_PDL=$flag timeout 100 $quick --out "$out/pdl$flag$round" 2>&1 | grep "^| [0-9]"
+    done
+  done
+  for flag in 0 1; do DSFLASH_PDL=$flag timeout 100 $prefill --out "$out/pdl${flag}a" 2>&1 | grep "^| [0-9]"; done
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   [ "$part" = ab ] && timeout 200 $step 2>&1 | tail -12

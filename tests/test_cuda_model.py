@@ -2,6 +2,10 @@
 prefill, steps with rollbacks and DSpark decoding are bit-identical to one prefill, as on the CPU."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +95,42 @@ def test_resume_split_and_restart_are_bit_identical_on_cuda(tmp_path):
         assert out == expected and split.encoder.link.reconnects >= 1
     finally:
         box.kill()
+
+
+PDL_RUN = """
+import hashlib
+import torch
+from dsflash.engine.session import Engine
+from dsflash.kernels.cuda.common import PDL_LAUNCH
+from tests.conftest import TEXT_CASE
+ids = torch.randint(3, 500, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+engine = Engine.load(TEXT_CASE, device="cuda")
+digest = hashlib.sha256()
+for _ in range(3):  # eager forwards, captures, replays
+    s = engine.session()
+    digest.update(s.prefill(ids[:40], chunk=16).float().cpu().numpy().tobytes())
+    for i in range(40, 52):
+        digest.update(s.step(s.pos, ids[i:i + 1 + i % 3]).float().cpu().numpy().tobytes())
+        s.rollback(i + 1)
+    s.close()
+print(PDL_LAUNCH, digest.hexdigest())
+"""
+
+
+def test_programmatic_dependent_launch_keeps_every_bit():
+    """`DSFLASH_PDL=1` (kernels/cuda/common.py): each kernel may start while the one before it finishes and waits
+    in `grid_entry` for its writes, so prefills, graphed steps of 1-3 rows and rollbacks give the bits of plain
+    launches (a kernel reading before the wait would race and differ)."""
+    root = Path(__file__).resolve().parents[1]
+    runs = {}
+    for flag in ("0", "1"):
+        env = {**os.environ, "DSFLASH_PDL": flag, "PYTHONPATH": str(root)}
+        r = subprocess.run([sys.executable, "-c", PDL_RUN], env=env, capture_output=True, text=True, timeout=400,
+                           cwd=root)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[flag] = r.stdout.split()[-2:]
+    assert runs["0"][0] == "False" and runs["1"][0] == str(torch.cuda.get_device_capability()[0] >= 9), runs
+    assert runs["0"][1] == runs["1"][1]
 
 
 def test_cuda_graph_replays_equal_eager_forwards():

@@ -51,6 +51,13 @@ def machine(device: str) -> str:
     return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
 
 
+def command(argv: list[str], program: str = "dsflash bench") -> str:
+    """The command that reproduces a result, with the environment switches that change the kernels' launches
+    (kernels/cuda/common.py) in front."""
+    switches = [f"{name}={os.environ[name]}" for name in ("DSFLASH_PDL",) if os.environ.get(name)]
+    return " ".join([*switches, program, *argv])
+
+
 def commit() -> str:
     if os.environ.get("DSFLASH_COMMIT"):
         return os.environ["DSFLASH_COMMIT"]

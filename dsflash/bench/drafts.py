@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsflash.bench.common import commit, machine
+from dsflash.bench.common import command, commit, machine
 from dsflash.checkpoint.builtin import HELDOUT, TRAINED
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
@@ -72,7 +72,7 @@ def run(ns: argparse.Namespace) -> int:
         prompts = python_prompts(f["code"], ns.prompts, ns.prompt_len)
     drafting(engine, prompts[:1], WARMUP_TOKENS, max(ns.depths))
     r = {"date": time.strftime("%Y-%m-%d"), "gpu": machine(ns.device), "commit": commit(), "torch": torch.__version__,
-         "command": "dsflash bench " + " ".join(sys.argv[2:]), "model": str(ns.model), "device": ns.device,
+         "command": command(sys.argv[2:]), "model": str(ns.model), "device": ns.device,
          "prompts": ns.prompts, "prompt_len": ns.prompt_len, "tokens": ns.tokens, "depths": {}}
     for depth in ns.depths:
         d = drafting(engine, prompts, ns.tokens, depth)

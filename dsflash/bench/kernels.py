@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.testing
 
+from dsflash.bench.common import command
 from dsflash.kernels import cpu
 from dsflash.kernels import cuda as kc
 from dsflash.kernels.cuda import configs
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     date = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
     meta = {"date": date, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "triton": triton.__version__, "commit": os.environ.get("DSFLASH_COMMIT", "unknown"),
-            "command": "python -m dsflash.bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": command(argv if argv is not None else sys.argv[1:], "python -m dsflash.bench.kernels"),
             "ceilings": ceil}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dsflash.bench.common import commit, machine, prompt, sync, timed_rounds
+from dsflash.bench.common import command, commit, machine, prompt, sync, timed_rounds
 from dsflash.bench.drafts import add_parser as add_drafts
 from dsflash.bench.synthetic import synthetic_args, synthetic_spec
 from dsflash.bench.tiers import add_parser as add_tiers
@@ -350,7 +350,7 @@ def to_markdown(r: dict) -> str:
 def run(ns: argparse.Namespace) -> int:
     args = synthetic_args(synthetic_spec(ns.preset, ns.experts))
     r = {"date": time.strftime("%Y-%m-%d"), "gpu": machine(ns.device), "commit": commit(), "torch": torch.__version__,
-         "command": "dsflash bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ns.what,
+         "command": command(sys.argv[2:]) if len(sys.argv) > 2 else ns.what,
          "checkpoint": {"preset": ns.preset, "experts": args.n_routed_experts}, "top_k": args.n_activated_experts,
          "device": ns.device, "cuda_graphs": not ns.eager}
     if ns.what == "link":

@@ -37,7 +37,7 @@ from dsflash.model.state import SequenceState
 from dsflash.model.tiers import TIERS, Tiers
 from dsflash.model.transformer import Transformer
 
-from .common import commit, machine, prompt, sync, timed_rounds
+from .common import command, commit, machine, prompt, sync, timed_rounds
 from .synthetic import SyntheticCheckpoint
 
 CHUNK = 8192  # prefill chunk rows (engine/session.py DEFAULT_CHUNK)
@@ -224,7 +224,7 @@ def run(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     expert_bytes = write_checkpoint(args, ns.layers, Path(ns.dir), ns.device)
     r = {"date": time.strftime("%Y-%m-%d"), "machine": machine(ns.device), "commit": commit(),
-         "torch": torch.__version__, "command": "dsflash bench " + " ".join(sys.argv[2:]),
+         "torch": torch.__version__, "command": command(sys.argv[2:]),
          "checkpoint": {"preset": ns.preset, "experts": args.n_routed_experts, "layers": ns.layers, "dir": ns.dir,
                         "expert_bytes": expert_bytes, "write_s": time.perf_counter() - t0},
          "tiers": {}}

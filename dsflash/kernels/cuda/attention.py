@@ -11,7 +11,7 @@ import triton.language as tl
 
 from dsflash.kernels.cpu import SPARSE_ATTN_BLOCK
 
-from .common import FP_FUSION
+from .common import FP_FUSION, PDL_LAUNCH, grid_entry
 from .configs import SPARSE_ATTN_SLICE, SPARSE_ATTN_SPLIT_MAX_N
 
 
@@ -23,6 +23,7 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, H, D, KI, scale
     """Program (query, head block, output slice): the softmax over the picked rows needs every channel
     (the scores), the output only its BLOCK_O channels. Programs of one query recompute the same scores
     (same tiles: the same bits) so a decode row spreads over D / BLOCK_O programs."""
+    grid_entry()
     n = tl.program_id(0)
     hb = tl.program_id(1)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -91,13 +92,14 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     _sparse_attn_kernel[grid](q, kv, sink, idx, o, h, d, idx.size(1), float(scale),
                               q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1),
                               BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_I=SPARSE_ATTN_BLOCK, BLOCK_O=block_o,
-                              num_warps=warps, num_stages=2, enable_fp_fusion=FP_FUSION)
+                              num_warps=warps, num_stages=2, enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
     return o
 
 
 @triton.jit(do_not_specialize=["M"])
 def _add_rows_fixed_point_kernel(src_ptr, idx_ptr, dst_ptr, factor_ptr, M, D, BLOCK_M: tl.constexpr,
                                  BLOCK_D: tl.constexpr):
+    grid_entry()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     target = tl.load(idx_ptr + rows, mask=rows < M, other=-1)
     cols = tl.arange(0, BLOCK_D)
@@ -115,4 +117,5 @@ def add_rows_fixed_point(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor
     if m:
         _add_rows_fixed_point_kernel[(triton.cdiv(m, 64),)](src.float().contiguous(), idx.contiguous(), dst, factor,
                                                             m, d, BLOCK_M=64, BLOCK_D=triton.next_power_of_2(d),
-                                                            num_warps=4)
+                                                            num_warps=4, enable_fp_fusion=FP_FUSION,
+                                                            launch_pdl=PDL_LAUNCH)

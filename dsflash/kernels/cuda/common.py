@@ -1,6 +1,10 @@
-"""What the kernels of several op families share: the launch's FMA contraction choice, the quantisation
-block as a Triton constant, the activation tile's FP8 quantisation and the sigmoid."""
+"""What the kernels of several op families share: the launch's FMA contraction choice and programmatic
+dependent launch, the quantisation block as a Triton constant, the activation tile's FP8 quantisation and the
+sigmoid."""
 
+import os
+
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -13,6 +17,32 @@ from dsflash.numerics.codecs import E4M3_MAX
 FP_FUSION = True
 TL_BLOCK = tl.constexpr(BLOCK)  # numerics.BLOCK inside the kernels (a kernel reads only constexpr globals)
 _E4M3_MAX_INV = tl.constexpr(1.0 / E4M3_MAX)  # rounded to float32 in the product, as codecs.E4M3_MAX_INV
+
+
+def _pdl_wanted() -> bool:
+    """`DSFLASH_PDL=1`: programmatic dependent launch (sm_90 and later; never under Triton's interpreter, which
+    has no grid dependency control). Off by default until its step times are measured on the GPU machine."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("DSFLASH_PDL", "0") != "1":
+        return False
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 9  # no GPU: compiling only
+
+
+# Programmatic dependent launch: a kernel launched with `launch_pdl=PDL_LAUNCH` may start while the kernel before
+# it on the stream finishes (a decode step is thousands of small kernels, each paying a launch gap in a CUDA graph
+# too). Every kernel therefore begins with `grid_entry()`, which waits for the previous grid's completion and the
+# visibility of its writes before touching memory, so no bit changes; every launch names the choice (tested).
+PDL_LAUNCH = _pdl_wanted()
+_PDL = tl.constexpr(PDL_LAUNCH)
+
+
+@triton.jit
+def grid_entry():
+    """A kernel's first statement: with programmatic dependent launch, wait until the previous kernel on the
+    stream has finished and its writes are visible, then let the next one be scheduled (its programs wait
+    the same way, so they only take idle SM slots early). Nothing without it."""
+    if _PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from triton.language.extra import libdevice
 
 from dsflash.numerics import exact_div
 
-from .common import FP_FUSION, TL_BLOCK, sigmoid
+from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, grid_entry, sigmoid
 from .configs import ENGRAM_ROWS_BLOCK, MHC_BLOCK, RMS_BLOCK, ROPE_ROWS, ROW_SUM_BLOCK
 
 
@@ -22,6 +22,7 @@ from .configs import ENGRAM_ROWS_BLOCK, MHC_BLOCK, RMS_BLOCK, ROPE_ROWS, ROW_SUM
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _row_sum_kernel(x_ptr, y_ptr, D, stride, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
+    grid_entry()
     row = tl.program_id(0).to(tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, D, BLOCK):
@@ -38,7 +39,7 @@ def row_sum(x: torch.Tensor, square: bool = False) -> torch.Tensor:
     y = torch.empty(x2.size(0), dtype=torch.float32, device=x.device)
     if x2.size(0):
         _row_sum_kernel[(x2.size(0),)](x2, y, x2.size(1), x2.stride(0), SQUARE=square, BLOCK=ROW_SUM_BLOCK,
-                                       enable_fp_fusion=FP_FUSION)
+                                       enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
     return y.view(shape)
 
 
@@ -47,6 +48,7 @@ def _rms_scale_kernel(v_ptr, ss_ptr, w_ptr, o_ptr, D, C, eps, stride_vn, stride_
                       BLOCK: tl.constexpr):
     """out = [w *] (v * rsqrt(ss / D + eps)) in fp32, rounded once to o's dtype: torch's ops in one launch.
     ss: the row's sum of squares over D values; v, w, out: C columns."""
+    grid_entry()
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
@@ -69,7 +71,7 @@ def _rms_scaled(values: torch.Tensor, x: torch.Tensor, eps: float, weight: torch
                                                             values if weight is None else weight.contiguous(), out,
                                                             x.size(-1), c, float(eps), values.stride(0), out.stride(0),
                                                             HAS_WEIGHT=weight is not None, BLOCK=RMS_BLOCK,
-                                                            num_warps=4, enable_fp_fusion=False)
+                                                            num_warps=4, enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
     return out
 
 
@@ -118,6 +120,7 @@ def stream_mean(h: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _moe_sum_kernel(r_ptr, s_ptr, o_ptr, D, stride_rn, stride_rk, stride_sn, stride_on, K: tl.constexpr,
                     BLOCK: tl.constexpr):
+    grid_entry()
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -139,7 +142,7 @@ def moe_sum(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     if n:
         _moe_sum_kernel[(n, triton.cdiv(d, MHC_BLOCK))](routed, shared, out, d, routed.stride(0), routed.stride(1),
                                                         shared.stride(0), out.stride(0), K=k, BLOCK=MHC_BLOCK,
-                                                        num_warps=4, enable_fp_fusion=False)
+                                                        num_warps=4, enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
     return out
 
 
@@ -148,6 +151,7 @@ def _swiglu_kernel(g_ptr, u_ptr, w_ptr, o_ptr, B, D, stride_ga, stride_gb, strid
                    CLAMP: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
     """Row r = a * B + b of out = [w_r *] silu(gate) * up with the clamps: torch's ops in fp32 (silu as its
     CUDA kernel, x / (1 + expf(-x)), IEEE division), rounded once to out's dtype."""
+    grid_entry()
     r = tl.program_id(0)
     a = (r // B).to(tl.int64)
     b = (r % B).to(tl.int64)
@@ -176,7 +180,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Te
         _swiglu_kernel[(a * b, triton.cdiv(d, MHC_BLOCK))](g3, u3, w, out, b, d, g3.stride(0), g3.stride(1),
                                                            u3.stride(0), u3.stride(1), float(limit),
                                                            CLAMP=limit > 0, HAS_WEIGHT=weights is not None,
-                                                           BLOCK=MHC_BLOCK, num_warps=4, enable_fp_fusion=False)
+                                                           BLOCK=MHC_BLOCK, num_warps=4, enable_fp_fusion=False,
+                                                           launch_pdl=PDL_LAUNCH)
     return out
 
 
@@ -186,6 +191,7 @@ def _softmax_pool_kernel(kv_ptr, s_ptr, o_ptr, D, stride_kg, stride_kj, stride_s
     """torch's CUDA ops, rounding for rounding: the softmax over the group (max from -inf, the exponentials'
     sum from 0 in row order, each probability exp(s - max) / sum with expf and an IEEE division), then the
     products with kv summed from 0 in row order (the order torch's sum takes for ratio 2)."""
+    grid_entry()
     g = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -211,7 +217,7 @@ def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     if g:
         _softmax_pool_kernel[(g, triton.cdiv(d, MHC_BLOCK))](kv, score, out, d, kv.stride(0), kv.stride(1),
                                                             score.stride(0), score.stride(1), R=r, BLOCK=MHC_BLOCK,
-                                                            num_warps=4, enable_fp_fusion=False)
+                                                            num_warps=4, enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
     return out
 
 
@@ -221,6 +227,7 @@ def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _engram_rows_kernel(t_ptr, s_ptr, id_ptr, o_ptr, DE, BLOCK: tl.constexpr):
     """Row ids[r] of the FP8 table times its E8M0 scales (one per 32), rounded once to bf16."""
+    grid_entry()
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < DE
@@ -243,7 +250,7 @@ def engram_rows(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> 
         _engram_rows_kernel[(flat.numel(), triton.cdiv(de, ENGRAM_ROWS_BLOCK))](table.contiguous(),
                                                                    scale.contiguous().view(torch.uint8), flat, out,
                                                                    de, BLOCK=ENGRAM_ROWS_BLOCK, num_warps=4,
-                                                                   enable_fp_fusion=False)
+                                                                   enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
     return out
 
 
@@ -253,6 +260,7 @@ def _engram_gate_kernel(h_ptr, k_ptr, v_ptr, qk_ptr, m_ptr, o_ptr, HC, D, stride
     """One (token, stream): model/engram.py engram_gate with the CUDA backend's row sums (BLOCK-wide lanes, the square
     sums as the FMAs its compiled row_sum uses, the product sum of the separately rounded products), IEEE
     divisions, torch's sigmoid 1 / (1 + expf(-x)); then the stream plus gate * value in bf16."""
+    grid_entry()
     n = (tl.program_id(0) // HC).to(tl.int64)
     st = tl.program_id(0) % HC
     h_row = h_ptr + n * stride_hn + st * stride_hs
@@ -297,7 +305,7 @@ def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qk_weig
         _engram_gate_kernel[(n * hc,)](h, key, value, qk_weight.float().contiguous(), mask, out, hc, d,
                                        h.stride(0), h.stride(1), key.stride(0), key.stride(1), value.stride(0),
                                        float(d), float(eps), float(d ** -0.5), 1e-6, MASK=image_mask is not None,
-                                       BLOCK=ROW_SUM_BLOCK, num_warps=4, enable_fp_fusion=False)
+                                       BLOCK=ROW_SUM_BLOCK, num_warps=4, enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
     return out
 
 
@@ -309,6 +317,7 @@ def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qk_weig
 @triton.jit
 def _rope_kernel(x_ptr, t_ptr, pos_ptr, R, H, stride_xn, stride_xh, OFF, INVERSE: tl.constexpr,
                  HALF: tl.constexpr, BR: tl.constexpr):
+    grid_entry()
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     mask = (r < R)[:, None]
     n = r // H
@@ -335,5 +344,6 @@ def rope_rotate(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, d
     if n * h:
         _rope_kernel[(triton.cdiv(n * h, ROPE_ROWS),)](x3, torch.view_as_real(table), positions.contiguous(), n * h, h,
                                                   x3.stride(0), x3.stride(1), c - dim, INVERSE=inverse,
-                                                  HALF=dim // 2, BR=ROPE_ROWS, num_warps=2, enable_fp_fusion=False)
+                                                  HALF=dim // 2, BR=ROPE_ROWS, num_warps=2, enable_fp_fusion=False,
+                                                  launch_pdl=PDL_LAUNCH)
     return x

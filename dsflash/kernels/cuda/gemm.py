@@ -25,7 +25,7 @@ from dsflash.kernels.cpu import Weight
 from dsflash.numerics import BLOCK
 from dsflash.numerics.quant import K_RANGE_GROUP, k_range_blocks
 
-from .common import FP_FUSION, TL_BLOCK, quant_tile
+from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, grid_entry, quant_tile
 from .configs import (
     ACT_QUANT_BLOCKS,
     ACT_QUANT_ROWS,
@@ -50,6 +50,7 @@ _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, e_ptr, M, KB, stride_xm, stride_qm,
                       BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr):
+    grid_entry()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -81,7 +82,8 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         grid = (triton.cdiv(m, ACT_QUANT_ROWS), triton.cdiv(kb, ACT_QUANT_BLOCKS))
         _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=ACT_QUANT_ROWS,
-                                BLOCK_KB=ACT_QUANT_BLOCKS, num_warps=4, enable_fp_fusion=FP_FUSION)
+                                BLOCK_KB=ACT_QUANT_BLOCKS, num_warps=4, enable_fp_fusion=FP_FUSION,
+                                launch_pdl=PDL_LAUNCH)
     return q, e.view(torch.int32)[..., 0]
 
 
@@ -187,6 +189,7 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
     (tile[t] = (expert, first, count): slots slot[first .. first + count), grouped by expert); each slot's
     row is computed as in SLOTS (a row's bits never depend on its tile) and stored at its slot's row; only the
     tiles of experts [expert_lo, expert_hi) work, the bank at w_ptr holding just those experts."""
+    grid_entry()
     if SLOTS:
         s = tl.program_id(2)
         e = tl.load(slot_ptr + s).to(tl.int64)
@@ -295,6 +298,7 @@ def _ordered_sum_kernel(part_ptr, y_ptr, M, N, KB, stride_ym, BLOCK: tl.constexp
     """y[m, n] = ((0 + part[0, m, n]) + part[1, m, n]) + ..., fp32 adds in K order, stored in y's dtype;
     32 loads are issued before their adds so the chain waits on one latency per 32 blocks. A block past
     KB adds +0 to an accumulator that is never -0."""
+    grid_entry()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mn = M * N
     mask = offs < mn
@@ -320,7 +324,8 @@ def _ordered_sum(part: torch.Tensor, y: torch.Tensor, terms: int) -> None:
     m, n = y.shape
     block, warps = ordered_sum_config(m * n)
     _ordered_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, terms, y.stride(0), BLOCK=block,
-                                                      num_warps=warps, enable_fp_fusion=FP_FUSION)
+                                                      num_warps=warps, enable_fp_fusion=FP_FUSION,
+                                                      launch_pdl=PDL_LAUNCH)
 
 
 def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
@@ -357,7 +362,7 @@ def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: W
                           SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM, BN=cfg.BN,
                           GROUP_M=cfg.GROUP_M,
                           RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                          enable_fp_fusion=FP_FUSION)
+                          enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
     if spread:
         _ordered_sum(part, y, splits)
 
@@ -376,6 +381,7 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part
     # accumulator and the range sums add in s order. SPLIT: program_id(2) takes range s and stores its fp32
     # sum to part[s, m, g * N + n] (part_cols = groups * N columns) for _ordered_sum_kernel. RANGES (large M):
     # one program runs every range and adds their sums in order itself: the same bits, no partials in memory
+    grid_entry()
     g = tl.program_id(1).to(tl.int64)
     x_ptr += g * group_x
     w_ptr += g * group_w
@@ -437,7 +443,7 @@ def _plain_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, kind: str, gr
     _plain_gemm_kernel[grid](x, w, y, part, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2), y.stride(0),
                              k, n * k, n, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
                              SPLIT=split, RANGES=wide and splits > 1, num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
+                             num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
     if split:
         _ordered_sum(part, y, splits)
 

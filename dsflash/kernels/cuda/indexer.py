@@ -10,7 +10,7 @@ import triton.language as tl
 
 from dsflash.kernels import cpu
 
-from .common import FP_FUSION
+from .common import FP_FUSION, PDL_LAUNCH, grid_entry
 from .configs import INDEX_SCORE_ENTRIES, INDEX_SCORE_ROWS, TOPK_BLOCK, TOPK_KERNEL_MAX_SCORES, TOPK_KERNEL_MIN_ROWS
 
 
@@ -31,6 +31,7 @@ def _index_scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, keep_ptr, o_ptr, N, E, st
                          R: tl.constexpr, BE: tl.constexpr):
     """scores[n, e] of cpu.index_scores for R query rows and BE entries: one dot per head against the
     entries' keys (loaded once), the heads added in order from head 0 as small_sum does, then the masks."""
+    grid_entry()
     rows = tl.program_id(0) * R + tl.arange(0, R)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     rmask = rows < N
@@ -67,7 +68,8 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, vis
     grid = (triton.cdiv(n, INDEX_SCORE_ROWS), triton.cdiv(e, INDEX_SCORE_ENTRIES))
     _index_scores_kernel[grid](q, keys, weights, vis, keep, out, n, e, keep.stride(0) if keep_blocks is not None else 0,
                                H=h, D=d, BLOCK=block, KEEP=keep_blocks is not None, R=INDEX_SCORE_ROWS,
-                               BE=INDEX_SCORE_ENTRIES, num_warps=4, num_stages=2, enable_fp_fusion=False)
+                               BE=INDEX_SCORE_ENTRIES, num_warps=4, num_stages=2, enable_fp_fusion=False,
+                               launch_pdl=PDL_LAUNCH)
     return out
 
 
@@ -99,6 +101,7 @@ def _topk_kernel(s_ptr, vis_ptr, o_ptr, E, k, width, group, GROUP: tl.constexpr,
     one pass in index order that emits them. CAND: items are candidate blocks; writes the keep mask
     (picked and not -inf) for every block. Else: writes the picks ascending, those at or past `visible`
     as -1, then -1 up to `width`."""
+    grid_entry()
     row = tl.program_id(0).to(tl.int64)
     items = tl.cdiv(E, group)
     vis = tl.load(vis_ptr + row)
@@ -155,7 +158,7 @@ def _topk(scores: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, k: int
         group = triton.next_power_of_2(block)
         _topk_kernel[(n,)](scores.contiguous(), visible.reshape(n).contiguous(), out, e, k, width, block,
                            GROUP=group, CAND=cand, BLOCK=max(16, TOPK_BLOCK // group), num_warps=4,
-                           enable_fp_fusion=FP_FUSION)
+                           enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
 
 
 def topk_indices(scores: torch.Tensor, k: int, visible: torch.Tensor, width: int, *,

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import FP_FUSION, sigmoid
+from .common import FP_FUSION, PDL_LAUNCH, grid_entry, sigmoid
 from .configs import HC_ROWS, MHC_BLOCK
 
 
@@ -20,6 +20,7 @@ from .configs import HC_ROWS, MHC_BLOCK
 def _hc_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, states_ptr, N, iters, eps,
                HC: tl.constexpr, ROWS: tl.constexpr, SAVE: tl.constexpr):
     # SAVE (training): every column normalisation's result to states [iters, N, HC * HC] for the backward
+    grid_entry()
     pid = tl.program_id(0)
     NM: tl.constexpr = 2 * HC + HC * HC
     r = pid * ROWS + tl.arange(0, ROWS)
@@ -73,7 +74,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
         _hc_kernel[(triton.cdiv(n, HC_ROWS),)](m, scale.float().contiguous(), base.float().contiguous(),
                                                pre, post, comb, comb if states is None else states, n, iters,
                                                float(eps), HC=hc, ROWS=HC_ROWS, SAVE=states is not None,
-                                               num_warps=1, enable_fp_fusion=FP_FUSION)
+                                               num_warps=1, enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
@@ -83,6 +84,7 @@ def _hc_backward_kernel(mix_ptr, scale_ptr, base_ptr, states_ptr, gpre_ptr, gpos
     # The split's gradient with respect to its pre-activations z = mixes * scale + base, [N, 24]: back through
     # the normalisations from the saved states (u = v / (sum v + eps): dv = (du - sum(du * u)) / (sum v + eps)),
     # the softmax, and the two sigmoids. A gradient, so plain divisions.
+    grid_entry()
     pid = tl.program_id(0)
     NM: tl.constexpr = 2 * HC + HC * HC
     r = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -136,7 +138,7 @@ def hc_split_sinkhorn_backward(mixes: torch.Tensor, scale: torch.Tensor, base: t
             m, scale.float().contiguous(), base.float().contiguous(), states,
             g_pre.reshape(n, hc).float().contiguous(), g_post.reshape(n, hc).float().contiguous(),
             g_comb.reshape(n, hc * hc).float().contiguous(), dz, n, iters, float(eps), HC=hc, ROWS=HC_ROWS,
-            num_warps=1, enable_fp_fusion=FP_FUSION)
+            num_warps=1, enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
     return dz
 
 
@@ -148,6 +150,7 @@ def hc_split_sinkhorn_backward(mixes: torch.Tensor, scale: torch.Tensor, base: t
 @triton.jit
 def _collapse_kernel(h_ptr, pre_ptr, o_ptr, D, stride_hn, stride_hs, stride_pn, stride_on,
                      HC: tl.constexpr, BLOCK: tl.constexpr):
+    grid_entry()
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -168,7 +171,7 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     if n:
         _collapse_kernel[(n, triton.cdiv(d, MHC_BLOCK))](h, pre, out, d, h.stride(0), h.stride(1), pre.stride(0),
                                                          out.stride(0), HC=hc, BLOCK=MHC_BLOCK, num_warps=4,
-                                                         enable_fp_fusion=False)
+                                                         enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
     return out
 
 
@@ -176,6 +179,7 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def _expand_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, o_ptr, D, stride_yn, stride_rn, stride_rs, stride_pn,
                    stride_cn, stride_on, stride_os, HC: tl.constexpr, BLOCK: tl.constexpr):
     # all HC output streams as one [HC, BLOCK] tile, so each residual stream is loaded once
+    grid_entry()
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -206,5 +210,6 @@ def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: to
         _expand_kernel[(n, triton.cdiv(d, MHC_BLOCK))](y, residual, post, comb, out, d, y.stride(0),
                                                        residual.stride(0), residual.stride(1), post.stride(0),
                                                        comb.stride(0), out.stride(0), out.stride(1), HC=hc,
-                                                       BLOCK=MHC_BLOCK, num_warps=4, enable_fp_fusion=False)
+                                                       BLOCK=MHC_BLOCK, num_warps=4, enable_fp_fusion=False,
+                                                       launch_pdl=PDL_LAUNCH)
     return out

@@ -11,7 +11,7 @@ from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import E2M1_MAX
 from dsflash.numerics.packing import check_width, packed_width
 
-from .common import quant_tile
+from .common import PDL_LAUNCH, grid_entry, quant_tile
 from .configs import FAKE_QUANT_ROWS
 
 _E2M1_MAX_INV = tl.constexpr(1.0 / E2M1_MAX)  # rounded to float32 in the product, as quant.py's constant
@@ -53,6 +53,7 @@ def _fake_quant_kernel(x_ptr, o_ptr, R, FP4: tl.constexpr, E4M3_SCALE: tl.conste
                        BR: tl.constexpr):
     """Rows of G values are quantisation groups: quantise and dequantise each, as quant.fp8_fake_quant
     (FP4 false, G = 32) or quant.fp4_fake_quant (E2M1 values, an E4M3 or a power-of-two scale)."""
+    grid_entry()
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     offs = rows[:, None] * G + tl.arange(0, G)[None, :]
     mask = (rows < R)[:, None]
@@ -74,7 +75,7 @@ def _fake_quant(x: torch.Tensor, group: int, fp4: bool, e4m3_scale: bool) -> tor
     if rows:
         _fake_quant_kernel[(triton.cdiv(rows, FAKE_QUANT_ROWS),)](x, out, rows, FP4=fp4, E4M3_SCALE=e4m3_scale,
                                                                   G=group, BR=FAKE_QUANT_ROWS, num_warps=4,
-                                                                  enable_fp_fusion=False)
+                                                                  enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
     return out
 
 
@@ -85,6 +86,7 @@ def _fake_quant(x: torch.Tensor, group: int, fp4: bool, e4m3_scale: bool) -> tor
 def _fp4_quant_packed_kernel(x_ptr, o_ptr, R, GPE, W, E4M3_SCALE: tl.constexpr, G: tl.constexpr,
                              BR: tl.constexpr):
     """Quantisation groups (rows of G values, GPE per state row) -> their code bytes and scale byte."""
+    grid_entry()
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     rmask = rows < R
     x = tl.load(x_ptr + rows[:, None] * G + tl.arange(0, G)[None, :], mask=rmask[:, None], other=0.0)
@@ -107,6 +109,7 @@ def _fp4_quant_packed_kernel(x_ptr, o_ptr, R, GPE, W, E4M3_SCALE: tl.constexpr, 
 def _fp4_dequant_packed_kernel(p_ptr, o_ptr, R, GPE, W, E4M3_SCALE: tl.constexpr, G: tl.constexpr,
                                BR: tl.constexpr):
     """Packed groups -> bf16 values: code x scale (exact in fp32 and in bf16), as packing.dequant_packed."""
+    grid_entry()
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     rmask = rows < R
     base = (rows // GPE) * W
@@ -139,7 +142,7 @@ def fp4_quant_packed(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Ten
     if n:
         _fp4_quant_packed_kernel[(triton.cdiv(n * gpe, FAKE_QUANT_ROWS),)](
             x, out, n * gpe, gpe, out.size(1), E4M3_SCALE=e4m3_scale, G=block, BR=FAKE_QUANT_ROWS, num_warps=4,
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
     return out
 
 
@@ -152,7 +155,7 @@ def fp4_dequant_packed(packed: torch.Tensor, d: int, block: int, e4m3_scale: boo
     if n:
         _fp4_dequant_packed_kernel[(triton.cdiv(n * gpe, FAKE_QUANT_ROWS),)](
             packed, out, n * gpe, gpe, packed.size(1), E4M3_SCALE=e4m3_scale, G=block, BR=FAKE_QUANT_ROWS,
-            num_warps=4, enable_fp_fusion=False)
+            num_warps=4, enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
     return out
 
 

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import FP_FUSION, sigmoid
+from .common import FP_FUSION, PDL_LAUNCH, grid_entry, sigmoid
 
 
 @triton.jit
@@ -20,6 +20,7 @@ def _moe_route_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, E, stride_l, temp, sca
     scores + bias (the lowest id among equal ones, -0 = +0), its unbiased score kept; the weights' sum from
     the first pick on (CUDA's small_sum), + 1e-20, IEEE divisions, times scale; ASC: stored by ascending id
     (each pick at its rank among the row's distinct picks)."""
+    grid_entry()
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     valid = e < E
@@ -76,5 +77,6 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, score_func: str,
         _moe_route_kernel[(n,)](logits, bias.float().contiguous(), weights, ids, e, logits.stride(0), float(temp),
                                 float(scale), K=k, KP=max(2, triton.next_power_of_2(k)), FUNC=ROUTE_FUNCS[score_func],
                                 NORM=norm and k > 1, ASC=ascending, BLOCK_E=block_e,
-                                num_warps=4 if block_e <= 1024 else 8, enable_fp_fusion=FP_FUSION)
+                                num_warps=4 if block_e <= 1024 else 8, enable_fp_fusion=FP_FUSION,
+                                launch_pdl=PDL_LAUNCH)
     return weights, ids

@@ -15,7 +15,7 @@ from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import decode_e2m1, encode_e2m1, pack_fp4
 from dsflash.numerics.quant import K_RANGE_GROUP
 
-from .common import FP_FUSION
+from .common import FP_FUSION, PDL_LAUNCH, grid_entry
 from .configs import FP4_WIDEN_WORDS
 
 
@@ -137,6 +137,7 @@ def _e2m1_bits(c, MANTISSA: tl.constexpr, HALF: tl.constexpr, SIGN: tl.constexpr
 @triton.jit
 def _fp4_to_fp8_kernel(w_ptr, o_ptr, total_words, BLOCK: tl.constexpr):
     """FP4 words (fp4_words) -> E4M3 bytes in K order, eight per word."""
+    grid_entry()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total_words
     w = tl.load(w_ptr + offs, mask=mask, other=0)
@@ -155,5 +156,6 @@ def fp4_to_fp8(values: torch.Tensor) -> torch.Tensor:
     words = values.contiguous().view(torch.int32)
     _fp4_to_fp8_kernel[(triton.cdiv(words.numel(), FP4_WIDEN_WORDS),)](words, out, words.numel(),
                                                                        BLOCK=FP4_WIDEN_WORDS, num_warps=4,
-                                                                       enable_fp_fusion=FP_FUSION)
+                                                                       enable_fp_fusion=FP_FUSION,
+                                                                       launch_pdl=PDL_LAUNCH)
     return out.view(torch.float8_e4m3fn)
