@@ -24,8 +24,9 @@
 # decode-tile and expert bit tests, then main's steps. `... patch-step bench/experiments/fused_rms.patch` tests and
 # times the RMS kernels that sum their row's squares themselves (issue 22 item 4: one launch an RMSNorm and mix
 # scale instead of two; it applies with or without the cuda1 patch). `... pdl` (~6 minutes): programmatic dependent
-# launch (DSFLASH_PDL=1, kernels/cuda/common.py) against plain launches on the same card, steps alternating
-# 0 1 0 1, prefill both ways, after the CUDA model tests with it (its bit test first). `DSFLASH_PDL=1 bash
+# launch (DSFLASH_PDL=1, kernels/cuda/common.py) and with the decode GEMMs' weight prefetch before the wait
+# (DSFLASH_PDL=prefetch) against plain launches on the same card, steps alternating 0 1 prefetch twice, prefill
+# each way, after the CUDA model tests with prefetch (the PDL bit test first). `DSFLASH_PDL=1 bash
 # bench/run_gpu.sh patch-step ...` measures patches with it.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -92,15 +93,15 @@ fi
 if [ "$part" = pdl ]; then
   quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 --reps 7"
   prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
-  DSFLASH_PDL=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 \
+  DSFLASH_PDL=prefetch timeout 200 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 \
     | grep -E "tier|FAILED|passed|failed|Error" | tail -8
   for round in a b; do
-    for flag in 0 1; do
+    for flag in 0 1 prefetch; do
       mkdir -p "$out/pdl$flag$round" && echo "DSFLASH_PDL=$flag ($round)"
       DSFLASH_PDL=$flag timeout 100 $quick --out "$out/pdl$flag$round" 2>&1 | grep "^| [0-9]"
     done
   done
-  for flag in 0 1; do DSFLASH_PDL=$flag timeout 100 $prefill --out "$out/pdl${flag}a" 2>&1 | grep "^| [0-9]"; done
+  for flag in 0 1 prefetch; do DSFLASH_PDL=$flag timeout 100 $prefill --out "$out/pdl${flag}a" 2>&1 | grep "^| [0-9]"; done
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   [ "$part" = ab ] && timeout 200 $step 2>&1 | tail -12

@@ -25,7 +25,7 @@ from dsflash.kernels.cpu import Weight
 from dsflash.numerics import BLOCK
 from dsflash.numerics.quant import K_RANGE_GROUP, k_range_blocks
 
-from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, grid_entry, quant_tile
+from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, WEIGHT_PREFETCH, grid_entry, prefetch_l2, quant_tile
 from .configs import (
     ACT_QUANT_BLOCKS,
     ACT_QUANT_ROWS,
@@ -129,6 +129,21 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_range(w_ptr, M, N, KB, chunks_per_split, stride_wn, FP4: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """A SPREAD program's weight bytes -- its BN rows over its K range -- asked of L2 a line at a time, from
+    program ids and arguments alone (no load: it may run before grid_entry)."""
+    _, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rn = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
+    block_bytes = TL_BLOCK // 2 if FP4 else TL_BLOCK
+    lo = tl.program_id(1) * chunks_per_split * 4 * block_bytes
+    hi = tl.minimum(tl.program_id(1) * chunks_per_split * 4 + chunks_per_split * 4, KB) * block_bytes
+    rows = w_ptr.to(tl.pointer_type(tl.uint8)) + rn.to(tl.int64) * stride_wn
+    for off in range(lo, hi + 127, 128):  # the last line too, never past the range's last byte
+        prefetch_l2(rows + tl.minimum(off, hi - 1))
+
+
+@triton.jit
 def _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4: tl.constexpr):
     """K block kb's activation and weight tiles as stored (zeros past the KB blocks of K)."""
     kin = kb < KB
@@ -188,12 +203,18 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
     GROUPED (routed experts, many slots): program_id(2) is tile t of up to BM slots of one expert
     (tile[t] = (expert, first, count): slots slot[first .. first + count), grouped by expert); each slot's
     row is computed as in SLOTS (a row's bits never depend on its tile) and stored at its slot's row; only the
-    tiles of experts [expert_lo, expert_hi) work, the bank at w_ptr holding just those experts."""
+    tiles of experts [expert_lo, expert_hi) work, the bank at w_ptr holding just those experts.
+    WEIGHT_PREFETCH (DSFLASH_PDL=prefetch): a SPREAD program first asks L2 for its weight bytes -- a dense
+    weight's before the wait for the previous kernel, a slot's once its expert id is read."""
+    if WEIGHT_PREFETCH and SPREAD and not SLOTS and not GROUPED:
+        _prefetch_range(w_ptr, M, N, KB, chunks_per_split, stride_wn, FP4, BM, BN, GROUP_M)
     grid_entry()
     if SLOTS:
         s = tl.program_id(2)
         e = tl.load(slot_ptr + s).to(tl.int64)
         w_ptr += e * stride_we
+        if WEIGHT_PREFETCH and SPREAD:
+            _prefetch_range(w_ptr, M, N, KB, chunks_per_split, stride_wn, FP4, BM, BN, GROUP_M)
         ws_ptr += e * stride_wse
         x_ptr += (s // slots_per_row).to(tl.int64) * stride_xm
         xs_ptr += s // slots_per_row
