@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("triton", reason="the dev extras install triton for these tests")
 SOURCES = sorted((Path(__file__).resolve().parents[1] / "dsflash" / "kernels" / "cuda").glob("*.py"))
-PREFETCH_HELPERS = ("_prefetch_range", "prefetch_l2")
+PREFETCH_HELPERS = ("_prefetch_range", "_prefetch_plain")
+CALLED = ("_tile_ids", "prefetch_rows", "prefetch_l2")  # what they call
 
 
 def _kernels_and_launches() -> tuple[list[tuple[str, ast.FunctionDef]], list[tuple[str, ast.Call]]]:
@@ -42,8 +43,8 @@ def test_every_kernel_enters_through_grid_entry_and_every_launch_names_its_choic
         first = ast.unparse(body[0])
         assert first == "grid_entry()", f"{name} starts with {first!r}, not grid_entry()"
     helpers = {node.name: ast.unparse(node) for path in SOURCES for node in ast.walk(ast.parse(path.read_text()))
-               if isinstance(node, ast.FunctionDef) and node.name in PREFETCH_HELPERS + ("_tile_ids",)}
-    assert set(helpers) == set(PREFETCH_HELPERS + ("_tile_ids",))
+               if isinstance(node, ast.FunctionDef) and node.name in PREFETCH_HELPERS + CALLED}
+    assert set(helpers) == set(PREFETCH_HELPERS + CALLED)
     for helper, source in helpers.items():
         assert not any(op in source for op in ("tl.load", "tl.store", "tl.atomic")), helper
     for where, call in launches:

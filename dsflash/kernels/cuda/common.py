@@ -76,3 +76,11 @@ def prefetch_l2(ptrs):
     program, so it may come before `grid_entry()` for memory no earlier kernel writes."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
                               pack=1)
+
+
+@triton.jit
+def prefetch_rows(rows, lo, hi):
+    """Ask L2 for bytes [lo, hi) of each row at `rows` (uint8 pointers), a line at a time: the last line too,
+    never an address past the last byte."""
+    for off in range(lo, hi + 127, 128):
+        prefetch_l2(rows + tl.minimum(off, hi - 1))

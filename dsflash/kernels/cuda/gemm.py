@@ -25,7 +25,7 @@ from dsflash.kernels.cpu import Weight
 from dsflash.numerics import BLOCK
 from dsflash.numerics.quant import K_RANGE_GROUP, k_range_blocks
 
-from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, WEIGHT_PREFETCH, grid_entry, prefetch_l2, quant_tile
+from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, WEIGHT_PREFETCH, grid_entry, prefetch_rows, quant_tile
 from .configs import (
     ACT_QUANT_BLOCKS,
     ACT_QUANT_ROWS,
@@ -138,9 +138,20 @@ def _prefetch_range(w_ptr, M, N, KB, chunks_per_split, stride_wn, FP4: tl.conste
     block_bytes = TL_BLOCK // 2 if FP4 else TL_BLOCK
     lo = tl.program_id(1) * chunks_per_split * 4 * block_bytes
     hi = tl.minimum(tl.program_id(1) * chunks_per_split * 4 + chunks_per_split * 4, KB) * block_bytes
-    rows = w_ptr.to(tl.pointer_type(tl.uint8)) + rn.to(tl.int64) * stride_wn
-    for off in range(lo, hi + 127, 128):  # the last line too, never past the range's last byte
-        prefetch_l2(rows + tl.minimum(off, hi - 1))
+    prefetch_rows(w_ptr.to(tl.pointer_type(tl.uint8)) + rn.to(tl.int64) * stride_wn, lo, hi)
+
+
+@triton.jit
+def _prefetch_plain(w_ptr, M, N, K, k_per_split, stride_wn, group_w, BM: tl.constexpr, BN: tl.constexpr,
+                    GROUP_M: tl.constexpr):
+    """A SPLIT program's weight bytes (_plain_gemm_kernel: its group's BN rows over its K range) asked of L2,
+    from program ids and arguments alone."""
+    _, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rn = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
+    size = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    k_lo = tl.program_id(2) * k_per_split
+    rows = w_ptr + tl.program_id(1).to(tl.int64) * group_w + rn.to(tl.int64) * stride_wn
+    prefetch_rows(rows.to(tl.pointer_type(tl.uint8)), k_lo * size, tl.minimum(k_lo + k_per_split, K) * size)
 
 
 @triton.jit
@@ -401,7 +412,10 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part
     # k_per_split) are fixed by the weight's shape, never by M; each range's dots chain from a zero
     # accumulator and the range sums add in s order. SPLIT: program_id(2) takes range s and stores its fp32
     # sum to part[s, m, g * N + n] (part_cols = groups * N columns) for _ordered_sum_kernel. RANGES (large M):
-    # one program runs every range and adds their sums in order itself: the same bits, no partials in memory
+    # one program runs every range and adds their sums in order itself: the same bits, no partials in memory.
+    # WEIGHT_PREFETCH: a SPLIT program asks L2 for its weight bytes before the wait (as _bs_gemm_kernel's)
+    if WEIGHT_PREFETCH and SPLIT:
+        _prefetch_plain(w_ptr, M, N, K, k_per_split, stride_wn, group_w, BM, BN, GROUP_M)
     grid_entry()
     g = tl.program_id(1).to(tl.int64)
     x_ptr += g * group_x
