@@ -61,20 +61,21 @@ class EngramLayout:
         positions = chunk.positions
         base = positions[:1] - back
         seq = torch.cat([state.engram_ids.buffer[base + torch.arange(back, device=ids.device)], compressed])
-        tokens, blocked = [], torch.zeros_like(positions, dtype=torch.bool)
-        for shift in range(max_ngram):
-            source = seq[(positions - shift - base).clamp_min(0)]
-            blocked = blocked | (positions < shift) | (source == DEAD)
-            tokens.append(torch.where(blocked, self.pad, source))
-        tokens = torch.stack(tokens, dim=-1)
+        # [rows, max_ngram]: each row's id `shift` back, the pad from the first shift that reaches before the
+        # sequence or across an image on (all shifts at once: a dozen small kernels a step on a GPU, not forty)
+        shifts = torch.arange(max_ngram, device=ids.device)
+        back_pos = positions.unsqueeze(1) - shifts
+        source = seq[(back_pos - base).clamp_min(0)]
+        blocked = torch.cumsum(((back_pos < 0) | (source == DEAD)).to(torch.int32), dim=1) > 0
+        tokens = torch.where(blocked, self.pad, source)
         products = tokens.unsqueeze(1) * self.multipliers  # [rows, layers, max_ngram]
-        rolling, hashes = products[..., 0], []
-        for i in range(1, max_ngram):
-            rolling = torch.bitwise_xor(rolling, products[..., i])
-            hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
+        rolling = [products[..., 0]]
+        for i in range(1, max_ngram):  # the n-gram hashes for n = 2 .. max_ngram: xors of the products so far
+            rolling.append(torch.bitwise_xor(rolling[-1], products[..., i]))
+        hashes = torch.stack(rolling[1:], dim=-1).unsqueeze(-1) % self.primes  # [rows, layers, max_ngram-1, heads]
         if commit:
             state.engram_ids.put(positions[:1], compressed[: chunk.n], chunk.p0 + chunk.n)
-        return torch.cat(hashes, dim=-1) + self.offsets
+        return hashes.flatten(-2) + self.offsets
 
 
 class Engram:
