@@ -84,6 +84,7 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
             assert torch.equal(got[slot:slot + 1], cuda.linear(row, bank[e])), (kind, per_row, slot)
             assert rel(got[slot:slot + 1], cpu.linear(row, weights[e])) < 1e-5
         assert rel(got, cpu.expert_linear(xs, cpu.expert_bank(weights), ids, per_row)) < 1e-5
+        assert torch.equal(cuda.expert_linear(xs, bank, ids.to(torch.int32), per_row), got)  # ids of either width
     # a prefill's many slots share per-expert tiles (the threshold lowered: the interpreter is slow): the
     # one-row programs' bits, with an expert that has no slot, the fused and the separate quantisation; an FP4
     # bank widened to E4M3 two experts at a time (three launches) or decoded in the tiles
@@ -95,6 +96,7 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
         got = cuda.expert_linear(xs, bank, ids, per_row, preconvert=True)
         assert torch.equal(got, cuda.expert_linear(xs, bank, ids, per_row, config=one_row)), (kind, rows)
         assert torch.equal(got, cuda.expert_linear(xs, bank, ids, per_row, preconvert=False)), (kind, rows)
+        assert torch.equal(got, cuda.expert_linear(xs, bank, ids.to(torch.int32), per_row, preconvert=True))
 for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMMs: K split by the shape
     w = rand_weight(kind, n, k, g)
     wc = cuda.to_cuda_weight(w, "cpu")

@@ -80,7 +80,9 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
     FP4 bank widened to E4M3 before its tiles."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"{bank.kind} expert linear takes a bf16 activation, got {x.dtype}")
-    slots = experts.reshape(-1).to(torch.int32).contiguous()
+    if experts.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"expert ids are int32 or int64, got {experts.dtype}")
+    slots = experts.reshape(-1).contiguous()  # read as they come: no conversion launch a call
     n = bank.values.size(1)
     y = torch.empty((slots.numel(), n), dtype=torch.bfloat16, device=x.device)
     if slots.numel() == 0:
