@@ -377,6 +377,30 @@ def test_packed_fp4_state_kernels_are_byte_exact():
         assert torch.equal(got, quant.fp4_fake_quant(xd, *fmt).view(torch.int16)), fmt
         rows = torch.tensor([5, 0, 299, 5], device=DEV)
         assert torch.equal(kc.fp4_dequant_packed(packed[rows], d, *fmt).view(torch.int16).cpu(), got[rows.cpu()])
+        picks = torch.tensor([[5, 0, -1], [299, 5, -1]], device=DEV)  # the attention's picks: -1 reads row 0
+        assert torch.equal(kc.fp4_dequant_picked(packed, picks, d, *fmt).view(torch.int16).cpu(),
+                           got[picks.flatten().clamp_min(0).cpu()])
+
+
+def test_attention_indices_kernel_gives_the_models_indices():
+    """The window ring's slots and indices from the positions, and the attention's indices (the window's, then
+    the picks past the window source, valid entries first in order), a launch each, as model/attention.py
+    composes them (decode and chunk rows, padding rows, chunks longer than the ring)."""
+    from dsflash.model.attention import attention_indices, window_source
+    g, ref = gen(17), load_kernels("cpu")
+    for rows, window, p0, topk, entries in ((1, 128, 5000, 512, 1300), (8, 128, 60, 512, 30), (64, 128, 0, 64, 16)):
+        positions = torch.arange(p0, p0 + rows)
+        for n, capacity in ((rows, window), (max(1, rows - 1), window), (rows, max(1, rows // 2))):
+            got = kc.window_source(positions.to(DEV), n, window, capacity)
+            for a, b in zip(got, window_source(ref, positions, n, window, capacity), strict=True):
+                assert torch.equal(a.cpu(), b), (rows, n, capacity)
+        _, window_idx, _ = window_source(ref, positions, rows, window, window)
+        picks = torch.where(torch.rand(rows, topk, generator=g) < 0.4, -1,
+                            torch.randint(0, entries, (rows, topk), generator=g))
+        for local in (False, True):
+            want = attention_indices(ref, window_idx, picks, window + rows, local)
+            got = kc.attention_indices(window_idx.to(DEV), picks.to(DEV), window + rows, local)
+            assert torch.equal(got.cpu(), want), (rows, local)
 
 
 @pytest.mark.parametrize("d", [512, 5120, 20480])

@@ -270,7 +270,8 @@ composed = dataclasses.replace(
 fused = dataclasses.replace(composed, rms_norm=cuda.rms_norm, rms_scale=cuda.rms_scale, collapse=cuda.collapse,
                             expand=cuda.expand, moe_sum=cuda.moe_sum, fp8_fake_quant=cuda.fp8_fake_quant,
                             fp4_fake_quant=cuda.fp4_fake_quant, fp4_quant_packed=cuda.fp4_quant_packed,
-                            fp4_dequant_packed=cuda.fp4_dequant_packed, rope_rotate=cuda.rope_rotate)
+                            fp4_dequant_packed=cuda.fp4_dequant_packed, rope_rotate=cuda.rope_rotate,
+                            fp4_dequant_picked=cuda.fp4_dequant_picked, attention_indices=cuda.attention_indices)
 ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(0))
 logits = []
 for kernels in (composed, fused):
@@ -341,6 +342,54 @@ for n, e, block, topk, blocks in ((5, 300, 8, 64, 6), (3, 77, 3, 16, 4), (1, 20,
     assert torch.equal(alone, cuda.topk_indices(got, k, visible, topk, kernel=True)[-1:])
 print("ok")
 """
+
+
+ATTENTION_INDEX_SCRIPT = """
+import torch
+from dsflash.kernels import cuda, load_kernels
+from dsflash.model import attention
+from dsflash.numerics import packing
+
+g = torch.Generator().manual_seed(0)
+ref = load_kernels("cpu")
+for rows, window, p0, topk, entries in ((1, 128, 900, 64, 300), (5, 16, 3, 24, 40), (3, 8, 0, 5, 7), (2, 4, 1, 1, 3)):
+    positions = torch.arange(p0, p0 + rows)
+    _, window_idx, _ = attention.window_source(ref, positions, rows, window, window)
+    # the indexer's picks: ascending, -1 padded, some rows with none, some full
+    picks = torch.full((rows, topk), -1, dtype=torch.int64)
+    for r in range(rows):
+        n = int(torch.randint(0, min(topk, entries) + 1, (1,), generator=g)) if r % 3 else min(topk, entries)
+        picks[r, :n] = torch.randperm(entries, generator=g)[:n].sort().values
+    for local in (False, True):
+        want = attention.attention_indices(ref, window_idx, picks, window + rows, local)
+        assert torch.equal(cuda.attention_indices(window_idx, picks, window + rows, local), want), (rows, local)
+    # -1 entries anywhere (not only at the ends) keep their order too
+    scrambled = torch.where(torch.rand(picks.shape, generator=g) < 0.3, -1, picks)
+    want = attention.attention_indices(ref, window_idx, scrambled, window + rows, False)
+    assert torch.equal(cuda.attention_indices(window_idx, scrambled, window + rows, False), want)
+    # the window's side from the positions: rows past the real ones (padding), chunks longer than the ring
+    for n, capacity in ((rows, window), (max(1, rows - 1), window), (rows, max(1, rows // 2)), (rows, 3 * window)):
+        for got, want in zip(cuda.window_source(positions, n, window, capacity),
+                             attention.window_source(ref, positions, n, window, capacity), strict=True):
+            assert torch.equal(got, want), (rows, p0, n, capacity)
+    # the picked entries, decoded inside the gather
+    values = (torch.randn(entries, 64, generator=g) * 3).bfloat16()
+    packed = packing.quant_packed(values, *packing.ENTRY)
+    got = cuda.fp4_dequant_picked(packed, picks, 64, *packing.ENTRY)
+    assert torch.equal(got.view(torch.int16), attention.picked_entries(ref, packed, picks, 64).view(torch.int16))
+print("ok")
+"""
+
+
+def test_attention_index_kernels_under_the_interpreter():
+    """The window ring's slots and indices from the positions, the attention's indices (the window's, then the
+    picks past the window source, valid entries first in order) and the picked entries decoded inside their
+    gather, each one CUDA launch, equal the model's torch formulas (model/attention.py) on decode- and
+    chunk-shaped rows (padding rows, chunks longer than the ring), locally numbered picks or not."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", ATTENTION_INDEX_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 ROUTER_SCRIPT = """
@@ -475,11 +524,12 @@ def test_training_sinkhorn_backward_kernel_gives_autograds_gradients():
 def test_new_kernels_compile_for_sm90():
     """The interpreter runs kernels as Python, so it misses what only the compiler rejects: compile the
     kernels not yet run on a GPU machine when written (the indexer's, the compressor's pooling, Engram's, the
-    router, the trainer's mHC split and kv-gradient sums) for sm_90 here (Triton ships ptxas; no GPU needed)."""
+    router, the trainer's mHC split and kv-gradient sums, the attention's window and indices and picked
+    entries) for sm_90 here (Triton ships ptxas; no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from dsflash.kernels.cuda import attention, configs, elementwise, gemm, indexer, mhc, router
+    from dsflash.kernels.cuda import attention, configs, elementwise, gemm, indexer, mhc, quant, router
 
     def check(fn, pointers, constexprs):
         sig = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
@@ -511,6 +561,14 @@ def test_new_kernels_compile_for_sm90():
                "BE": configs.INDEX_SCORE_ENTRIES})
     check(attention._add_rows_fixed_point_kernel, {"src_ptr": "*fp32", "idx_ptr": "*i64", "dst_ptr": "*i64",
                                                    "factor_ptr": "*fp32"}, {"BLOCK_M": 64, "BLOCK_D": 64})
+    check(attention._window_source_kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64", "idx_ptr": "*i64",
+                                            "written_ptr": "*i64"}, {"WINDOW": 128, "CAPACITY": 128, "BW": 128})
+    for local in (False, True):
+        check(attention._attention_indices_kernel, {"w_ptr": "*i64", "p_ptr": "*i64", "o_ptr": "*i64"},
+              {"LOCAL": local, "BW": 128, "BP": 512})
+    for picked in (False, True):
+        check(quant._fp4_dequant_packed_kernel, {"p_ptr": "*u8", "pick_ptr": "*i64", "o_ptr": "*bf16"},
+              {"E4M3_SCALE": False, "G": 64, "BR": configs.FAKE_QUANT_ROWS, "PICKED": picked})
     hc_pointers = {"mix_ptr": "*fp32", "scale_ptr": "*fp32", "base_ptr": "*fp32", "eps": "fp32"}
     for save in (False, True):
         check(mhc._hc_kernel, {**hc_pointers, "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32",

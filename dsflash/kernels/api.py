@@ -43,10 +43,12 @@ class Kernels(Generic[BankT]):
     """One backend's ops. BankT: its stacked routed-expert weights (what its `expert_bank` makes and its
     `expert_linear` takes).
 
-    The fused ops (`moe_route`, `collapse`, `expand`, `softmax_pool`, `engram_gate`) are optional: the
-    formula each one fuses is the model's (dsflash/model: moe.route, mhc.hc_pre, mhc.hc_post,
-    attention.softmax_pool, engram.engram_gate), written from this record's primitive ops; None (the
-    reference backend) runs that formula, and a fused kernel must give its bits on its backend."""
+    The fused ops (`moe_route`, `collapse`, `expand`, `softmax_pool`, `engram_gate`, `window_source`,
+    `attention_indices`, `fp4_dequant_picked`) are optional: the formula each one fuses is the model's
+    (dsflash/model: moe.route, mhc.hc_pre, mhc.hc_post, attention.softmax_pool, engram.engram_gate,
+    attention.window_source, attention.attention_indices, attention.picked_entries), written from this
+    record's primitive ops; None (the reference backend) runs that formula, and a fused kernel must give its
+    bits on its backend."""
 
     name: str
     device: torch.device
@@ -89,6 +91,12 @@ class Kernels(Generic[BankT]):
     fp4_quant_packed: Callable[[Tensor, int, bool], Tensor]
     # packing.dequant_packed (packed, d, block, e4m3_scale): their values, read back (fp4_fake_quant's bits)
     fp4_dequant_packed: Callable[[Tensor, int, int, bool], Tensor]
+    # attention.picked_entries: (packed, picks, d, block, e4m3_scale) -> the picked rows' values
+    fp4_dequant_picked: Callable[[Tensor, Tensor, int, int, bool], Tensor] | None
+    # attention.window_source: (positions, n, window, capacity) -> (ring slots read, indices, ring slots written)
+    window_source: Callable[[Tensor, int, int, int], tuple[Tensor, Tensor, Tensor]] | None
+    # attention.attention_indices: (window indices, picks, offset, local) -> the attention's indices
+    attention_indices: Callable[[Tensor, Tensor, int, bool], Tensor] | None
     collapse: Callable[[Tensor, Tensor], Tensor] | None  # model/mhc.py hc_pre: (h, pre_mix) -> [N, D]
     expand: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None  # model/mhc.py hc_post: (y, residual, post, comb)
     # (routed experts' rows [N, k, D], shared expert's [N, D]) -> the MoE output [N, D]

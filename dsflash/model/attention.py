@@ -23,13 +23,15 @@ from dsflash.numerics.packing import ENTRY, INDEX_KEY, packed_width
 INDEXER_ROWS = 1024
 
 
-def window_source(positions: torch.Tensor, n: int, window: int, capacity: int
+def window_source(k: Kernels, positions: torch.Tensor, n: int, window: int, capacity: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The window ring's side of a chunk whose rows sit at `positions` (consecutive, the first n real): (the
     ring slots of positions p0-window .. p0-1, int64 [window]; indices [N, window] into those rows then the
-    chunk's rows, ascending positions from max(0, t - window + 1), -1 where the slot is before the sequence;
-    the ring slots the chunk's last min(n, capacity) real rows go to). Device ops on the positions only, so a
-    CUDA graph replays them for any p0."""
+    chunk's rows, ascending positions from max(0, t - window + 1), -1 past the row's own position; the ring
+    slots the chunk's last min(n, capacity) real rows go to). Device ops on the positions only, so a CUDA graph
+    replays them for any p0. `k.window_source`, where the backend fuses it (a dozen small ops a chunk)."""
+    if k.window_source is not None:
+        return k.window_source(positions, n, window, capacity)
     first = positions[:1] - window
     start = (positions - window + 1).clamp_min(0).unsqueeze(1)
     pos = start + torch.arange(window, device=positions.device)
@@ -39,11 +41,26 @@ def window_source(positions: torch.Tensor, n: int, window: int, capacity: int
             positions[n - keep:n] % capacity)
 
 
-def _with_compressed(window_idx: torch.Tensor, comp_idx: torch.Tensor, comp_offset: int) -> torch.Tensor:
-    """The window indices, then the compressed picks (offset past the window source), valid entries first:
-    which 64-block of the online softmax an entry falls in changes the bits."""
-    idx = torch.cat([window_idx, torch.where(comp_idx >= 0, comp_idx + comp_offset, -1)], dim=1)
+def attention_indices(k: Kernels, window_idx: torch.Tensor, picks: torch.Tensor, offset: int, local: bool
+                      ) -> torch.Tensor:
+    """The attention's indices [rows, window + topk]: the window's, then the compressed picks past the window
+    source (`offset`) -- as the slots r * topk + j of the rows decoded one a pick when `local`, else as
+    themselves -- valid entries first, in order: which 64-block of the online softmax an entry falls in changes
+    the bits. `k.attention_indices`, where the backend fuses it (a dozen small ops an index layer's step)."""
+    if k.attention_indices is not None:
+        return k.attention_indices(window_idx, picks, offset, local)
+    if local:
+        picks = torch.where(picks >= 0, torch.arange(picks.numel(), device=picks.device).view_as(picks), -1)
+    idx = torch.cat([window_idx, torch.where(picks >= 0, picks + offset, -1)], dim=1)
     return torch.gather(idx, 1, torch.sort((idx < 0).to(torch.int8), dim=1, stable=True).indices)
+
+
+def picked_entries(k: Kernels, packed: torch.Tensor, picks: torch.Tensor, d: int) -> torch.Tensor:
+    """The packed compressed entries `picks` names, decoded, a row a pick (a -1 reads row 0, which the
+    attention's indices never name). `k.fp4_dequant_picked`, where the backend gathers inside the decode."""
+    if k.fp4_dequant_picked is not None:
+        return k.fp4_dequant_picked(packed, picks, d, *ENTRY)
+    return k.fp4_dequant_packed(packed[picks.flatten().clamp_min(0)], d, *ENTRY)
 
 
 class Compressor:
@@ -327,7 +344,7 @@ class Attention:
     def _window(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """window_source of the chunk, made once: alike for every layer (all rings have one capacity)."""
         if chunk.window is None:
-            chunk.window = window_source(chunk.positions, chunk.n, self.args.window_size,
+            chunk.window = window_source(self.k, chunk.positions, chunk.n, self.args.window_size,
                                          self.window_ring(chunk.state).capacity)
         return chunk.window
 
@@ -341,10 +358,9 @@ class Attention:
             # the whole source, decoded once for every layer reading it
             rows = chunk.shared(("compressed entries", self.kv_source, held.n),
                                 lambda: self.k.fp4_dequant_packed(held.rows, self.args.head_dim, *ENTRY))
-            local = picks
+            local = False
         else:
             packed = held.buffer if chunk.graphed else held.rows  # a graph's shapes never follow the count
-            rows = self.k.fp4_dequant_packed(packed[picks.flatten().clamp_min(0)], self.args.head_dim, *ENTRY)
-            slots = torch.arange(picks.numel(), device=picks.device).view_as(picks)
-            local = torch.where(picks >= 0, slots, -1)
-        return rows, _with_compressed(self._window(chunk)[1], local, self.args.window_size + chunk.rows)
+            rows, local = picked_entries(self.k, packed, picks, self.args.head_dim), True
+        return rows, attention_indices(self.k, self._window(chunk)[1], picks, self.args.window_size + chunk.rows,
+                                       local)

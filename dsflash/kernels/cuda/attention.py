@@ -1,7 +1,9 @@
 """Sparse attention with sinks: one program per (query, 64 heads, output channels); online softmax over
 the reference's blocks of 64 indices (cpu.SPARSE_ATTN_BLOCK) with the probabilities rounded to bf16 before
 the PV product, fp32 running max/denominator, sink added last. Each program computes every score; up to 64
-queries split the 512 output channels 4 ways."""
+queries split the 512 output channels 4 ways. And the indices it reads: the window's and the compressed picks'
+merged valid-first in one launch (`attention_indices`), the window's from the positions in another
+(`window_source`)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,78 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, H, D, KI, scale
     o = tl.math.div_rn(acc, l_i[:, None])
     tl.store(o_ptr + n.to(tl.int64) * stride_on + rh[:, None] * stride_oh + ro[None, :], o.to(tl.bfloat16),
              mask=hmask[:, None] & omask[None, :])
+
+
+@triton.jit(do_not_specialize=["n", "keep"])
+def _window_source_kernel(pos_ptr, slot_ptr, idx_ptr, written_ptr, n, keep, WINDOW: tl.constexpr,
+                          CAPACITY: tl.constexpr, BW: tl.constexpr):
+    """Program r: row r's window indices; program 0 also the ring slots read, and each of the last `keep` real
+    rows its ring slot (floor remainders, as torch's % of a negative position)."""
+    grid_entry()
+    r = tl.program_id(0)
+    j = tl.arange(0, BW)
+    p0, p = tl.load(pos_ptr), tl.load(pos_ptr + r)
+    first = p0 - WINDOW
+    pos = tl.maximum(p - WINDOW + 1, 0) + j
+    tl.store(idx_ptr + r.to(tl.int64) * WINDOW + j, tl.where(pos > p, -1, pos - first), mask=j < WINDOW)
+    if r == 0:
+        tl.store(slot_ptr + j, ((first + j) % CAPACITY + CAPACITY) % CAPACITY, mask=j < WINDOW)
+    if (r >= n - keep) & (r < n):
+        tl.store(written_ptr + r - (n - keep), (p % CAPACITY + CAPACITY) % CAPACITY)
+
+
+def window_source(positions: torch.Tensor, n: int, window: int, capacity: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """model/attention.window_source in one launch (int64 positions [rows] -> slots [window], indices
+    [rows, window], written slots [min(n, capacity)]), entry for entry."""
+    positions = positions.contiguous()
+    assert positions.dtype == torch.int64 and positions.numel() >= max(n, 1)
+    rows, keep = positions.numel(), min(n, capacity)
+    slots = torch.empty(window, dtype=torch.int64, device=positions.device)
+    idx = torch.empty((rows, window), dtype=torch.int64, device=positions.device)
+    written = torch.empty(keep, dtype=torch.int64, device=positions.device)
+    _window_source_kernel[(rows,)](positions, slots, idx, written, n, keep, WINDOW=window, CAPACITY=capacity,
+                                   BW=triton.next_power_of_2(window), num_warps=4, enable_fp_fusion=FP_FUSION,
+                                   launch_pdl=PDL_LAUNCH)
+    return slots, idx, written
+
+
+@triton.jit(do_not_specialize=["offset"])
+def _attention_indices_kernel(w_ptr, p_ptr, o_ptr, W, P, offset, LOCAL: tl.constexpr, BW: tl.constexpr,
+                              BP: tl.constexpr):
+    """Program r: row r's window indices, then its picks (their slots r * P + j when LOCAL) past `offset`,
+    scattered valid-first in order -- a valid entry to the count of valid ones before it, a -1 to the end --
+    which is the reference's stable sort of the concatenation by validity."""
+    grid_entry()
+    r = tl.program_id(0).to(tl.int64)
+    jw, jp = tl.arange(0, BW), tl.arange(0, BP)
+    a = tl.load(w_ptr + r * W + jw, mask=jw < W, other=-1)
+    b = tl.load(p_ptr + r * P + jp, mask=jp < P, other=-1)
+    if LOCAL:
+        b = tl.where(b >= 0, r * P + jp, -1)
+    b = tl.where(b >= 0, b + offset, -1)
+    va, vb = (a >= 0).to(tl.int32), (b >= 0).to(tl.int32)
+    ca, cb = tl.cumsum(va, 0), tl.cumsum(vb, 0)  # valid entries up to and including each lane
+    na, nb = tl.sum(va, 0), tl.sum(vb, 0)
+    pa = tl.where(va != 0, ca - 1, na + nb + jw - ca)
+    pb = tl.where(vb != 0, na + cb - 1, nb + W + jp - cb)
+    out = o_ptr + r * (W + P)
+    tl.store(out + pa, a, mask=jw < W)
+    tl.store(out + pb, b, mask=jp < P)
+
+
+def attention_indices(window_idx: torch.Tensor, picks: torch.Tensor, offset: int, local: bool) -> torch.Tensor:
+    """model/attention.attention_indices in one launch (int64 [rows, window] and [rows, topk] -> int64
+    [rows, window + topk]), entry for entry."""
+    window_idx, picks = window_idx.contiguous(), picks.contiguous()
+    assert window_idx.dtype == picks.dtype == torch.int64 and window_idx.size(0) == picks.size(0)
+    (rows, w), p = window_idx.shape, picks.size(1)
+    out = torch.empty((rows, w + p), dtype=torch.int64, device=picks.device)
+    if rows:
+        _attention_indices_kernel[(rows,)](window_idx, picks, out, w, p, offset, LOCAL=local,
+                                           BW=triton.next_power_of_2(w), BP=triton.next_power_of_2(p),
+                                           num_warps=4, enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
+    return out
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,

@@ -106,13 +106,17 @@ def _fp4_quant_packed_kernel(x_ptr, o_ptr, R, GPE, W, E4M3_SCALE: tl.constexpr, 
 
 
 @triton.jit
-def _fp4_dequant_packed_kernel(p_ptr, o_ptr, R, GPE, W, E4M3_SCALE: tl.constexpr, G: tl.constexpr,
-                               BR: tl.constexpr):
-    """Packed groups -> bf16 values: code x scale (exact in fp32 and in bf16), as packing.dequant_packed."""
+def _fp4_dequant_packed_kernel(p_ptr, pick_ptr, o_ptr, R, GPE, W, E4M3_SCALE: tl.constexpr, G: tl.constexpr,
+                               BR: tl.constexpr, PICKED: tl.constexpr):
+    """Packed groups -> bf16 values: code x scale (exact in fp32 and in bf16), as packing.dequant_packed; with
+    PICKED, output row i decodes packed row pick[i] (row 0 for a -1)."""
     grid_entry()
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     rmask = rows < R
-    base = (rows // GPE) * W
+    if PICKED:
+        base = tl.maximum(tl.load(pick_ptr + rows // GPE, mask=rmask, other=0), 0) * W
+    else:
+        base = (rows // GPE) * W
     group = rows % GPE
     b = tl.load(p_ptr + (base + group * (G // 2))[:, None] + tl.arange(0, G // 2)[None, :], mask=rmask[:, None],
                 other=0).to(tl.int32)
@@ -148,14 +152,26 @@ def fp4_quant_packed(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Ten
 
 def fp4_dequant_packed(packed: torch.Tensor, d: int, block: int, e4m3_scale: bool) -> torch.Tensor:
     """packing.dequant_packed in one kernel (uint8 [n, d/2 + d/block] -> bf16 [n, d]), bit for bit."""
+    return _dequant(packed, None, d, block, e4m3_scale)
+
+
+def fp4_dequant_picked(packed: torch.Tensor, picks: torch.Tensor, d: int, block: int, e4m3_scale: bool
+                       ) -> torch.Tensor:
+    """model/attention.picked_entries in one kernel: the packed rows `picks` names (int64, any shape; -1 reads
+    row 0), decoded, a row a pick -- the gather inside the decode's loads."""
+    return _dequant(packed, picks.flatten().contiguous(), d, block, e4m3_scale)
+
+
+def _dequant(packed: torch.Tensor, picks: torch.Tensor | None, d: int, block: int, e4m3_scale: bool) -> torch.Tensor:
     check_width(packed, d, block)
     packed = packed.contiguous()
-    n, gpe = packed.size(0), d // block
+    n, gpe = (packed.size(0) if picks is None else picks.numel()), d // block
     out = torch.empty((n, d), dtype=torch.bfloat16, device=packed.device)
     if n:
         _fp4_dequant_packed_kernel[(triton.cdiv(n * gpe, FAKE_QUANT_ROWS),)](
-            packed, out, n * gpe, gpe, packed.size(1), E4M3_SCALE=e4m3_scale, G=block, BR=FAKE_QUANT_ROWS,
-            num_warps=4, enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
+            packed, packed if picks is None else picks, out, n * gpe, gpe, packed.size(1), E4M3_SCALE=e4m3_scale,
+            G=block, BR=FAKE_QUANT_ROWS, PICKED=picks is not None, num_warps=4, enable_fp_fusion=False,
+            launch_pdl=PDL_LAUNCH)
     return out
 
 
