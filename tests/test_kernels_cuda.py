@@ -383,17 +383,30 @@ def test_packed_fp4_state_kernels_are_byte_exact():
 
 
 def test_attention_indices_kernel_gives_the_models_indices():
-    """The window ring's slots and indices from the positions, and the attention's indices (the window's, then
-    the picks past the window source, valid entries first in order), a launch each, as model/attention.py
-    composes them (decode and chunk rows, padding rows, chunks longer than the ring)."""
-    from dsflash.model.attention import attention_indices, window_source
+    """The window ring's slots and indices from the positions, the source rows with the ring's update, and the
+    attention's indices (the window's, then the picks past the window source, valid entries first in order),
+    a launch each, as model/attention.py composes them (decode and chunk rows, padding rows, chunks longer than
+    the ring)."""
+    from dsflash.model.attention import attention_indices, window_rows, window_source
+    from dsflash.model.state import PositionRing
     g, ref = gen(17), load_kernels("cpu")
-    for rows, window, p0, topk, entries in ((1, 128, 5000, 512, 1300), (8, 128, 60, 512, 30), (64, 128, 0, 64, 16)):
+    for rows, window, p0, topk, entries in ((1, 128, 5000, 512, 1300), (8, 128, 60, 512, 30), (64, 128, 0, 64, 16),
+                                            (300, 128, 7, 64, 40)):
         positions = torch.arange(p0, p0 + rows)
         for n, capacity in ((rows, window), (max(1, rows - 1), window), (rows, max(1, rows // 2))):
             got = kc.window_source(positions.to(DEV), n, window, capacity)
             for a, b in zip(got, window_source(ref, positions, n, window, capacity), strict=True):
                 assert torch.equal(a.cpu(), b), (rows, n, capacity)
+        # the source rows and the ring's update in one launch: every slot read before it is written
+        for n in (rows, max(1, rows - 1)):
+            ring = PositionRing(window, (512,), torch.bfloat16)
+            ring.data.copy_(torch.randn(window, 512, generator=g))
+            kv, comp = torch.randn(rows, 512, generator=g).bfloat16(), torch.randn(9, 512, generator=g).bfloat16()
+            slots, _, written = window_source(ref, positions, n, window, window)
+            ring_gpu = ring.data.to(DEV)
+            want = window_rows(ref, ring, slots, written, kv, n, comp)
+            got = kc.window_rows(ring_gpu, slots.to(DEV), kv.to(DEV), n, comp.to(DEV))
+            assert torch.equal(got.cpu(), want) and torch.equal(ring_gpu.cpu(), ring.data), (rows, n)
         _, window_idx, _ = window_source(ref, positions, rows, window, window)
         picks = torch.where(torch.rand(rows, topk, generator=g) < 0.4, -1,
                             torch.randint(0, entries, (rows, topk), generator=g))

@@ -271,7 +271,8 @@ fused = dataclasses.replace(composed, rms_norm=cuda.rms_norm, rms_scale=cuda.rms
                             expand=cuda.expand, moe_sum=cuda.moe_sum, fp8_fake_quant=cuda.fp8_fake_quant,
                             fp4_fake_quant=cuda.fp4_fake_quant, fp4_quant_packed=cuda.fp4_quant_packed,
                             fp4_dequant_packed=cuda.fp4_dequant_packed, rope_rotate=cuda.rope_rotate,
-                            fp4_dequant_picked=cuda.fp4_dequant_picked, attention_indices=cuda.attention_indices)
+                            fp4_dequant_picked=cuda.fp4_dequant_picked, attention_indices=cuda.attention_indices,
+                            window_source=cuda.window_source, window_rows=cuda.window_rows)
 ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(0))
 logits = []
 for kernels in (composed, fused):
@@ -348,11 +349,13 @@ ATTENTION_INDEX_SCRIPT = """
 import torch
 from dsflash.kernels import cuda, load_kernels
 from dsflash.model import attention
+from dsflash.model.state import PositionRing
 from dsflash.numerics import packing
 
 g = torch.Generator().manual_seed(0)
 ref = load_kernels("cpu")
-for rows, window, p0, topk, entries in ((1, 128, 900, 64, 300), (5, 16, 3, 24, 40), (3, 8, 0, 5, 7), (2, 4, 1, 1, 3)):
+for rows, window, p0, topk, entries in ((1, 128, 900, 64, 300), (5, 16, 3, 24, 40), (3, 8, 0, 5, 7), (2, 4, 1, 1, 3),
+                                        (11, 4, 6, 2, 5)):
     positions = torch.arange(p0, p0 + rows)
     _, window_idx, _ = attention.window_source(ref, positions, rows, window, window)
     # the indexer's picks: ascending, -1 padded, some rows with none, some full
@@ -372,6 +375,17 @@ for rows, window, p0, topk, entries in ((1, 128, 900, 64, 300), (5, 16, 3, 24, 4
         for got, want in zip(cuda.window_source(positions, n, window, capacity),
                              attention.window_source(ref, positions, n, window, capacity), strict=True):
             assert torch.equal(got, want), (rows, p0, n, capacity)
+    # the source rows and the ring's update (its capacity the window): every slot read before it is written
+    for n, comp in ((rows, None), (max(1, rows - 1), torch.randn(7, 16, generator=g).bfloat16())):
+        ring = PositionRing(window, (16,), torch.bfloat16)
+        ring.data.copy_(torch.randn(window, 16, generator=g))
+        kv = torch.randn(rows, 16, generator=g).bfloat16()
+        slots, _, written = attention.window_source(ref, positions, n, window, window)
+        before = ring.data.clone()
+        want = attention.window_rows(ref, ring, slots, written, kv, n, comp)
+        ring_want, ring.data = ring.data, before
+        got = cuda.window_rows(ring.data, slots, kv, n, comp)
+        assert torch.equal(got, want) and torch.equal(ring.data, ring_want), (rows, n, comp is None)
     # the picked entries, decoded inside the gather
     values = (torch.randn(entries, 64, generator=g) * 3).bfloat16()
     packed = packing.quant_packed(values, *packing.ENTRY)
@@ -382,10 +396,11 @@ print("ok")
 
 
 def test_attention_index_kernels_under_the_interpreter():
-    """The window ring's slots and indices from the positions, the attention's indices (the window's, then the
-    picks past the window source, valid entries first in order) and the picked entries decoded inside their
-    gather, each one CUDA launch, equal the model's torch formulas (model/attention.py) on decode- and
-    chunk-shaped rows (padding rows, chunks longer than the ring), locally numbered picks or not."""
+    """The window ring's slots and indices from the positions, the source rows with the ring's update, the
+    attention's indices (the window's, then the picks past the window source, valid entries first in order)
+    and the picked entries decoded inside their gather, each one CUDA launch, equal the model's torch formulas
+    (model/attention.py) on decode- and chunk-shaped rows (padding rows, chunks longer than the ring), locally
+    numbered picks or not."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", ATTENTION_INDEX_SCRIPT], env=env, capture_output=True, text=True,
                        timeout=600)
@@ -561,6 +576,8 @@ def test_new_kernels_compile_for_sm90():
                "BE": configs.INDEX_SCORE_ENTRIES})
     check(attention._add_rows_fixed_point_kernel, {"src_ptr": "*fp32", "idx_ptr": "*i64", "dst_ptr": "*i64",
                                                    "factor_ptr": "*fp32"}, {"BLOCK_M": 64, "BLOCK_D": 64})
+    check(attention._window_rows_kernel, {"ring_ptr": "*bf16", "slot_ptr": "*i64", "kv_ptr": "*bf16",
+                                          "comp_ptr": "*bf16", "o_ptr": "*bf16"}, {"D": 512, "WINDOW": 128, "BD": 512})
     check(attention._window_source_kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64", "idx_ptr": "*i64",
                                             "written_ptr": "*i64"}, {"WINDOW": 128, "CAPACITY": 128, "BW": 128})
     for local in (False, True):

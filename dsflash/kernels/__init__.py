@@ -44,7 +44,7 @@ def _reference(device: torch.device) -> Kernels[list[Weight]]:
         mean_square=cpu.mean_square, row_sum=cpu.row_sum, small_sum=cpu.small_sum, stream_mean=cpu.stream_mean,
         rms_norm=cpu.rms_norm, rms_scale=cpu.rms_scale, fp8_fake_quant=fp8_fake_quant, fp4_fake_quant=fp4_fake_quant,
         fp4_quant_packed=quant_packed, fp4_dequant_packed=dequant_packed, fp4_dequant_picked=None,
-        window_source=None, attention_indices=None, collapse=None, expand=None,
+        window_source=None, window_rows=None, attention_indices=None, collapse=None, expand=None,
         moe_sum=cpu.moe_sum, swiglu=cpu.swiglu, softmax_pool=None, engram_rows=cpu.engram_rows,
         engram_gate=None, rope_rotate=cpu.rope_rotate, weight=weight)
 

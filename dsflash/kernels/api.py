@@ -44,11 +44,11 @@ class Kernels(Generic[BankT]):
     `expert_linear` takes).
 
     The fused ops (`moe_route`, `collapse`, `expand`, `softmax_pool`, `engram_gate`, `window_source`,
-    `attention_indices`, `fp4_dequant_picked`) are optional: the formula each one fuses is the model's
-    (dsflash/model: moe.route, mhc.hc_pre, mhc.hc_post, attention.softmax_pool, engram.engram_gate,
-    attention.window_source, attention.attention_indices, attention.picked_entries), written from this
-    record's primitive ops; None (the reference backend) runs that formula, and a fused kernel must give its
-    bits on its backend."""
+    `window_rows`, `attention_indices`, `fp4_dequant_picked`) are optional: the formula each one fuses is the
+    model's (dsflash/model: moe.route, mhc.hc_pre, mhc.hc_post, attention.softmax_pool, engram.engram_gate,
+    attention.window_source, attention.window_rows, attention.attention_indices, attention.picked_entries),
+    written from this record's primitive ops; None (the reference backend) runs that formula, and a fused
+    kernel must give its bits on its backend."""
 
     name: str
     device: torch.device
@@ -95,6 +95,8 @@ class Kernels(Generic[BankT]):
     fp4_dequant_picked: Callable[[Tensor, Tensor, int, int, bool], Tensor] | None
     # attention.window_source: (positions, n, window, capacity) -> (ring slots read, indices, ring slots written)
     window_source: Callable[[Tensor, int, int, int], tuple[Tensor, Tensor, Tensor]] | None
+    # attention.window_rows: (ring rows, slots, kv, n, compressed rows or None) -> the source rows (the ring updated)
+    window_rows: Callable[[Tensor, Tensor, Tensor, int, Tensor | None], Tensor] | None
     # attention.attention_indices: (window indices, picks, offset, local) -> the attention's indices
     attention_indices: Callable[[Tensor, Tensor, int, bool], Tensor] | None
     collapse: Callable[[Tensor, Tensor], Tensor] | None  # model/mhc.py hc_pre: (h, pre_mix) -> [N, D]

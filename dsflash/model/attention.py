@@ -41,6 +41,21 @@ def window_source(k: Kernels, positions: torch.Tensor, n: int, window: int, capa
             positions[n - keep:n] % capacity)
 
 
+def window_rows(k: Kernels, ring: PositionRing, slots: torch.Tensor, written: torch.Tensor, kv: torch.Tensor, n: int,
+                comp: torch.Tensor | None) -> torch.Tensor:
+    """The attention's source rows -- the ring's rows at `slots` (window_source's), the chunk's kv rows, then
+    the compressed rows if any -- as a new tensor, then the chunk's last real kv rows into the ring at
+    `written` (the source keeps the rows it read). `k.window_rows`, where the backend fuses the gather, the
+    concatenation and the ring's write (for a ring of exactly the window's slots: each slot read, then written)."""
+    if k.window_rows is not None and ring.capacity == slots.numel():
+        return k.window_rows(ring.data, slots, kv, n, comp)
+    # the gather and the concatenation cost ~3 µs of GPU time in a graph; reading the three sources in place
+    # doubled the attention kernel's time (docs/rejected-ideas.md)
+    source = torch.cat([ring.data[slots], kv, *([] if comp is None else [comp])])
+    ring.data[written] = kv[n - written.numel():n]
+    return source
+
+
 def attention_indices(k: Kernels, window_idx: torch.Tensor, picks: torch.Tensor, offset: int, local: bool
                       ) -> torch.Tensor:
     """The attention's indices [rows, window + topk]: the window's, then the compressed picks past the window
@@ -326,20 +341,13 @@ class Attention:
         """What the rows attend to -- the window ring, the chunk's rows and (ratio > 0) the chunk's picks, as
         (source rows, indices) -- then the chunk's rows into the ring (the source is a copy). Fixed shapes for
         a row count, positions by device tensors: CUDA graphs capture it (model/transformer.py)."""
-        n = chunk.n
-        ring = self.window_ring(chunk.state)
         slots, idx, written = self._window(chunk)
-        parts = [ring.data[slots], kv]
+        comp = None
         if self.ratio:
             if chunk.picks is None:  # dropped with the rows of a tail-mode forward
                 chunk.picks = self._picks(chunk)
             comp, idx = chunk.picks
-            parts.append(comp)
-        # the gather and the concatenation cost ~3 µs of GPU time in a graph; reading the three sources in
-        # place doubled the attention kernel's time (docs/rejected-ideas.md)
-        source = torch.cat(parts)
-        ring.data[written] = kv[n - written.numel():n]
-        return source, idx
+        return window_rows(self.k, self.window_ring(chunk.state), slots, written, kv, chunk.n, comp), idx
 
     def _window(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """window_source of the chunk, made once: alike for every layer (all rings have one capacity)."""

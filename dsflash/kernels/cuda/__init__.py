@@ -4,8 +4,8 @@ family; `kernels(device)` builds the backend's `Kernels`.
 - gemm: activation quantisation, the block-scaled FP8/FP4 and the plain bf16/fp32 GEMMs, `linear`,
   `grouped_linear`; weights: the kernels' weight layout (`CudaWeight`) and FP4 -> E4M3 widening;
   experts: the routed experts' bank and `expert_linear`
-- attention: `sparse_attn`, `window_source`, `attention_indices` (and the training backward's fixed-point row
-  sums); indexer: `index_scores`, `topk_indices`, `candidate_blocks`; router: `moe_route`
+- attention: `sparse_attn`, `window_source`, `window_rows`, `attention_indices` (and the training backward's
+  fixed-point row sums); indexer: `index_scores`, `topk_indices`, `candidate_blocks`; router: `moe_route`
 - mhc: `hc_split_sinkhorn` (and its backward, for training), `collapse`, `expand`; quant: the KV / index fake
   quantisation and the packed FP4 state (numerics/packing.py's bytes)
 - elementwise: the fixed-order row sums and RMS ops, the MoE sum, SwiGLU, the compressor's pooling,
@@ -26,7 +26,7 @@ import torch
 from dsflash.kernels.api import Kernels
 from dsflash.kernels.cpu import Weight
 
-from .attention import add_rows_fixed_point, attention_indices, sparse_attn, window_source
+from .attention import add_rows_fixed_point, attention_indices, sparse_attn, window_rows, window_source
 from .configs import SLOT_MOE_ROWS
 from .elementwise import (
     engram_gate,
@@ -55,7 +55,8 @@ __all__ = ["kernels", "CudaWeight", "ExpertBank", "to_cuda_weight", "fp4_words",
            "expert_put", "expert_linear", "sparse_attn", "add_rows_fixed_point", "hc_split_sinkhorn",
            "hc_split_sinkhorn_backward", "index_scores", "topk_indices", "candidate_blocks", "moe_route", "mean_square",
            "row_sum", "small_sum", "stream_mean", "rms_norm", "rms_scale", "fp8_fake_quant", "fp4_fake_quant",
-           "fp4_quant_packed", "fp4_dequant_packed", "fp4_dequant_picked", "window_source", "attention_indices",
+           "fp4_quant_packed", "fp4_dequant_packed", "fp4_dequant_picked", "window_source", "window_rows",
+           "attention_indices",
            "collapse", "expand", "moe_sum", "swiglu", "softmax_pool", "engram_rows", "engram_gate", "rope_rotate"]
 
 
@@ -79,7 +80,7 @@ def kernels(device: torch.device) -> Kernels[ExpertBank]:
         row_sum=row_sum, small_sum=small_sum, stream_mean=stream_mean, rms_norm=rms_norm, rms_scale=rms_scale,
         fp8_fake_quant=fp8_fake_quant, fp4_fake_quant=fp4_fake_quant, fp4_quant_packed=fp4_quant_packed,
         fp4_dequant_packed=fp4_dequant_packed, fp4_dequant_picked=fp4_dequant_picked,
-        window_source=window_source, attention_indices=attention_indices, collapse=collapse, expand=expand,
-        moe_sum=moe_sum, swiglu=swiglu,
-        softmax_pool=softmax_pool, engram_rows=engram_rows, engram_gate=engram_gate, rope_rotate=rope_rotate,
+        window_source=window_source, window_rows=window_rows, attention_indices=attention_indices,
+        collapse=collapse, expand=expand, moe_sum=moe_sum, swiglu=swiglu, softmax_pool=softmax_pool,
+        engram_rows=engram_rows, engram_gate=engram_gate, rope_rotate=rope_rotate,
         weight=weight)

@@ -3,7 +3,8 @@ the reference's blocks of 64 indices (cpu.SPARSE_ATTN_BLOCK) with the probabilit
 the PV product, fp32 running max/denominator, sink added last. Each program computes every score; up to 64
 queries split the 512 output channels 4 ways. And the indices it reads: the window's and the compressed picks'
 merged valid-first in one launch (`attention_indices`), the window's from the positions in another
-(`window_source`)."""
+(`window_source`), and its source rows gathered from the window ring, the chunk and the picks with the ring's
+update in a third (`window_rows`)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,46 @@ def window_source(positions: torch.Tensor, n: int, window: int, capacity: int
                                    BW=triton.next_power_of_2(window), num_warps=4, enable_fp_fusion=FP_FUSION,
                                    launch_pdl=PDL_LAUNCH)
     return slots, idx, written
+
+
+@triton.jit(do_not_specialize=["rows", "n", "keep"])
+def _window_rows_kernel(ring_ptr, slot_ptr, kv_ptr, comp_ptr, o_ptr, rows, n, keep, D: tl.constexpr,
+                        WINDOW: tl.constexpr, BD: tl.constexpr):
+    """Program i: source row i -- ring row slots[i] for i < WINDOW, then the chunk's kv rows, then the compressed
+    rows. A ring program then writes the chunk's real kv row that goes to its slot (the rows r = n-keep.. n-1
+    go to slots[r % WINDOW] when the ring holds exactly the window), after the barrier that ends its read."""
+    grid_entry()
+    i = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BD)
+    mask = d < D
+    if i < WINDOW:
+        slot = tl.load(slot_ptr + i)
+        tl.store(o_ptr + i * D + d, tl.load(ring_ptr + slot * D + d, mask=mask), mask=mask)
+        t = ((i - (n - keep)) % WINDOW + WINDOW) % WINDOW  # which of the written rows lands in this slot
+        if t < keep:
+            row = tl.load(kv_ptr + (n - keep + t) * D + d, mask=mask)
+            tl.debug_barrier()  # every thread's read of the old row is done
+            tl.store(ring_ptr + slot * D + d, row, mask=mask)
+    elif i < WINDOW + rows:
+        tl.store(o_ptr + i * D + d, tl.load(kv_ptr + (i - WINDOW) * D + d, mask=mask), mask=mask)
+    else:
+        tl.store(o_ptr + i * D + d, tl.load(comp_ptr + (i - WINDOW - rows) * D + d, mask=mask), mask=mask)
+
+
+def window_rows(ring: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, n: int, comp: torch.Tensor | None
+                ) -> torch.Tensor:
+    """model/attention.window_rows in one launch for a ring of exactly the window's slots: the source rows
+    (ring rows at `slots`, kv, comp) as a new tensor, and the chunk's last real kv rows into the ring."""
+    window, d = slots.numel(), kv.size(1)
+    assert ring.size(0) == window and ring.is_contiguous() and ring.dtype == kv.dtype == torch.bfloat16
+    kv, slots = kv.contiguous(), slots.contiguous()
+    comp = kv[:0] if comp is None else comp.contiguous()
+    rows = kv.size(0)
+    out = torch.empty((window + rows + comp.size(0), d), dtype=torch.bfloat16, device=kv.device)
+    _window_rows_kernel[(out.size(0),)](ring, slots, kv, comp, out, rows, n, min(n, window), D=d, WINDOW=window,
+                                        BD=triton.next_power_of_2(d), num_warps=4, enable_fp_fusion=FP_FUSION,
+                                        launch_pdl=PDL_LAUNCH)
+    return out
 
 
 @triton.jit(do_not_specialize=["offset"])
