@@ -397,15 +397,15 @@ def test_attention_indices_kernel_gives_the_models_indices():
             got = kc.window_source(positions.to(DEV), n, window, capacity)
             for a, b in zip(got, window_source(ref, positions, n, window, capacity), strict=True):
                 assert torch.equal(a.cpu(), b), (rows, n, capacity)
-        # the source rows and the ring's update in one launch: every slot read before it is written
+        # the source rows and the ring's update in one launch, where the ring holds the window and the chunk
         for n in (rows, max(1, rows - 1)):
-            ring = PositionRing(window, (512,), torch.bfloat16)
-            ring.data.copy_(torch.randn(window, 512, generator=g))
+            ring = PositionRing(window + 64 + n, (512,), torch.bfloat16)
+            ring.data.copy_(torch.randn(ring.capacity, 512, generator=g))
             kv, comp = torch.randn(rows, 512, generator=g).bfloat16(), torch.randn(9, 512, generator=g).bfloat16()
-            slots, _, written = window_source(ref, positions, n, window, window)
+            slots, _, written = window_source(ref, positions, n, window, ring.capacity)
             ring_gpu = ring.data.to(DEV)
             want = window_rows(ref, ring, slots, written, kv, n, comp)
-            got = kc.window_rows(ring_gpu, slots.to(DEV), kv.to(DEV), n, comp.to(DEV))
+            got = kc.window_rows(ring_gpu, slots.to(DEV), written.to(DEV), kv.to(DEV), n, comp.to(DEV))
             assert torch.equal(got.cpu(), want) and torch.equal(ring_gpu.cpu(), ring.data), (rows, n)
         _, window_idx, _ = window_source(ref, positions, rows, window, window)
         picks = torch.where(torch.rand(rows, topk, generator=g) < 0.4, -1,

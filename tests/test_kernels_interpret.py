@@ -346,6 +346,7 @@ print("ok")
 
 
 ATTENTION_INDEX_SCRIPT = """
+import dataclasses
 import torch
 from dsflash.kernels import cuda, load_kernels
 from dsflash.model import attention
@@ -375,17 +376,20 @@ for rows, window, p0, topk, entries in ((1, 128, 900, 64, 300), (5, 16, 3, 24, 4
         for got, want in zip(cuda.window_source(positions, n, window, capacity),
                              attention.window_source(ref, positions, n, window, capacity), strict=True):
             assert torch.equal(got, want), (rows, p0, n, capacity)
-    # the source rows and the ring's update (its capacity the window): every slot read before it is written
+    # the source rows and the ring's update: fused where the ring holds the window and the chunk (no slot written
+    # is read), the formula otherwise (a chunk that wraps the ring)
+    fused = dataclasses.replace(ref, window_rows=cuda.window_rows)
     for n, comp in ((rows, None), (max(1, rows - 1), torch.randn(7, 16, generator=g).bfloat16())):
-        ring = PositionRing(window, (16,), torch.bfloat16)
-        ring.data.copy_(torch.randn(window, 16, generator=g))
-        kv = torch.randn(rows, 16, generator=g).bfloat16()
-        slots, _, written = attention.window_source(ref, positions, n, window, window)
-        before = ring.data.clone()
-        want = attention.window_rows(ref, ring, slots, written, kv, n, comp)
-        ring_want, ring.data = ring.data, before
-        got = cuda.window_rows(ring.data, slots, kv, n, comp)
-        assert torch.equal(got, want) and torch.equal(ring.data, ring_want), (rows, n, comp is None)
+        for capacity in (window + n, window + n + 5, window):
+            ring = PositionRing(capacity, (16,), torch.bfloat16)
+            ring.data.copy_(torch.randn(capacity, 16, generator=g))
+            kv = torch.randn(rows, 16, generator=g).bfloat16()
+            slots, _, written = attention.window_source(ref, positions, n, window, capacity)
+            before = ring.data.clone()
+            want = attention.window_rows(ref, ring, slots, written, kv, n, comp)
+            ring_want, ring.data = ring.data, before
+            got = attention.window_rows(fused, ring, slots, written, kv, n, comp)
+            assert torch.equal(got, want) and torch.equal(ring.data, ring_want), (rows, n, capacity)
     # the picked entries, decoded inside the gather
     values = (torch.randn(entries, 64, generator=g) * 3).bfloat16()
     packed = packing.quant_packed(values, *packing.ENTRY)
@@ -576,8 +580,9 @@ def test_new_kernels_compile_for_sm90():
                "BE": configs.INDEX_SCORE_ENTRIES})
     check(attention._add_rows_fixed_point_kernel, {"src_ptr": "*fp32", "idx_ptr": "*i64", "dst_ptr": "*i64",
                                                    "factor_ptr": "*fp32"}, {"BLOCK_M": 64, "BLOCK_D": 64})
-    check(attention._window_rows_kernel, {"ring_ptr": "*bf16", "slot_ptr": "*i64", "kv_ptr": "*bf16",
-                                          "comp_ptr": "*bf16", "o_ptr": "*bf16"}, {"D": 512, "WINDOW": 128, "BD": 512})
+    check(attention._window_rows_kernel, {"ring_ptr": "*bf16", "slot_ptr": "*i64", "written_ptr": "*i64",
+                                          "kv_ptr": "*bf16", "comp_ptr": "*bf16", "o_ptr": "*bf16"},
+          {"D": 512, "WINDOW": 128, "BD": 512})
     check(attention._window_source_kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64", "idx_ptr": "*i64",
                                             "written_ptr": "*i64"}, {"WINDOW": 128, "CAPACITY": 128, "BW": 128})
     for local in (False, True):

@@ -95,8 +95,9 @@ class Kernels(Generic[BankT]):
     fp4_dequant_picked: Callable[[Tensor, Tensor, int, int, bool], Tensor] | None
     # attention.window_source: (positions, n, window, capacity) -> (ring slots read, indices, ring slots written)
     window_source: Callable[[Tensor, int, int, int], tuple[Tensor, Tensor, Tensor]] | None
-    # attention.window_rows: (ring rows, slots, kv, n, compressed rows or None) -> the source rows (the ring updated)
-    window_rows: Callable[[Tensor, Tensor, Tensor, int, Tensor | None], Tensor] | None
+    # attention.window_rows: (ring rows, slots, written slots, kv, n, compressed rows or None) -> the source rows
+    # (the ring updated)
+    window_rows: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor | None], Tensor] | None
     # attention.attention_indices: (window indices, picks, offset, local) -> the attention's indices
     attention_indices: Callable[[Tensor, Tensor, int, bool], Tensor] | None
     collapse: Callable[[Tensor, Tensor], Tensor] | None  # model/mhc.py hc_pre: (h, pre_mix) -> [N, D]

@@ -46,9 +46,10 @@ def window_rows(k: Kernels, ring: PositionRing, slots: torch.Tensor, written: to
     """The attention's source rows -- the ring's rows at `slots` (window_source's), the chunk's kv rows, then
     the compressed rows if any -- as a new tensor, then the chunk's last real kv rows into the ring at
     `written` (the source keeps the rows it read). `k.window_rows`, where the backend fuses the gather, the
-    concatenation and the ring's write (for a ring of exactly the window's slots: each slot read, then written)."""
-    if k.window_rows is not None and ring.capacity == slots.numel():
-        return k.window_rows(ring.data, slots, kv, n, comp)
+    concatenation and the ring's write, when no slot written is read: the ring holds the window, n rows and
+    more (a decode step's rows fit its rollback rows; a long prefill chunk wraps)."""
+    if k.window_rows is not None and ring.capacity >= slots.numel() + n:
+        return k.window_rows(ring.data, slots, written, kv, n, comp)
     # the gather and the concatenation cost ~3 µs of GPU time in a graph; reading the three sources in place
     # doubled the attention kernel's time (docs/rejected-ideas.md)
     source = torch.cat([ring.data[slots], kv, *([] if comp is None else [comp])])

@@ -99,40 +99,38 @@ def window_source(positions: torch.Tensor, n: int, window: int, capacity: int
 
 
 @triton.jit(do_not_specialize=["rows", "n", "keep"])
-def _window_rows_kernel(ring_ptr, slot_ptr, kv_ptr, comp_ptr, o_ptr, rows, n, keep, D: tl.constexpr,
+def _window_rows_kernel(ring_ptr, slot_ptr, written_ptr, kv_ptr, comp_ptr, o_ptr, rows, n, keep, D: tl.constexpr,
                         WINDOW: tl.constexpr, BD: tl.constexpr):
     """Program i: source row i -- ring row slots[i] for i < WINDOW, then the chunk's kv rows, then the compressed
-    rows. A ring program then writes the chunk's real kv row that goes to its slot (the rows r = n-keep.. n-1
-    go to slots[r % WINDOW] when the ring holds exactly the window), after the barrier that ends its read."""
+    rows; the program of each of the last `keep` real kv rows also writes it into the ring at its slot (no slot
+    read here: the caller's condition)."""
     grid_entry()
     i = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     mask = d < D
     if i < WINDOW:
-        slot = tl.load(slot_ptr + i)
-        tl.store(o_ptr + i * D + d, tl.load(ring_ptr + slot * D + d, mask=mask), mask=mask)
-        t = ((i - (n - keep)) % WINDOW + WINDOW) % WINDOW  # which of the written rows lands in this slot
-        if t < keep:
-            row = tl.load(kv_ptr + (n - keep + t) * D + d, mask=mask)
-            tl.debug_barrier()  # every thread's read of the old row is done
-            tl.store(ring_ptr + slot * D + d, row, mask=mask)
+        row = tl.load(ring_ptr + tl.load(slot_ptr + i) * D + d, mask=mask)
     elif i < WINDOW + rows:
-        tl.store(o_ptr + i * D + d, tl.load(kv_ptr + (i - WINDOW) * D + d, mask=mask), mask=mask)
+        row = tl.load(kv_ptr + (i - WINDOW) * D + d, mask=mask)
+        r = i - WINDOW - (n - keep)
+        if (r >= 0) & (r < keep):
+            tl.store(ring_ptr + tl.load(written_ptr + r) * D + d, row, mask=mask)
     else:
-        tl.store(o_ptr + i * D + d, tl.load(comp_ptr + (i - WINDOW - rows) * D + d, mask=mask), mask=mask)
+        row = tl.load(comp_ptr + (i - WINDOW - rows) * D + d, mask=mask)
+    tl.store(o_ptr + i * D + d, row, mask=mask)
 
 
-def window_rows(ring: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, n: int, comp: torch.Tensor | None
-                ) -> torch.Tensor:
-    """model/attention.window_rows in one launch for a ring of exactly the window's slots: the source rows
-    (ring rows at `slots`, kv, comp) as a new tensor, and the chunk's last real kv rows into the ring."""
-    window, d = slots.numel(), kv.size(1)
-    assert ring.size(0) == window and ring.is_contiguous() and ring.dtype == kv.dtype == torch.bfloat16
-    kv, slots = kv.contiguous(), slots.contiguous()
+def window_rows(ring: torch.Tensor, slots: torch.Tensor, written: torch.Tensor, kv: torch.Tensor, n: int,
+                comp: torch.Tensor | None) -> torch.Tensor:
+    """model/attention.window_rows in one launch, where no slot written is read (its condition): the source
+    rows (ring rows at `slots`, kv, comp) as a new tensor, and the chunk's last real kv rows into the ring."""
+    window, d, keep = slots.numel(), kv.size(1), written.numel()
+    assert ring.is_contiguous() and ring.dtype == kv.dtype == torch.bfloat16 and ring.size(0) >= window + n >= keep
+    kv, slots, written = kv.contiguous(), slots.contiguous(), written.contiguous()
     comp = kv[:0] if comp is None else comp.contiguous()
     rows = kv.size(0)
     out = torch.empty((window + rows + comp.size(0), d), dtype=torch.bfloat16, device=kv.device)
-    _window_rows_kernel[(out.size(0),)](ring, slots, kv, comp, out, rows, n, min(n, window), D=d, WINDOW=window,
+    _window_rows_kernel[(out.size(0),)](ring, slots, written, kv, comp, out, rows, n, keep, D=d, WINDOW=window,
                                         BD=triton.next_power_of_2(d), num_warps=4, enable_fp_fusion=FP_FUSION,
                                         launch_pdl=PDL_LAUNCH)
     return out
