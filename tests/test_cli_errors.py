@@ -73,6 +73,7 @@ def chat(url: str, script: str, *flags: str, env: dict | None = None) -> subproc
                           input=script, env=env or ENV, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_chat_takes_the_api_key_from_a_flag_or_the_environment(keyed):
     assert chat(keyed, "Hello\n", "--api-key", "s3cret").returncode == 0
     r = chat(keyed, "Hello\n", env={**ENV, "DSFLASH_API_KEY": "s3cret"})

@@ -166,7 +166,9 @@ DECODING = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, top_k=5
             SamplingParams(min_tokens=10, end_ids=tuple(range(0, 512, 2)))]  # odd tokens only, at first
 
 
-@pytest.mark.parametrize("params", DECODING)
+# ~8.5 s each on 2 cores: the default run drafts greedily here (test_accepted_drafts covers the samplers)
+@pytest.mark.parametrize("params", [DECODING[0], pytest.param(DECODING[1], marks=SLOW), *DECODING[2:4],
+                                    pytest.param(DECODING[4], marks=SLOW)])
 def test_dspark_output_equals_plain_decoding(engine, params):
     for seed in range(4):
         ids = prompt(20 + 9 * seed, seed=seed)
@@ -197,7 +199,7 @@ def test_accepted_drafts_give_plain_decoding(engine, params):
     assert stats.accepted > 0 and stats.accepted < stats.drafted
 
 
-@pytest.mark.parametrize("params", DECODING[:2], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [DECODING[0], pytest.param(DECODING[1], marks=SLOW)], ids=["greedy", "seeded"])
 def test_capped_reasoning_and_drafts(engine, params):
     """A reasoning budget forces the reasoning's end token after that many tokens (a draft sure to verify),
     and the tokens after it, one per step by hand or with partly right drafts, are the same."""

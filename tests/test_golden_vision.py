@@ -291,6 +291,7 @@ def _forward(model, ids, types, rows, select=None, chunks=None, trace=None):
     return torch.cat(out)
 
 
+@pytest.mark.slow  # ~7 s on 2 cores; the default run keeps the split with an image (test_images)
 def test_chunked_prefill_with_an_image_is_bit_identical(case, engine, engine_outputs):
     """Chunking never changes a position's bits, image spans included (chunks cut through the span; the
     reference itself requires the span in one chunk)."""

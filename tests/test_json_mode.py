@@ -126,6 +126,7 @@ def test_thinking_starts_the_mask_after_the_reasoning(vocab):
     assert capped.allowed()[tok.token_to_id("{")] and capped.reasoning == 2
 
 
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_json_decoding_with_drafts_is_exact(vocab):
     from dsflash.engine.session import Engine
 

@@ -444,6 +444,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # ~6 s on 2 cores
 def test_moe_route_kernel_under_the_fixed_interpreter():
     """The route kernel picks the composition's experts (descending, lowest id among equal scores, -0 = +0;
     or by id) and gives its weights (within the interpreter's numpy exp / log1p), a row's alone as in the

@@ -127,6 +127,7 @@ def test_end_tokens_min_tokens_and_ignore_eos(oai):
     assert (r.choices[0].finish_reason, r.usage.completion_tokens, r.choices[0].text) == ("stop", 1, "")
 
 
+@pytest.mark.slow  # ~8 s on 2 cores
 def test_n_choices(oai, server):
     kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.9, seed=1,
               extra_body=NO_THINK)
@@ -404,6 +405,7 @@ def test_tool_call_round_trip_through_the_real_model(oai, claude, prompt_tokens)
     assert m.usage.input_tokens >= 1  # the last prompt token is always computed (its logits give the first)
 
 
+@pytest.mark.slow  # ~5 s on 2 cores; the default run keeps the tool-call round trip
 def test_tool_choice(oai, claude, server):
     """none keeps the tools out of the prompt; required/any and a named tool force a call (the DSML block
     and the invoke of a forced tool are forced tokens; the arguments are the model's), in every API and

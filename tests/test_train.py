@@ -428,6 +428,7 @@ def test_two_ranks_train_as_one_process_with_two_windows_a_step(data_dir, tmp_pa
     assert ranks != one
 
 
+@pytest.mark.slow  # ~12 s on 2 cores
 def test_the_saved_checkpoint_decodes_and_drafts_like_plain_decoding(data_dir, tmp_path):
     out = tmp_path / "run"
     assert train_main(["--data", str(data_dir), "--out", str(out), "--smoke", "--seq-len", "96", "--steps", "6",
