@@ -26,7 +26,8 @@
 # scale instead of two; it applies with or without the cuda1 patch). `... pdl` (~6 minutes): programmatic dependent
 # launch (DSFLASH_PDL=1, kernels/cuda/common.py) and with the decode GEMMs' weight prefetch before the wait
 # (DSFLASH_PDL=prefetch) against plain launches on the same card, steps alternating 0 1 prefetch twice, prefill
-# each way, after the CUDA model tests with prefetch (the PDL bit test first). `DSFLASH_PDL=1 bash
+# each way, after the CUDA model tests with prefetch (the PDL bit test first). `... pdl-quick` (~4 minutes) the
+# new attention kernels' GPU tests, the model tests with prefetch and steps at L = 1, 5 each way. `DSFLASH_PDL=1 bash
 # bench/run_gpu.sh patch-step ...` measures patches with it.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -102,6 +103,18 @@ if [ "$part" = pdl ]; then
     done
   done
   for flag in 0 1 prefetch; do DSFLASH_PDL=$flag timeout 100 $prefill --out "$out/pdl${flag}a" 2>&1 | grep "^| [0-9]"; done
+fi
+if [ "$part" = pdl-quick ]; then  # ~4 minutes: the new attention kernels' GPU tests, the CUDA model tests with
+  # prefetch on, then one- and five-row steps with the switch 0, 1, prefetch, 0
+  quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5 --reps 5"
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py -k "attention_indices or packed_fp4" \
+    2>&1 | grep -E "^E  |FAILED|passed|failed" | tail -6
+  DSFLASH_PDL=prefetch timeout 150 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 \
+    | grep -E "tier|FAILED|passed|failed|Error" | tail -8
+  for run in 0 1 prefetch 0b; do
+    mkdir -p "$out/pdlq$run" && echo "DSFLASH_PDL=${run%b}"
+    DSFLASH_PDL=${run%b} timeout 60 $quick --out "$out/pdlq$run" 2>&1 | grep "^| [0-9]"
+  done
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   [ "$part" = ab ] && timeout 200 $step 2>&1 | tail -12
