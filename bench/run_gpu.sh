@@ -94,6 +94,8 @@ fi
 if [ "$part" = pdl ]; then
   quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 --reps 7"
   prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py -k "attention_indices or packed_fp4" \
+    2>&1 | grep -E "^E  |FAILED|passed|failed" | tail -6
   DSFLASH_PDL=prefetch timeout 200 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 \
     | grep -E "tier|FAILED|passed|failed|Error" | tail -8
   for round in a b; do
