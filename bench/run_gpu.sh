@@ -35,6 +35,14 @@ out=${OUT:-bench/results}
 part=${1:-all}
 step="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,2,4,5,8 --reps 5 --out $out"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+attention_kernel_tests() {  # the attention index kernels' GPU twins (pdl, pdl-quick)
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py -k "attention_indices or packed_fp4" \
+    2>&1 | grep -E "^E  |FAILED|passed|failed" | tail -6
+}
+model_tests_with_prefetch() {  # golden tiers, invariants and the PDL bit test with the weight prefetch on
+  DSFLASH_PDL=prefetch timeout 200 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 \
+    | grep -E "tier|FAILED|passed|failed|Error" | tail -8
+}
 if [ "$part" = all ] || [ "$part" = tests ]; then
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py 2>&1 \
     | grep -E "^E  |^tests/.*Error|FAILED|passed|failed" | tail -30
@@ -94,10 +102,8 @@ fi
 if [ "$part" = pdl ]; then
   quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 --reps 7"
   prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
-  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py -k "attention_indices or packed_fp4" \
-    2>&1 | grep -E "^E  |FAILED|passed|failed" | tail -6
-  DSFLASH_PDL=prefetch timeout 200 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 \
-    | grep -E "tier|FAILED|passed|failed|Error" | tail -8
+  attention_kernel_tests
+  model_tests_with_prefetch
   for round in a b; do
     for flag in 0 1 prefetch; do
       mkdir -p "$out/pdl$flag$round" && echo "DSFLASH_PDL=$flag ($round)"
@@ -109,10 +115,8 @@ fi
 if [ "$part" = pdl-quick ]; then  # ~4 minutes: the new attention kernels' GPU tests, the CUDA model tests with
   # prefetch on, then one- and five-row steps with the switch 0, 1, prefetch, 0
   quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5 --reps 5"
-  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py -k "attention_indices or packed_fp4" \
-    2>&1 | grep -E "^E  |FAILED|passed|failed" | tail -6
-  DSFLASH_PDL=prefetch timeout 150 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 \
-    | grep -E "tier|FAILED|passed|failed|Error" | tail -8
+  attention_kernel_tests
+  model_tests_with_prefetch
   for run in 0 1 prefetch 0b; do
     mkdir -p "$out/pdlq$run" && echo "DSFLASH_PDL=${run%b}"
     DSFLASH_PDL=${run%b} timeout 60 $quick --out "$out/pdlq$run" 2>&1 | grep "^| [0-9]"

@@ -56,8 +56,8 @@ __all__ = ["kernels", "CudaWeight", "ExpertBank", "to_cuda_weight", "fp4_words",
            "hc_split_sinkhorn_backward", "index_scores", "topk_indices", "candidate_blocks", "moe_route", "mean_square",
            "row_sum", "small_sum", "stream_mean", "rms_norm", "rms_scale", "fp8_fake_quant", "fp4_fake_quant",
            "fp4_quant_packed", "fp4_dequant_packed", "fp4_dequant_picked", "window_source", "window_rows",
-           "attention_indices",
-           "collapse", "expand", "moe_sum", "swiglu", "softmax_pool", "engram_rows", "engram_gate", "rope_rotate"]
+           "attention_indices", "collapse", "expand", "moe_sum", "swiglu", "softmax_pool", "engram_rows",
+           "engram_gate", "rope_rotate"]
 
 
 def kernels(device: torch.device) -> Kernels[ExpertBank]:

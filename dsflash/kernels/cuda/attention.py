@@ -64,11 +64,17 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, H, D, KI, scale
              mask=hmask[:, None] & omask[None, :])
 
 
+@triton.jit
+def _ring_slot(p, CAPACITY: tl.constexpr):
+    """A position's ring slot: the floor remainder, as torch's % of a negative position."""
+    return (p % CAPACITY + CAPACITY) % CAPACITY
+
+
 @triton.jit(do_not_specialize=["n", "keep"])
 def _window_source_kernel(pos_ptr, slot_ptr, idx_ptr, written_ptr, n, keep, WINDOW: tl.constexpr,
                           CAPACITY: tl.constexpr, BW: tl.constexpr):
     """Program r: row r's window indices; program 0 also the ring slots read, and each of the last `keep` real
-    rows its ring slot (floor remainders, as torch's % of a negative position)."""
+    rows its ring slot."""
     grid_entry()
     r = tl.program_id(0)
     j = tl.arange(0, BW)
@@ -77,9 +83,9 @@ def _window_source_kernel(pos_ptr, slot_ptr, idx_ptr, written_ptr, n, keep, WIND
     pos = tl.maximum(p - WINDOW + 1, 0) + j
     tl.store(idx_ptr + r.to(tl.int64) * WINDOW + j, tl.where(pos > p, -1, pos - first), mask=j < WINDOW)
     if r == 0:
-        tl.store(slot_ptr + j, ((first + j) % CAPACITY + CAPACITY) % CAPACITY, mask=j < WINDOW)
+        tl.store(slot_ptr + j, _ring_slot(first + j, CAPACITY), mask=j < WINDOW)
     if (r >= n - keep) & (r < n):
-        tl.store(written_ptr + r - (n - keep), (p % CAPACITY + CAPACITY) % CAPACITY)
+        tl.store(written_ptr + r - (n - keep), _ring_slot(p, CAPACITY))
 
 
 def window_source(positions: torch.Tensor, n: int, window: int, capacity: int
