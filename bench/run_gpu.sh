@@ -23,7 +23,8 @@
 # step profiles with the patch and without it; `... cuda1-quick` (~3 minutes) the patch's steps and its
 # decode-tile and expert bit tests, then main's steps. `... patch-step bench/experiments/fused_rms.patch` tests and
 # times the RMS kernels that sum their row's squares themselves (issue 22 item 4: one launch an RMSNorm and mix
-# scale instead of two; it applies with or without the cuda1 patch). `... pdl` (~6 minutes): programmatic dependent
+# scale instead of two; it applies with or without the cuda1 patch); `... patch-step bench/experiments/range_sums.patch`
+# the GEMMs' K-range sums by each tile's last program instead of a second launch (item 4). `... pdl` (~6 minutes): programmatic dependent
 # launch (DSFLASH_PDL=1, kernels/cuda/common.py) and with the decode GEMMs' weight prefetch before the wait
 # (DSFLASH_PDL=prefetch) against plain launches on the same card, steps alternating 0 1 prefetch twice, prefill
 # each way, after the CUDA model tests with prefetch (the PDL bit test first). `... pdl-quick` (~4 minutes) the
