@@ -5,9 +5,11 @@ half-up without carrying into the exponent, and its `tl.dot` runs numpy's matmul
 patterns of bf16 operands (integer garbage). Here conversions go through torch's casts (RNE, as the
 GPU) and dots widen their operands to fp32 first. Both are exact stand-ins for what the GPU computes
 on the values these kernels feed them (E4M3/E2M1 codes and bf16 values, whose products are exact in
-fp32); only the order of a block's 32-term sum may differ from the tensor cores'. libdevice's `exp`
+fp32); a dot of 16-bit operands runs as the tensor cores' chain of k16 steps, only the order of a step's 16
+terms may differ from theirs. libdevice's `exp`
 (no interpreter form: it returns None) becomes numpy's float32 exp, within an ulp of the GPU's `expf`, so
-kernels that use it are checked with a tolerance. Imported by the interpreter scripts of
+kernels that use it are checked with a tolerance. The kernels' few lines of inline PTX (which the interpreter
+refuses) run as numpy forms of the same instructions. Imported by the interpreter scripts of
 tests/test_kernels_interpret.py before any kernel runs.
 """
 
@@ -53,7 +55,14 @@ def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
             return _convert_float(h.data, h.dtype.scalar, tl.float32, None).view(np.float32)
         return h.data
 
-    return interpreter.TensorHandle(np.matmul(widen(a), widen(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
+    x, y, acc = widen(a), widen(b), d.data
+    if a.dtype.scalar.name == "fp32":
+        return interpreter.TensorHandle(np.matmul(x, y, dtype=acc.dtype) + acc, d.dtype.scalar)
+    # 16-bit operands: the tensor cores' chain of k16 MMAs, each adding its 16 terms' sum to the accumulator, so
+    # a dot's bits never depend on how many k16 steps one tl.dot takes (as on the GPU)
+    for k in range(0, x.shape[-1], 16):
+        acc = np.matmul(x[..., k:k + 16], y[..., k:k + 16, :], dtype=acc.dtype) + acc
+    return interpreter.TensorHandle(acc, d.dtype.scalar)
 
 
 def _exp(x, **_):
@@ -65,7 +74,35 @@ def _log1p(x, **_):
                           x.type)
 
 
+def _bf16x2_mul(a, b):
+    """PTX fma.rn.bf16x2 adding -0 on int32 registers of two bf16 halves (low half first): their product,
+    torch's bf16 multiply (RNE, subnormals kept, as the GPU's)."""
+    def halves(v):
+        return torch.from_numpy(np.ascontiguousarray(v).astype(np.int32)).view(torch.bfloat16)
+
+    return (halves(a) * halves(b)).view(torch.int32).numpy()
+
+
+# the kernels' inline PTX, by its text, as numpy on the registers' int32 values
+_ASM = {"{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }": _bf16x2_mul}
+
+
+class _AsmCall:
+    def __init__(self, result):
+        self.result = result
+
+    def get_result(self, i):
+        assert i == 0
+        return self.result
+
+
+def _inline_asm(self, asm, constraints, values, types, is_pure, pack):
+    data = _ASM[asm](*(v.data for v in values))
+    return _AsmCall(interpreter.TensorHandle(data, values[0].dtype.scalar))
+
+
 interpreter._convert_float = _convert_float
+interpreter.InterpreterBuilder.create_inline_asm = _inline_asm
 libdevice.exp = _exp
 libdevice.log1p = _log1p
 interpreter.InterpreterBuilder.create_masked_load = _masked_load

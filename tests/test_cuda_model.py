@@ -118,21 +118,21 @@ print(PDL_LAUNCH, digest.hexdigest())
 
 
 def test_programmatic_dependent_launch_keeps_every_bit():
-    """`DSFLASH_PDL=1` (kernels/cuda/common.py): each kernel may start while the one before it finishes and waits
-    in `grid_entry` for its writes, so prefills, graphed steps of 1-3 rows and rollbacks give the bits of plain
-    launches (a kernel reading before the wait would race and differ); `prefetch` (the decode GEMMs' weights asked
-    of L2 before the wait) too."""
+    """Programmatic dependent launch (kernels/cuda/common.py, on unless `DSFLASH_PDL=0`): each kernel may start
+    while the one before it finishes and waits in `grid_entry` for its writes, so prefills, graphed steps of 1-3
+    rows and rollbacks give the bits of plain launches (a kernel reading before the wait would race and
+    differ)."""
     root = Path(__file__).resolve().parents[1]
     runs = {}
-    for flag in ("0", "1", "prefetch"):
+    for flag in ("0", "1"):
         env = {**os.environ, "DSFLASH_PDL": flag, "PYTHONPATH": str(root)}
         r = subprocess.run([sys.executable, "-c", PDL_RUN], env=env, capture_output=True, text=True, timeout=400,
                            cwd=root)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[flag] = r.stdout.split()[-2:]
     hopper = str(torch.cuda.get_device_capability()[0] >= 9)
-    assert runs["0"][0] == "False" and runs["1"][0] == runs["prefetch"][0] == hopper, runs
-    assert runs["0"][1] == runs["1"][1] == runs["prefetch"][1]
+    assert runs["0"][0] == "False" and runs["1"][0] == hopper, runs
+    assert runs["0"][1] == runs["1"][1]
 
 
 def test_cuda_graph_replays_equal_eager_forwards():

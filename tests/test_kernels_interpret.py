@@ -56,7 +56,7 @@ from test_kernels_cuda import act_for, attn_inputs, rand_act, rand_weight
 g = torch.Generator().manual_seed(0)
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
-for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
+for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280), ("fp4", 128, 256)):  # the last: EVEN
     w = rand_weight(kind, n, k, g)
     wc = cuda.to_cuda_weight(w, "cpu")
     x = rand_act(5, k, g)
@@ -68,11 +68,15 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
         assert torch.equal(cuda.linear(x[:m], wc, spread=False), full[:m]), (kind, m)
         assert torch.equal(cuda.linear(x[:m], wc, spread=True), full[:m]), (kind, m)
         assert torch.equal(cuda.linear(x[:m], wc, fuse_quant=True), full[:m]), (kind, m)
+        assert torch.equal(cuda.linear(x[:m], wc, dequantise=True), full[:m]), (kind, m)
         if kind == "fp4":
             assert torch.equal(cuda.linear(x[:m], wc, preconvert=True), full[:m]), (kind, m)
     assert torch.equal(cuda.linear(x[3:4], wc), full[3:4])
     wide = configs.linear_config(kind, n, k)  # the 64-row tiles of large M, on a decode-sized call
-    assert wide != configs.linear_config(kind, n, k, 5) and torch.equal(cuda.linear(x, wc, config=wide), full)
+    narrow = configs.linear_config(kind, n, k, 5)
+    assert wide != narrow and torch.equal(cuda.linear(x, wc, config=wide), full)
+    for bk in (32, 64):  # the decode tiles' MMA steps narrower than their 128 (a scale word's columns)
+        assert torch.equal(cuda.linear(x, wc, config=dataclasses.replace(narrow, BK=bk)), full), (kind, bk)
     # routed experts: one launch over (row, slot) pairs equals one-row calls of each slot's expert
     weights = [rand_weight(kind, n, k, g) for _ in range(5)]
     bank = cuda.expert_bank([cuda.to_cuda_weight(e, "cpu") for e in weights])
@@ -97,6 +101,20 @@ for kind, n, k in (("fp8", 96, 160), ("fp4", 80, 256), ("fp8", 96, 1280)):
         assert torch.equal(got, cuda.expert_linear(xs, bank, ids, per_row, config=one_row)), (kind, rows)
         assert torch.equal(got, cuda.expert_linear(xs, bank, ids, per_row, preconvert=False)), (kind, rows)
         assert torch.equal(got, cuda.expert_linear(xs, bank, ids.to(torch.int32), per_row, preconvert=True))
+# FP4 scales up to 2 (E8M0 words: the tiles multiply each decoded bf16 pair by one bf16 2^(b-1)) and past 2
+# (float32 scales, the f16 route), in every route
+for top in (1, 2):
+    w = rand_weight("fp4", 128, 256, g)
+    w.scale.copy_(torch.exp2(torch.randint(-125, top + 1, w.scale.shape, generator=g).float()))
+    w.scale[0, 0], w.scale[1, 0] = 2.0 ** top, 2.0 ** -125
+    wc = cuda.to_cuda_weight(w, "cpu")
+    assert wc.scale_e8m0 == (top == 1), top
+    x = rand_act(5, 256, g)
+    full = cuda.linear(x, wc)
+    assert rel(full, cpu.linear(x, w)) < 1e-5, (top, rel(full, cpu.linear(x, w)))
+    for m in (1, 5):
+        for kw in ({"dequantise": True}, {"preconvert": True}, {"spread": True}, {"spread": False}):
+            assert torch.equal(cuda.linear(x[:m], wc, **kw), full[:m]), (top, m, kw)
 for kind, n, k in (("fp32", 24, 1024), ("bf16", 40, 1024)):  # narrow plain GEMMs: K split by the shape
     w = rand_weight(kind, n, k, g)
     wc = cuda.to_cuda_weight(w, "cpu")
@@ -545,11 +563,11 @@ def test_new_kernels_compile_for_sm90():
     """The interpreter runs kernels as Python, so it misses what only the compiler rejects: compile the
     kernels not yet run on a GPU machine when written (the indexer's, the compressor's pooling, Engram's, the
     router, the trainer's mHC split and kv-gradient sums, the attention's window and indices and picked
-    entries) for sm_90 here (Triton ships ptxas; no GPU needed)."""
+    entries, the GEMMs' dequantisation) for sm_90 here (Triton ships ptxas; no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from dsflash.kernels.cuda import attention, configs, elementwise, gemm, indexer, mhc, quant, router
+    from dsflash.kernels.cuda import attention, configs, elementwise, gemm, indexer, mhc, quant, router, weights
 
     def check(fn, pointers, constexprs):
         sig = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
@@ -559,9 +577,30 @@ def test_new_kernels_compile_for_sm90():
 
     pointers = {"x_ptr": "*fp8e4nv", "xs_ptr": "*i32", "w_ptr": "*u8", "ws_ptr": "*i32", "y_ptr": "*bf16",
                 "part_ptr": "*fp32", "slot_ptr": "*i32", "tile_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"}
-    check(gemm._bs_gemm_kernel, pointers, {"FP4": True, "FUSE_QUANT": False, "SCALE_ROWS": 1, "SCALE_E8M0": True,
-                                           "SPREAD": False, "SLOTS": False, "GROUPED": True, "BM": 64, "BN": 64,
-                                           "GROUP_M": 8, "RANGES": True})
+    base = {"SCALE_ROWS": 1, "SCALE_E8M0": True, "GROUP_M": 8, "RANGES": False}
+    # 64-row tiles over E4M3 codes (FP8) and a prefill's expert tiles over Q8(x) in bf16 (FP4)
+    check(gemm._bs_gemm_kernel, pointers, {**base, "FP4": False, "ACT": "codes", "SPREAD": False, "SLOTS": False,
+                                           "GROUPED": False, "BM": 64, "BN": 64, "BK": 32, "RANGES": True,
+                                           "SWAP": False, "SCALE_ROWS": 32})
+    check(gemm._bs_gemm_kernel, {**pointers, "x_ptr": "*bf16"},
+          {**base, "FP4": True, "ACT": "bf16", "SPREAD": False, "SLOTS": False, "GROUPED": True, "BM": 64, "BN": 64,
+           "BK": 32, "RANGES": True, "SWAP": False})
+    # a decode's swapped tiles (the weight as the wgmma's A operand): a dense call quantising its rows, expert slots
+    for fp4, act, slots in ((False, "quantise", False), (True, "bf16", True)):
+        check(gemm._bs_gemm_kernel, {**pointers, "x_ptr": "*bf16"},
+              {**base, "FP4": fp4, "ACT": act, "SPREAD": True, "SLOTS": slots, "GROUPED": False, "BM": 16, "BN": 64,
+               "BK": 128, "SWAP": True, "SCALE_ROWS": 1 if fp4 else 32})
+    # the dequantised-operand route of a large call: Q8(x) and the weight as bf16
+    check(gemm._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*bf16", "e_ptr": "*bf16"},
+          {"BLOCK_M": configs.ACT_QUANT_ROWS, "BLOCK_KB": configs.ACT_QUANT_BLOCKS, "DEQUANTISE": True})
+    # ... and a prefill's expert tiles over dequantised banks
+    check(gemm._plain_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*bf16",
+                                    "slot_ptr": "*i32", "tile_ptr": "*i32", "group_w": "i64"},
+          {"PREC": "tf32", "BM": 128, "BN": 128, "BK": 64, "GROUP_M": 8, "SPLIT": False, "RANGES": True,
+           "GATHER": True})
+    for e8m0 in (False, True):
+        check(weights._dequant_kernel, {"w_ptr": "*fp8e4nv", "ws_ptr": "*i32" if e8m0 else "*fp32", "o_ptr": "*bf16"},
+              {"SCALE_ROWS": 32, "SCALE_E8M0": e8m0, "ROWS": configs.DEQUANT_ROWS})
     for cand, group in ((False, 1), (True, 8)):
         check(indexer._topk_kernel, {"s_ptr": "*bf16", "vis_ptr": "*i64", "o_ptr": "*i8" if cand else "*i64"},
               {"GROUP": group, "CAND": cand, "BLOCK": configs.TOPK_BLOCK // group})

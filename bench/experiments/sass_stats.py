@@ -27,13 +27,13 @@ from dsflash.kernels.cuda import configs, gemm
 from dsflash.numerics import BLOCK
 
 NOT_DIVISIBLE = {"M", "N", "KB", "chunks_per_split", "slots_per_row", "stride_xs", "stride_pk"}
-# (label, FP4, SPREAD, SLOTS, RANGES, FUSE_QUANT, config)
+# (label, FP4, SPREAD, SLOTS, RANGES, ACT (what the activation operand holds: gemm.block_scaled_gemm), config)
 VARIANTS = [
-    ("fp8 decode, K ranges spread", False, True, False, False, True, configs.linear_config("fp8", 1280, 5120, 1)),
-    ("fp4 decode slots, spread", True, True, True, False, True, configs.linear_config("fp4", 2304, 5120, 1)),
-    ("fp8 prefill, one range", False, False, False, False, False, configs.linear_config("fp8", 32768, 1280)),
-    ("fp8 prefill, several ranges", False, False, False, True, False, configs.linear_config("fp8", 5120, 8192)),
-    ("fp4 prefill, several ranges", True, False, False, True, False, configs.linear_config("fp4", 2304, 5120)),
+    ("fp8 decode, K ranges spread", False, True, False, False, "quantise", configs.linear_config("fp8", 1280, 5120, 1)),
+    ("fp4 decode slots, spread", True, True, True, False, "bf16", configs.linear_config("fp4", 2304, 5120, 1)),
+    ("fp8 prefill, one range", False, False, False, False, "codes", configs.linear_config("fp8", 32768, 1280)),
+    ("fp8 prefill, several ranges", False, False, False, True, "codes", configs.linear_config("fp8", 5120, 8192)),
+    ("fp4 prefill, several ranges", True, False, False, True, "codes", configs.linear_config("fp4", 2304, 5120)),
 ]
 
 
@@ -56,18 +56,19 @@ def gemm_module():
     return getattr(mod, "gemm", mod)
 
 
-def compile_variant(fp4: bool, spread: bool, slots: bool, ranges: bool, fuse: bool, cfg: configs.LinearConfig):
+def compile_variant(fp4: bool, spread: bool, slots: bool, ranges: bool, act: str, cfg: configs.LinearConfig):
     fn = gemm_module()._bs_gemm_kernel
     names = fn.arg_names
     sig = {name: "i32" for name in names}
-    sig.update({"x_ptr": "*bf16" if fuse else "*fp8e4nv", "xs_ptr": "*bf16" if fuse else "*i32", "tile_ptr": "*i32",
+    codes = act == "codes"
+    sig.update({"x_ptr": "*fp8e4nv" if codes else "*bf16", "xs_ptr": "*i32" if codes else "*bf16", "tile_ptr": "*i32",
                 "w_ptr": "*u8" if fp4 else "*fp8e4nv", "ws_ptr": "*i32", "y_ptr": "*bf16", "part_ptr": "*fp32",
                 "slot_ptr": "*i32", "stride_we": "i64", "stride_wse": "i64"})
     sig.update({name: "*i32" for name in ("cnt_ptr",) if name in names})  # a variant's tile counters
-    constexprs = {"FP4": fp4, "FUSE_QUANT": fuse, "SCALE_ROWS": 1 if fp4 else BLOCK, "SCALE_E8M0": True,
+    constexprs = {"FP4": fp4, "ACT": act, "SCALE_ROWS": 1 if fp4 else BLOCK, "SCALE_E8M0": True,
                   "SPREAD": spread, "SLOTS": slots, "GROUPED": False, "BM": cfg.BM, "BN": cfg.BN,
-                  "GROUP_M": cfg.GROUP_M,
-                  "RANGES": ranges, "EVEN": True}
+                  "BK": cfg.BK, "GROUP_M": cfg.GROUP_M,
+                  "RANGES": ranges, "EVEN": True, "SWAP": cfg.swap}
     constexprs = {k: v for k, v in constexprs.items() if k in names}  # an older variant may lack a flag
     sig.update({name: "constexpr" for name in constexprs})
     # what the JIT assumes at run time for 16-aligned pointers and strides
@@ -96,8 +97,8 @@ def sass_stats(kernel) -> dict:
 
 def main() -> None:
     print(f"Triton {triton.__version__}, sm_90")
-    for label, fp4, spread, slots, ranges, fuse, cfg in VARIANTS:
-        stats = sass_stats(compile_variant(fp4, spread, slots, ranges, fuse, cfg))
+    for label, fp4, spread, slots, ranges, act, cfg in VARIANTS:
+        stats = sass_stats(compile_variant(fp4, spread, slots, ranges, act, cfg))
         opcodes = stats.pop("opcodes")
         print(f"{label:<30} BM{cfg.BM}/BN{cfg.BN}/w{cfg.num_warps}/s{cfg.num_stages}  "
               + "  ".join(f"{k} {v}" for k, v in stats.items()), flush=True)

@@ -114,7 +114,7 @@ class Engine:
     def numerics(self) -> str:
         """The numerics its states are computed with, which key its snapshots and prefix cache: the decoder
         half's backend version, and the encoder half's before it where that one differs (a box on another
-        backend: "6.cuda0+6"). A box's version is known once it has answered (asking for it may connect)."""
+        backend: "6.cuda1+6"). A box's version is known once it has answered (asking for it may connect)."""
         own = numerics_version(self.decoder.device)
         encoder = self.encoder.numerics
         return own if encoder == own else f"{encoder}+{own}"

@@ -8,9 +8,9 @@ import torch
 
 # the CPU reference's version (6: the CPU backend pins MKL's code path (AVX2 kernels, STRICT), docs/numerics.md)
 NUMERICS_VERSION = 6
-# the CUDA backend's (6.cuda0: the kernels of version 6, whose sums already differ from the CPU's in places --
-# golden PASS, not FAITHFUL -- so its states were never the CPU's; issue 22's GEMMs will be 6.cuda1)
-CUDA_NUMERICS_VERSION = "6.cuda0"
+# the CUDA backend's (6.cuda1: FP8/FP4 GEMMs as one fp32 tensor-core chain per shape-fixed K range over exactly
+# dequantised bf16 operands, issue 22; docs/numerics.md)
+CUDA_NUMERICS_VERSION = "6.cuda1"
 # The model's quantisation block, along every linear input: one E8M0 scale per BLOCK values of a row (FP4
 # weights, the Engram table, index keys and queries) or per BLOCK x BLOCK tile (dense FP8 weights), and one
 # power-of-two scale per BLOCK values of an FP8 activation (and of the window KV's fake quantisation)

@@ -20,10 +20,10 @@ _E4M3_MAX_INV = tl.constexpr(1.0 / E4M3_MAX)  # rounded to float32 in the produc
 
 
 def _pdl_wanted() -> bool:
-    """`DSFLASH_PDL=1` (or `prefetch`): programmatic dependent launch (sm_90 and later; never under Triton's
-    interpreter, which has no grid dependency control). Off by default until its step times are measured on the
-    GPU machine."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("DSFLASH_PDL", "0") not in ("1", "prefetch"):
+    """Programmatic dependent launch on sm_90 and later, unless `DSFLASH_PDL=0`; never under Triton's interpreter,
+    which has no grid dependency control. On by default: measured on an H100, steps 3-6 % faster with the same
+    bits, prefill unchanged (docs/perf-record.md)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("DSFLASH_PDL", "1") != "1":
         return False
     return not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 9  # no GPU: compiling only
 
@@ -34,10 +34,6 @@ def _pdl_wanted() -> bool:
 # visibility of its writes before touching memory, so no bit changes; every launch names the choice (tested).
 PDL_LAUNCH = _pdl_wanted()
 _PDL = tl.constexpr(PDL_LAUNCH)
-# `DSFLASH_PDL=prefetch`: the decode GEMMs also ask L2 for their weight rows before the wait (weights come from
-# no earlier kernel), while the kernel before them finishes, and all at once instead of a few pipeline stages
-# ahead (CUTLASS's example 63 does this for weights under dependent launch)
-WEIGHT_PREFETCH = tl.constexpr(PDL_LAUNCH and os.environ.get("DSFLASH_PDL") == "prefetch")
 
 
 @triton.jit
@@ -68,19 +64,3 @@ def quant_tile(xf):
 def sigmoid(x):
     """torch's CUDA sigmoid: 1 / (1 + expf(-x)), an IEEE division."""
     return tl.math.div_rn(1.0, 1.0 + libdevice.exp(-x))
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines holding `ptrs` (`prefetch.global.L2`): a hint that reads no value into the
-    program, so it may come before `grid_entry()` for memory no earlier kernel writes."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
-def prefetch_rows(rows, lo, hi):
-    """Ask L2 for bytes [lo, hi) of each row at `rows` (uint8 pointers), a line at a time: the last line too,
-    never an address past the last byte."""
-    for off in range(lo, hi + 127, 128):
-        prefetch_l2(rows + tl.minimum(off, hi - 1))

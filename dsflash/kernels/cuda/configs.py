@@ -5,11 +5,13 @@ shape, K step and K split is a function of the weight's (N, K) or of the head/di
 of M), there is no autotuning and no atomics, and each output element is computed by the same
 instruction sequence wherever its row sits in a tile. The M-dependent choices below give identical bits
 by construction and are tested to: fusing the activation quantisation into the GEMM (the quantisation is
-exact bit arithmetic); for M <= 16, 16-row tiles, and running the K ranges as separate programs whose
-sums a second kernel adds in range order (one program adds them in the same order); for M <= 64, the
-attention's output channels over several programs (each computes the same scores); for M >= 128,
-widening FP4 weights to E4M3 once per call instead of per tile; for plain GEMMs of M >= 512, N-wide tiles
-(the same MMA per output element) with the shape-fixed K ranges added in one program.
+exact bit arithmetic); from DEQUANT_MIN_M rows, FP8/FP4 operands dequantised to bf16 before the GEMM
+instead of in its tiles (the same exact values, the same MMA chain); for M <= 16, 16-row tiles, and
+running the K ranges as separate programs whose sums a second kernel adds in range order (one program adds
+them in the same order); for M <= 64, the attention's output channels over several programs (each
+computes the same scores); for M >= 128, widening FP4 weights to E4M3 once per call instead of per tile;
+for plain GEMMs of M >= 512, N-wide tiles (the same MMA per output element) with the shape-fixed K
+ranges added in one program.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ import triton
 # GEMMs: M-dependent choices that never change bits (see above and the invariance tests)
 # ---------------------------------------------------------------------------------------------
 FUSE_QUANT_MAX_M = 16  # up to this many rows the GEMM quantises its own activation tile (2-3 us faster)
-NARROW_TILE_MAX_M = 16  # up to this many rows FP8/FP4 GEMMs use 16-row tiles (same bits as 64-row ones)
+NARROW_TILE_MAX_M = 16  # up to this many rows FP8/FP4 GEMMs use 16-row swapped tiles (same bits as 64-row ones)
 LARGE_TILE_MIN_M = 4096  # from this many rows FP8 GEMMs use 128x128 tiles (same bits as 64-row ones)
 SPREAD_MAX_M = 16  # up to this many rows a GEMM's K ranges run as separate programs (sums added in order)
 FP4_PRECONVERT_M = 128  # from this many rows FP4 weights are widened to E4M3 once per call, not per tile
 ACT_QUANT_ROWS = 32  # rows per program of the standalone activation quantisation
 ACT_QUANT_BLOCKS = 8  # ... and K blocks per program
 FP4_WIDEN_WORDS = 1024  # FP4 weight words per program of the widening to E4M3
+DEQUANT_MIN_M = 1024  # from this many rows FP8/FP4 GEMMs dequantise both operands to bf16 first (same bits)
+DEQUANT_ROWS = 32  # weight rows per program of the dequantisation to bf16
 ORDERED_SUM_SMALL = 1 << 17  # outputs up to which the in-order sum of K-range partials takes small programs
 
 
@@ -36,10 +40,11 @@ ORDERED_SUM_SMALL = 1 << 17  # outputs up to which the in-order sum of K-range p
 class LinearConfig:
     BM: int
     BN: int
-    BK: int
+    BK: int  # FP8/FP4: the K of one MMA step (tl.dot), 32, 64 or 128 -- the bits never depend on it
     num_warps: int
     num_stages: int
     GROUP_M: int = 8
+    swap: bool = False  # FP8/FP4: the weight tile as the MMA's A operand (gemm._mma)
 
 
 def linear_config(kind: str, n: int, k: int, m: int | None = None) -> LinearConfig:
@@ -49,8 +54,10 @@ def linear_config(kind: str, n: int, k: int, m: int | None = None) -> LinearConf
     depends on M."""
     if kind in ("fp8", "fp4"):
         if m is not None and m <= NARROW_TILE_MAX_M:
-            # 16-row tiles (mma.sync): 1.3-2x faster than the 64-row wgmma tiles at M <= 16
-            return LinearConfig(BM=16, BN=64, BK=32, num_warps=2, num_stages=4)
+            # 16-row tiles as the N of a wgmma whose M is 64 weight rows (swap): the MMA of the 64-row tiles,
+            # without their 48 idle rows (mma.sync's 16-row tiles accumulate in another way: other bits); a whole
+            # scale word's 128 columns a tl.dot (eight k16 wgmmas between waits; the same chain as 32-wide steps)
+            return LinearConfig(BM=16, BN=64, BK=128, num_warps=4, num_stages=4, swap=True)
         if kind == "fp8" and m is not None and m >= LARGE_TILE_MIN_M:
             # 128x128 tiles, two warpgroups: with f16 operands 8-27% faster than 64x64 on every fp8 layer at
             # M=8192 (slower at M=512, and on FP4 experts widened to E4M3, whose per-32 weight scales crowd
@@ -64,6 +71,13 @@ def linear_config(kind: str, n: int, k: int, m: int | None = None) -> LinearConf
         return LinearConfig(BM=64, BN=16 if n <= 1024 else 64, BK=128, num_warps=4, num_stages=4)
     # fp32: 3xTF32 tensor-core dots (see linear's fp32_precision)
     return LinearConfig(BM=16, BN=16 if n < 4096 else 64, BK=32, num_warps=4, num_stages=3)
+
+
+def dequant_gemm_config(n: int) -> LinearConfig:
+    """The tile of an FP8/FP4 GEMM from DEQUANT_MIN_M rows, over operands dequantised to bf16 in memory: the
+    plain GEMM's kernel, one program adding its K ranges in order (the same MMA chain per output element as
+    the register-dequantising tiles, tested)."""
+    return LinearConfig(BM=128, BN=128 if n >= 128 else 64, BK=64, num_warps=8, num_stages=3)
 
 
 PLAIN_SPLIT_PROGRAMS = 256  # a narrow bf16/fp32 weight's K is split until its tiles x splits reach this
@@ -101,9 +115,10 @@ def ordered_sum_config(outputs: int) -> tuple[int, int]:
 # rows, per-expert tiles from EXPERT_TILE_MIN_SLOTS slots (no host read of the routing, no loop over experts)
 SLOT_MOE_ROWS = 1 << 62
 EXPERT_TILE_MIN_SLOTS = 512  # from this many slots expert_linear groups each expert's slots into tiles
-EXPERT_WIDEN_BYTES = 1 << 30  # a prefill's FP4 bank is widened to E4M3 in groups of experts of at most this size
-# ... when its experts have this many slots on average: w1 of an 8,192-row chunk, 48 experts (1,024 slots an
-# expert) 11.28 -> 8.78 ms; 384 experts (128) 13.49 -> 13.92 (bench/results/kernels-experts-widened-2026-12-01.md)
+EXPERT_WIDEN_BYTES = 1 << 30  # a prefill's bank is dequantised to bf16 in groups of experts of at most this size
+# ... when its experts have this many slots on average (the threshold measured for the E4M3 widening it
+# replaced: w1 of an 8,192-row chunk, 48 experts 11.28 -> 8.78 ms; 384 experts 13.49 -> 13.92,
+# bench/results/kernels-experts-widened-2026-12-01.md)
 EXPERT_WIDEN_MIN_SLOTS = 256
 
 # ---------------------------------------------------------------------------------------------

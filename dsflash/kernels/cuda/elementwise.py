@@ -21,15 +21,22 @@ from .configs import ENGRAM_ROWS_BLOCK, MHC_BLOCK, RMS_BLOCK, ROPE_ROWS, ROW_SUM
 # row's sum could depend on how many rows share the call)
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _row_sum_kernel(x_ptr, y_ptr, D, stride, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
-    grid_entry()
-    row = tl.program_id(0).to(tl.int64)
+def _row_total(x_row, D, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
+    """The fp32 sum (of squares: FMAs) of a row's D values in BLOCK lanes, then one tl.sum of the lanes: the
+    same bits in every kernel that calls it under 4 warps."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, D, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + row * stride + offs, mask=offs < D, other=0.0).to(tl.float32)
-        acc += v * v if SQUARE else v
-    tl.store(y_ptr + row, tl.sum(acc, axis=0))
+        v = tl.load(x_row + offs, mask=offs < D, other=0.0).to(tl.float32)
+        acc = tl.fma(v, v, acc) if SQUARE else acc + v
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _row_sum_kernel(x_ptr, y_ptr, D, stride, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
+    grid_entry()
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(y_ptr + row, _row_total(x_ptr + row * stride, D, SQUARE, BLOCK))
 
 
 def row_sum(x: torch.Tensor, square: bool = False) -> torch.Tensor:
@@ -44,15 +51,18 @@ def row_sum(x: torch.Tensor, square: bool = False) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_scale_kernel(v_ptr, ss_ptr, w_ptr, o_ptr, D, C, eps, stride_vn, stride_on, HAS_WEIGHT: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _rms_scale_kernel(v_ptr, x_ptr, w_ptr, o_ptr, D, C, eps, stride_vn, stride_xn, stride_on, HAS_WEIGHT: tl.constexpr,
+                      BLOCK: tl.constexpr, SUM_BLOCK: tl.constexpr):
     """out = [w *] (v * rsqrt(ss / D + eps)) in fp32, rounded once to o's dtype: torch's ops in one launch.
-    ss: the row's sum of squares over D values; v, w, out: C columns."""
+    ss: the sum of squares of x's row (D values), _row_total as row_sum computes it (its SUM_BLOCK lanes, the
+    same 4 warps), so each of the row's programs has row_sum's bits without a launch of its own; v, w, out: C
+    columns."""
     grid_entry()
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
-    r = tl.rsqrt(tl.math.div_rn(tl.load(ss_ptr + n), D.to(tl.float32)) + eps)
+    ss = _row_total(x_ptr + n * stride_xn, D, True, SUM_BLOCK)
+    r = tl.rsqrt(tl.math.div_rn(ss, D.to(tl.float32)) + eps)
     y = tl.load(v_ptr + n * stride_vn + offs, mask=mask).to(tl.float32) * r
     if HAS_WEIGHT:
         y = tl.load(w_ptr + offs, mask=mask).to(tl.float32) * y
@@ -62,16 +72,16 @@ def _rms_scale_kernel(v_ptr, ss_ptr, w_ptr, o_ptr, D, C, eps, stride_vn, stride_
 def _rms_scaled(values: torch.Tensor, x: torch.Tensor, eps: float, weight: torch.Tensor | None,
                 dtype: torch.dtype) -> torch.Tensor:
     """[weight *] values * rsqrt(mean(x^2) + eps) row by row, with this backend's fixed-order row sum of x's
-    squares (x, values: bf16 or fp32 rows, widened in the kernels)."""
+    squares, in one launch (x: rows with unit last stride; x, values: bf16 or fp32, widened in the kernels)."""
     rows, c = values.shape
-    ss = row_sum(x, square=True)
     out = torch.empty((rows, c), dtype=dtype, device=values.device)
     if rows:
-        _rms_scale_kernel[(rows, triton.cdiv(c, RMS_BLOCK))](values, ss,
+        _rms_scale_kernel[(rows, triton.cdiv(c, RMS_BLOCK))](values, x,
                                                             values if weight is None else weight.contiguous(), out,
-                                                            x.size(-1), c, float(eps), values.stride(0), out.stride(0),
-                                                            HAS_WEIGHT=weight is not None, BLOCK=RMS_BLOCK,
-                                                            num_warps=4, enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
+                                                            x.size(-1), c, float(eps), values.stride(0), x.stride(0),
+                                                            out.stride(0), HAS_WEIGHT=weight is not None,
+                                                            BLOCK=RMS_BLOCK, SUM_BLOCK=ROW_SUM_BLOCK, num_warps=4,
+                                                            enable_fp_fusion=False, launch_pdl=PDL_LAUNCH)
     return out
 
 
@@ -82,8 +92,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """cpu.rms_norm with this backend's mean square: the fixed-order row sum of squares, then one kernel
-    for the division (IEEE, as torch's), rsqrt and the two products. Triton's rsqrt is `rsqrt.approx.ftz`
+    """cpu.rms_norm with this backend's mean square: one kernel for the fixed-order row sum of squares, the
+    division (IEEE, as torch's), rsqrt and the two products. Triton's rsqrt is `rsqrt.approx.ftz`
     (PTX of Triton 3.6 and 3.9), torch's the same instruction without ftz: equal on the normal values a
     mean square plus eps gives."""
     xr = _rows(x)

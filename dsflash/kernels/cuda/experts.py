@@ -14,12 +14,12 @@ from .configs import (
     EXPERT_TILE_MIN_SLOTS,
     EXPERT_WIDEN_BYTES,
     EXPERT_WIDEN_MIN_SLOTS,
-    FUSE_QUANT_MAX_M,
     LinearConfig,
+    dequant_gemm_config,
     linear_config,
 )
-from .gemm import block_scaled_gemm, quant_act
-from .weights import CudaWeight, fp4_to_fp8, to_cuda_weight
+from .gemm import block_scaled_gemm, dequant_act, dequantised_gemm
+from .weights import CudaWeight, dequant_weight, to_cuda_weight
 
 
 @dataclass
@@ -74,10 +74,10 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
                   preconvert: bool | None = None) -> torch.Tensor:
     """Routed-expert GEMM over slots: row s of the result is x[s // slots_per_row] @ W_{experts[s]}^T,
     bf16 [len(experts), out], each row's bits those of `linear(x[row:row+1], bank[experts[s]])`. One launch
-    whatever the routing (per group of experts for a prefill's widened FP4 bank), with no host read of it (a
+    whatever the routing (per group of experts for a prefill's dequantised bank), with no host read of it (a
     step stays capturable in a CUDA graph). `spread`, `config` and `preconvert` (tests, benchmarks) override
     three choices that never change bits: the K ranges as separate programs, the tile config, and a prefill's
-    FP4 bank widened to E4M3 before its tiles."""
+    bank and activation dequantised to bf16 before its tiles."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"{bank.kind} expert linear takes a bf16 activation, got {x.dtype}")
     if experts.dtype not in (torch.int32, torch.int64):
@@ -88,32 +88,47 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
     if slots.numel() == 0:
         return y
     x = x.contiguous()
-    fuse = x.size(0) <= FUSE_QUANT_MAX_M
-    a, a_s = (x, x) if fuse else quant_act(x)
     if config is None and slots.numel() >= EXPERT_TILE_MIN_SLOTS:
-        # a prefill's slots: each expert's slots share 64-row tiles (the same bits as one-row tiles, tested)
-        cfg = linear_config(bank.kind, n, x.size(1))
+        # a prefill's slots: each expert's slots share tiles (the same bits as one-row tiles, tested). The tiles
+        # dequantise their operands in registers, in the MMA's issue slots; dequantised to bf16 in memory once per
+        # call, 128-row tiles run at the tensor cores' rate where an expert has enough rows to pay for it
+        # (EXPERT_WIDEN_MIN_SLOTS). A group of experts at a time bounds the scratch; each launch's other tiles
+        # exit at once
         experts_n = bank.values.size(0)
-        order, tiles = _expert_tiles(slots, experts_n, cfg.BM)
-        # FP4 tiles decode their nibbles per tile, in the MMA's issue slots; widened to E4M3 once per call they
-        # run faster where an expert has enough rows to pay for its widening (EXPERT_WIDEN_MIN_SLOTS). A group
-        # of experts at a time bounds the scratch; each launch's other tiles exit at once
         if preconvert is None:
             preconvert = slots.numel() >= EXPERT_WIDEN_MIN_SLOTS * experts_n
-        widen = bank.kind == "fp4" and preconvert
-        group = max(1, EXPERT_WIDEN_BYTES // (2 * bank.values[0].numel())) if widen else experts_n
-        for lo in range(0, experts_n, group):
-            hi = min(lo + group, experts_n)
-            part = bank if not widen else ExpertBank(
-                "fp8", fp4_to_fp8(bank.values[lo:hi].flatten(0, 1)).view(hi - lo, n, -1), bank.scale[lo:hi],
-                bank.scale_rows)
-            block_scaled_gemm(a, a_s, part.values, part, y, fp4=part.kind == "fp4", fuse=fuse, cfg=cfg, spread=False,
-                              slots=order, slots_per_row=slots_per_row, tiles=tiles, experts=(lo, hi))
+        if preconvert:
+            order, tiles = _expert_tiles(slots, experts_n, dequant_gemm_config(n).BM)
+            a = dequant_act(x)
+            group = max(1, EXPERT_WIDEN_BYTES // (2 * n * x.size(1)))
+            for lo in range(0, experts_n, group):
+                hi = min(lo + group, experts_n)
+                dequantised_gemm(a, _dequantised(bank, lo, hi), bank[lo], y, slots=order, slots_per_row=slots_per_row,
+                                 tiles=tiles, experts=(lo, hi))
+            return y
+        cfg = linear_config(bank.kind, n, x.size(1))
+        order, tiles = _expert_tiles(slots, experts_n, cfg.BM)
+        a = dequant_act(x)
+        block_scaled_gemm(a, a, bank.values, bank, y, fp4=bank.kind == "fp4", act="bf16", cfg=cfg, spread=False,
+                          slots=order, slots_per_row=slots_per_row, tiles=tiles)
         return y
+    # Q8(x) once a call, not in each of the thousands of slot programs (K ranges x weight tiles x slots)
+    a = dequant_act(x)
     cfg = config or linear_config(bank.kind, n, x.size(1), m=1)  # each slot is a one-row product
-    block_scaled_gemm(a, a_s, bank.values, bank, y, fp4=bank.kind == "fp4", fuse=fuse, cfg=cfg, spread=spread,
+    block_scaled_gemm(a, a, bank.values, bank, y, fp4=bank.kind == "fp4", act="bf16", cfg=cfg, spread=spread,
                       slots=slots, slots_per_row=slots_per_row)
     return y
+
+
+def _dequantised(bank: ExpertBank, lo: int, hi: int) -> torch.Tensor:
+    """Experts lo .. hi - 1 of a bank dequantised to bf16 [hi - lo, out, in]: one dequantisation of their
+    weights stacked along the output rows (each expert's scale rows stay its own: out is a multiple of
+    scale_rows)."""
+    n = bank.values.size(1)
+    assert n % bank.scale_rows == 0, (n, bank.scale_rows)
+    values = bank.values[lo:hi].flatten(0, 1)
+    scale = bank.scale[lo:hi].transpose(0, 1).flatten(1)  # [K words, experts x scale rows]
+    return dequant_weight(CudaWeight(bank.kind, values, scale, bank.scale_rows)).view(hi - lo, n, -1)
 
 
 def _expert_tiles(slots: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:

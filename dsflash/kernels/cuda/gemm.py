@@ -1,16 +1,18 @@
 """The GEMMs: activation quantisation, the block-scaled FP8/FP4 GEMM, the plain bf16/fp32 GEMM, the in-order
 sum of K-range partials; `linear` and `grouped_linear`.
 
-Numerics (spec §3, as dsflash/kernels/cpu.py):
+Numerics (spec §3; the CUDA backend's own, numerics.CUDA_NUMERICS_VERSION):
 - FP8/FP4 linear: the activation is quantised to E4M3 per 32 values with a power-of-two scale (the
-  exponent-bit trick, bit-exact with numerics/quant.py), each 32-wide K block's product is one
-  tensor-core dot with a fresh fp32 accumulator, scaled by a_s * b_s and added in K order to the fp32
-  sum of its K range (ranges fixed by the weight's shape, quant.k_range_blocks), the range sums added in
-  order, then rounded once to bf16, as the CPU does. With power-of-two scales the scaling is exact, so
-  a difference from the CPU can only come from inside a block's 32-term dot (tensor-core vs CPU fp32
-  summation; measured: FIDELITY.md); the MMA takes f16 operands: E4M3 codes convert exactly, FP4 weight
-  codes are stored in a word layout (`fp4_words`) that shifts and masks turn into f16 pairs of value / 2^14
-  (every E2M1 value is an f16 value; the 2^14 goes into the exact power-of-two weight scale).
+  exponent-bit trick, bit-exact with numerics/quant.py); the GEMM is the dequantised matmul of Q8(x) and W
+  up to fp32 summation order, as the spec defines it: both operands are exactly dequantised to bf16 (E4M3
+  and E2M1 codes have at most 3 mantissa bits and every scale is a power of two) and each K range (fixed by
+  the weight's shape, quant.k_range_blocks) is one tensor-core MMA chain in K order from a fresh fp32
+  accumulator; the range sums are added in order and rounded once to bf16. The CPU reference instead sums
+  each 32-wide block apart and adds the scaled block sums (kernels/cpu.py): another fp32 order over the same
+  exact products (FIDELITY.md measures the difference). A decode call dequantises its tiles in registers
+  (FP8 codes, FP4 words that shifts and masks turn into f16 pairs of value / 2^14); from DEQUANT_MIN_M rows
+  both operands are dequantised to bf16 in memory first and the plain GEMM below runs the same chains at
+  the tensor cores' rate. Every tile's MMAs are k16 steps in K order, so the bits never depend on M.
 - bf16/fp32 linear: one tiled dot with fp32 accumulation over K in fixed BK steps (fp32 weights use
   3xTF32 tensor-core products by default, IEEE fp32 FMA dots on request); output in the weight's dtype.
 """
@@ -25,21 +27,23 @@ from dsflash.kernels.cpu import Weight
 from dsflash.numerics import BLOCK
 from dsflash.numerics.quant import K_RANGE_GROUP, k_range_blocks
 
-from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, WEIGHT_PREFETCH, grid_entry, prefetch_rows, quant_tile
+from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, grid_entry, quant_tile
 from .configs import (
     ACT_QUANT_BLOCKS,
     ACT_QUANT_ROWS,
+    DEQUANT_MIN_M,
     FP4_PRECONVERT_M,
     FUSE_QUANT_MAX_M,
     PLAIN_WIDE_MIN_M,
     SPREAD_MAX_M,
     LinearConfig,
+    dequant_gemm_config,
     linear_config,
     ordered_sum_config,
     plain_k_per_split,
     plain_wide_config,
 )
-from .weights import CudaWeight, fp4_to_fp8, to_cuda_weight
+from .weights import CudaWeight, dequant_weight, fp4_to_fp8, to_cuda_weight
 
 _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
 
@@ -49,7 +53,7 @@ _ONE_WORD = tl.constexpr(0x7F7F7F7F)  # four E8M0 bytes of 2^0
 # ---------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, e_ptr, M, KB, stride_xm, stride_qm,
-                      BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr, DEQUANTISE: tl.constexpr):
     grid_entry()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -60,10 +64,21 @@ def _act_quant_kernel(x_ptr, q_ptr, e_ptr, M, KB, stride_xm, stride_qm,
         if kb < KB:
             cols = kb * TL_BLOCK + tl.arange(0, TL_BLOCK)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=rmask[:, None], other=0.0)
-            q, e, _s = quant_tile(x.to(tl.float32))
+            q, e, s = quant_tile(x.to(tl.float32))
+            if DEQUANTISE:  # Q8(x) as bf16: the code times its power-of-two scale, exact
+                q = (q.to(tl.float32) * s[:, None]).to(tl.bfloat16)
             tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=rmask[:, None])
-            # byte kb % 4 of word (kb // 4, row): words [ceil(KB/4), M]
-            tl.store(e_ptr + ((kb // 4) * M + rows).to(tl.int64) * 4 + kb % 4, e.to(tl.uint8), mask=rmask)
+            if not DEQUANTISE:  # byte kb % 4 of word (kb // 4, row): words [ceil(KB/4), M]
+                tl.store(e_ptr + ((kb // 4) * M + rows).to(tl.int64) * 4 + kb % 4, e.to(tl.uint8), mask=rmask)
+
+
+def _act_quant(x: torch.Tensor, q: torch.Tensor, e: torch.Tensor, dequantise: bool) -> None:
+    m, kb = x.size(0), x.size(1) // BLOCK
+    if m:
+        grid = (triton.cdiv(m, ACT_QUANT_ROWS), triton.cdiv(kb, ACT_QUANT_BLOCKS))
+        _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=ACT_QUANT_ROWS,
+                                BLOCK_KB=ACT_QUANT_BLOCKS, DEQUANTISE=dequantise, num_warps=4,
+                                enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
 
 
 def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,17 +89,21 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
     m, k = x.shape
     kb = k // BLOCK
-    kc = triton.cdiv(kb, K_RANGE_GROUP)
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    e = torch.empty((kc, m, K_RANGE_GROUP), dtype=torch.uint8, device=x.device)
+    e = torch.empty((triton.cdiv(kb, K_RANGE_GROUP), m, K_RANGE_GROUP), dtype=torch.uint8, device=x.device)
     if kb % K_RANGE_GROUP:
         e[-1] = 127  # bytes past the last K block: 2^0
-    if m:
-        grid = (triton.cdiv(m, ACT_QUANT_ROWS), triton.cdiv(kb, ACT_QUANT_BLOCKS))
-        _act_quant_kernel[grid](x, q, e, m, kb, x.stride(0), q.stride(0), BLOCK_M=ACT_QUANT_ROWS,
-                                BLOCK_KB=ACT_QUANT_BLOCKS, num_warps=4, enable_fp_fusion=FP_FUSION,
-                                launch_pdl=PDL_LAUNCH)
+    _act_quant(x, q, e, False)
     return q, e.view(torch.int32)[..., 0]
+
+
+def dequant_act(x: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, K] -> Q8(x) as bf16 [M, K]: each E4M3 code of quant_act times its block's scale (exact)."""
+    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.size(1) % BLOCK == 0
+    x = x.contiguous()
+    q = torch.empty_like(x)
+    _act_quant(x, q, q, True)
+    return q
 
 
 def act_scales(words: torch.Tensor, k: int) -> torch.Tensor:
@@ -98,20 +117,62 @@ def act_scales(words: torch.Tensor, k: int) -> torch.Tensor:
 # block-scaled FP8/FP4 GEMM
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _fp4_word_values(w, BN: tl.constexpr):
-    """A block's FP4 words [BN, 4] (fp4_words) -> the f16 operand [32, BN]: each value / 2^14."""
+def _fp4_word_values(w, BN: tl.constexpr, BK: tl.constexpr):
+    """FP4 words [BN, BK/8] (fp4_words) -> f16 [BN, BK]: each value / 2^14."""
     i = tl.arange(0, 4)[None, None, :]
     # register i of a word: elements 2i and 2i + 1 as its two f16 halves
     r = ((w[:, :, None] << (3 * i)) & 0x0E000E00) | ((w[:, :, None] << i) & -2147450880)  # 0x80008000
-    r = tl.reshape(r, [BN, TL_BLOCK // 2])
-    pairs = tl.join((r & 0xFFFF).to(tl.int16), (r >> 16).to(tl.int16))
-    return tl.trans(tl.reshape(pairs, [BN, TL_BLOCK]).to(tl.float16, bitcast=True))
+    return _pair_halves(r, BN, BK).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _word_scale(word, j: tl.constexpr):
-    """E8M0 byte j of an int32 word -> float32 2^(byte-127)."""
-    return (((word >> (8 * j)) & 0xFF) << 23).to(tl.float32, bitcast=True)
+def _pair_halves(r, BN: tl.constexpr, BK: tl.constexpr):
+    """int32 registers of element pairs (2p, 2p + 1), BK / 2 a row in any [BN, ...] shape -> their 16-bit
+    halves int16 [BN, BK], the low half first."""
+    r = tl.reshape(r, [BN, BK // 2])
+    return tl.reshape(tl.join((r & 0xFFFF).to(tl.int16), (r >> 16).to(tl.int16)), [BN, BK])
+
+
+# a packed bf16 product, as an FMA adding -0 (x + -0 is x, signed zeros too; mul.bf16x2 needs sm_90, this sm_80):
+# one rounding, and subnormals kept (E2M1's 0.5 is one below, as 0.5 x 2^-126)
+BF16X2_MUL_ASM = tl.constexpr("{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }")
+
+
+@triton.jit
+def _fp4_scaled_values(w, bw, first, NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """FP4 words [BN, BK/8] (fp4_words) with their E8M0 scale words bw [BN] -> bf16 [BN, BK], each value
+    times its block's scale (blocks first .. first + NB - 1 of the words). The word's shifts and masks give
+    elements 2i and 2i + 1 as one register's two bf16 halves of value x 2^-126 (the magnitude three bits
+    lower than the f16 route's, E2M1's 0.5 a bf16 subnormal), and one packed product with 2^(b-1) (b <= 128:
+    weights.py keeps E8M0 words for FP4 only then) gives value x 2^(b-127), exactly: one instruction per pair
+    where the f16 route converts each value to fp32, multiplies and packs it back (SASS of the decode slot
+    tile: 1,016 -> 704 instructions)."""
+    scale = (_scale_bytes(bw, first, NB) + 126)[:, :, None, None]  # bf16 exponent field of 2^(b-1)
+    i = tl.arange(0, 4)[None, None, None, :]
+    w4 = tl.reshape(w, [BN, NB, TL_BLOCK // 8])[:, :, :, None]  # a block's 4 words
+    r = (((w4 << (3 * i)) >> 3) & 0x01C001C0) | ((w4 << i) & -2147450880)  # 0x80008000
+    r = tl.inline_asm_elementwise(BF16X2_MUL_ASM, "=r,r,r", [r, (scale << 7) | (scale << 23)], dtype=tl.int32,
+                                  is_pure=True, pack=1)
+    return _pair_halves(r, BN, BK).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _scale_bytes(word, first, NB: tl.constexpr):
+    """E8M0 bytes first .. first + NB - 1 of int32 scale words [R] -> int32 [R, NB]."""
+    j = first + tl.arange(0, NB)
+    return (word[:, None] >> (8 * j[None, :])) & 0xFF
+
+
+@triton.jit
+def _block_scales(word, first, NB: tl.constexpr):
+    """E8M0 bytes first .. first + NB - 1 of int32 scale words [R] -> float32 [R, NB]: 2^(byte - 127)."""
+    return (_scale_bytes(word, first, NB) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _times_blocks(v, s, R: tl.constexpr, NB: tl.constexpr):
+    """float32 v [R, NB * 32] times per-(row, 32-wide block) scales s [R, NB]."""
+    return tl.reshape(tl.reshape(v, [R, NB, TL_BLOCK]) * s[:, :, None], [R, NB * TL_BLOCK])
 
 
 @triton.jit
@@ -129,82 +190,94 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_range(w_ptr, M, N, KB, chunks_per_split, stride_wn, FP4: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """A SPREAD program's weight bytes -- its BN rows over its K range -- asked of L2 a line at a time, from
-    program ids and arguments alone (no load: it may run before grid_entry)."""
-    _, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    rn = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
-    block_bytes = TL_BLOCK // 2 if FP4 else TL_BLOCK
-    lo = tl.program_id(1) * chunks_per_split * 4 * block_bytes
-    hi = tl.minimum(tl.program_id(1) * chunks_per_split * 4 + chunks_per_split * 4, KB) * block_bytes
-    prefetch_rows(w_ptr.to(tl.pointer_type(tl.uint8)) + rn.to(tl.int64) * stride_wn, lo, hi)
+def _expert_tile(tile_ptr, slot_ptr, expert_lo, expert_hi, slots_per_row, BM: tl.constexpr):
+    """Program t = program_id(2) of experts.py's tile table (rows (expert, first, count): slots slot[first ..
+    first + count), grouped by expert) -> (its expert relative to expert_lo, its slot count -- 0 for the table's
+    spare tiles and for experts outside [expert_lo, expert_hi), which then do no work --, the row mask, the
+    output rows (the slots) and the activation rows (slot // slots_per_row))."""
+    t = tl.program_id(2)
+    e = tl.load(tile_ptr + 3 * t).to(tl.int64)
+    count = tl.load(tile_ptr + 3 * t + 2)
+    count = tl.where((e >= expert_lo) & (e < expert_hi), count, 0)
+    mmask = tl.arange(0, BM) < count
+    out_rows = tl.load(slot_ptr + tl.load(tile_ptr + 3 * t + 1) + tl.arange(0, BM), mask=mmask, other=0)
+    return e - expert_lo, count, mmask, out_rows, out_rows // slots_per_row
 
 
 @triton.jit
-def _prefetch_plain(w_ptr, M, N, K, k_per_split, stride_wn, group_w, BM: tl.constexpr, BN: tl.constexpr,
-                    GROUP_M: tl.constexpr):
-    """A SPLIT program's weight bytes (_plain_gemm_kernel: its group's BN rows over its K range) asked of L2,
-    from program ids and arguments alone."""
-    _, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    rn = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
-    size = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    k_lo = tl.program_id(2) * k_per_split
-    rows = w_ptr + tl.program_id(1).to(tl.int64) * group_w + rn.to(tl.int64) * stride_wn
-    prefetch_rows(rows.to(tl.pointer_type(tl.uint8)), k_lo * size, tl.minimum(k_lo + k_per_split, K) * size)
-
-
-@triton.jit
-def _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4: tl.constexpr):
-    """K block kb's activation and weight tiles as stored (zeros past the KB blocks of K)."""
-    kin = kb < KB
-    a = tl.load(x_rows + kb * TL_BLOCK, mask=mmask[:, None] & kin, other=0.0)
-    if FP4:
-        w = tl.load(w_rows + kb * 4, mask=nmask[:, None] & kin, other=0)
+def _load_step(x_rows, w_rows, k0, K, mmask, nmask, FP4: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
+    """The activation and weight tiles of the BK columns from k0, as stored (zeros past K). EVEN: the tiles
+    never cross N's or K's end (every V4.1 shape), so only the activation's rows are masked."""
+    rk = tl.arange(0, BK)
+    if EVEN:
+        a = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
+        w = tl.load(w_rows + (k0 // 8 if FP4 else k0))
     else:
-        w = tl.load(w_rows + kb * TL_BLOCK, mask=nmask[None, :] & kin, other=0.0)
+        a = tl.load(x_rows + k0, mask=mmask[:, None] & (k0 + rk < K)[None, :], other=0.0)
+        if FP4:  # eight values a word
+            rw = tl.arange(0, BK // 8)
+            w = tl.load(w_rows + k0 // 8, mask=nmask[:, None] & (k0 // 8 + rw < K // 8)[None, :], other=0)
+        else:
+            w = tl.load(w_rows + k0, mask=nmask[None, :] & (k0 + rk < K)[:, None], other=0.0)
     return a, w
 
 
 @triton.jit
-def _block_term(a, w, aw, bw, j: tl.constexpr, kb, ws_cols, stride_wsk, nmask, FP4: tl.constexpr,
-                FUSE_QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr):
-    """One K block's scaled product dot32(A, B) * a_s * b_s, fp32 [BM, BN]; j: the block's byte in the
-    chunk's scale words."""
-    if FUSE_QUANT:
-        a, _e, a_s = quant_tile(a.to(tl.float32))
+def _step_operands(a, w, aw, bw, j: tl.constexpr, k0, ws_rows, stride_wsk, nmask, FP4: tl.constexpr,
+                   ACT: tl.constexpr, SCALE_E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
+    """One MMA step's operands (step j of a chunk's BK-wide steps), exactly dequantised to bf16: A [BM, BK] =
+    Q8(x) (codes times their power-of-two scale) and B [BK, BN] = W^T (codes times the weight's scale). E4M3
+    and E2M1 codes have at most 3 mantissa bits and the scales are powers of two, so both products are exact
+    in bf16 (a float32 weight scale that is no power of two -- never a checkpoint's -- is rounded here). The
+    scales multiply [rows, blocks, 32] views of the tiles: one scale decoded per row and block, not per value."""
+    NB: tl.constexpr = BK // TL_BLOCK  # blocks per step
+    if ACT == "quantise":  # quantised per 32-wide block: the step's blocks as rows
+        q, _e, q_s = quant_tile(tl.reshape(a.to(tl.float32), [BM * NB, TL_BLOCK]))
+        a_d = tl.reshape(q.to(tl.float32) * q_s[:, None], [BM, BK]).to(tl.bfloat16)
+    elif ACT == "codes":
+        a_d = _times_blocks(a.to(tl.float32), _block_scales(aw, j * NB, NB), BM, NB).to(tl.bfloat16)
+    else:  # "bf16": Q8(x) dequantised already
+        a_d = a
+    if SCALE_E8M0 and FP4:  # each pair scaled as it is decoded
+        b_d = tl.trans(_fp4_scaled_values(w, bw, j * NB, NB, BN, BK))
     else:
-        a_s = _word_scale(aw, j)
-    if FP4:
-        b = _fp4_word_values(w, BN)
+        if SCALE_E8M0:
+            b_s = _block_scales(bw, j * NB, NB)
+        else:  # float32 scales [4 ceil(KB / 4), rows], padded with 1.0
+            kb = k0 // TL_BLOCK + tl.arange(0, NB)
+            b_s = tl.load(ws_rows[:, None] + kb[None, :] * stride_wsk, mask=nmask[:, None], other=1.0)
+        if FP4:  # the f16 values are value / 2^14, their scale 2^14 larger
+            b_d = tl.trans(_times_blocks(_fp4_word_values(w, BN, BK).to(tl.float32), b_s * 16384.0, BN, NB))
+        else:  # [BK, BN]: the blocks run down the rows
+            b_d = tl.reshape(tl.reshape(w.to(tl.float32), [NB, TL_BLOCK, BN]) * tl.trans(b_s)[:, None, :], [BK, BN])
+    return a_d, b_d.to(tl.bfloat16)
+
+
+@triton.jit
+def _mma(a, b, acc, SWAP: tl.constexpr):
+    """acc + A B, one tensor-core MMA chain in K order. SWAP: acc is the transposed [BN, BM] sum and the
+    weight tile is the MMA's A operand: a decode's few rows cannot fill a Hopper wgmma's 64-row M, 64 weight
+    rows can (and only wgmma gives the large tiles' bits: mma.sync accumulates another way)."""
+    if SWAP:
+        acc = tl.dot(tl.trans(b), tl.trans(a), acc)
     else:
-        b = w
-    if SCALE_E8M0:
-        b_s = _word_scale(bw, j)
-    else:
-        b_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=1.0)
-    if FP4:  # the f16 operand holds value / 2^14 (exact, and so is the MMA's sum: all scaled alike)
-        b_s = b_s * 16384.0
-    # f16 operands hold every E4M3 (2^-9 ... 448) and E2M1 code exactly (E4M3 -> f16 is one hardware
-    # conversion per pair), and the f16 MMA accumulates in fp32, so the block's 32 exact products are
-    # summed like the CPU reference's fp32 GEMM (the FP8 MMA keeps fewer accumulator bits and moved every
-    # golden battery row off the reference)
-    partial = tl.dot(a.to(tl.float16), b.to(tl.float16))
-    # a_s * b_s is exact (a_s is a power of two), so partial * it is the reference's (partial * a_s) * b_s,
-    # exact too; the caller's add is the only rounding
-    return partial * (a_s[:, None] * b_s[None, :])
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M", "stride_xs", "stride_pk", "expert_lo", "expert_hi"])
 def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, KB, chunks_per_split,
                     stride_xm, stride_wn, stride_wsk, stride_ym, stride_xs, stride_pk, stride_we, stride_wse,
                     slots_per_row, expert_lo, expert_hi,
-                    FP4: tl.constexpr, FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                    FP4: tl.constexpr, ACT: tl.constexpr, SCALE_ROWS: tl.constexpr,
                     SCALE_E8M0: tl.constexpr, SPREAD: tl.constexpr, SLOTS: tl.constexpr, GROUPED: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, RANGES: tl.constexpr):
-    """y[M, N] = the block-scaled product (see linear), fp32 sums rounded once to bf16. K runs in chunks of
-    4 blocks (one scale word); the chunks form ranges of `chunks_per_split` (quant.k_range_blocks, fixed by
-    the weight's shape): each range's terms are added in K order to a fresh fp32 sum, and the range sums in range order.
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                    RANGES: tl.constexpr, SWAP: tl.constexpr, EVEN: tl.constexpr):
+    """y[M, N] = the product of the exactly dequantised operands (see linear), fp32 sums rounded once to bf16.
+    K runs in chunks of 4 blocks (one scale word); the chunks form ranges of `chunks_per_split`
+    (quant.k_range_blocks, fixed by the weight's shape): each range is one tensor-core MMA chain in K order from a
+    fresh fp32 accumulator, and the range sums are added in range order.
     The loads are plain, so that Triton's pipeliner streams them through shared memory (cp.async,
     num_stages deep): a register double buffer measured 2-3x slower at large M (bench/results).
     SPREAD: program_id(1) takes one range and stores its sum to part[s, m, n], which _ordered_sum_kernel
@@ -214,18 +287,12 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
     GROUPED (routed experts, many slots): program_id(2) is tile t of up to BM slots of one expert
     (tile[t] = (expert, first, count): slots slot[first .. first + count), grouped by expert); each slot's
     row is computed as in SLOTS (a row's bits never depend on its tile) and stored at its slot's row; only the
-    tiles of experts [expert_lo, expert_hi) work, the bank at w_ptr holding just those experts.
-    WEIGHT_PREFETCH (DSFLASH_PDL=prefetch): a SPREAD program first asks L2 for its weight bytes -- a dense
-    weight's before the wait for the previous kernel, a slot's once its expert id is read."""
-    if WEIGHT_PREFETCH and SPREAD and not SLOTS and not GROUPED:
-        _prefetch_range(w_ptr, M, N, KB, chunks_per_split, stride_wn, FP4, BM, BN, GROUP_M)
+    tiles of experts [expert_lo, expert_hi) work, the bank at w_ptr holding just those experts."""
     grid_entry()
     if SLOTS:
         s = tl.program_id(2)
         e = tl.load(slot_ptr + s).to(tl.int64)
         w_ptr += e * stride_we
-        if WEIGHT_PREFETCH and SPREAD:
-            _prefetch_range(w_ptr, M, N, KB, chunks_per_split, stride_wn, FP4, BM, BN, GROUP_M)
         ws_ptr += e * stride_wse
         x_ptr += (s // slots_per_row).to(tl.int64) * stride_xm
         xs_ptr += s // slots_per_row
@@ -236,67 +303,67 @@ def _bs_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, slot_ptr, til
     rn = pid_n * BN + tl.arange(0, BN)
     mmask = rm < M
     nmask = rn < N
-    rk = tl.arange(0, TL_BLOCK)
+    rk = tl.arange(0, BK)
     in_rows = rm  # activation rows
     out_rows = rm  # output rows
     KC = tl.cdiv(KB, 4)
     if GROUPED:
-        t = tl.program_id(2)
-        e = tl.load(tile_ptr + 3 * t).to(tl.int64)
-        count = tl.load(tile_ptr + 3 * t + 2)
-        count = tl.where((e >= expert_lo) & (e < expert_hi), count, 0)
-        w_ptr += (e - expert_lo) * stride_we
-        ws_ptr += (e - expert_lo) * stride_wse
-        mmask = tl.arange(0, BM) < count
-        out_rows = tl.load(slot_ptr + tl.load(tile_ptr + 3 * t + 1) + tl.arange(0, BM), mask=mmask, other=0)
-        in_rows = out_rows // slots_per_row
-        KC = tl.where(count > 0, KC, 0)  # the table's spare tiles and other experts' tiles do no work
+        e, count, mmask, out_rows, in_rows = _expert_tile(tile_ptr, slot_ptr, expert_lo, expert_hi, slots_per_row, BM)
+        w_ptr += e * stride_we
+        ws_ptr += e * stride_wse
+        KC = tl.where(count > 0, KC, 0)
     x_rows = x_ptr + in_rows[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    if FP4:  # the block's 4 words per weight row
+    if FP4:  # a step's BK / 8 words per weight row
         w_rows = ((w_ptr + rn[:, None].to(tl.int64) * stride_wn).to(tl.pointer_type(tl.int32))
-                  + tl.arange(0, 4)[None, :])
+                  + tl.arange(0, BK // 8)[None, :])
     else:
         w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
-    ws_cols = ws_ptr + rn // SCALE_ROWS
+    ws_rows = ws_ptr + rn // SCALE_ROWS  # each weight row's scales (a column of the scale words)
     xs_rows = xs_ptr + in_rows
     c_lo = 0
     c_hi = KC
     if SPREAD:
         c_lo = tl.program_id(1) * chunks_per_split
         c_hi = tl.minimum(c_lo + chunks_per_split, KC)
-    if not FUSE_QUANT:
+    if ACT == "codes":
         aw_next = tl.load(xs_rows + c_lo * stride_xs, mask=mmask, other=_ONE_WORD)
     if SCALE_E8M0:
-        bw_next = tl.load(ws_cols + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
+        bw_next = tl.load(ws_rows + c_lo * stride_wsk, mask=nmask, other=_ONE_WORD)
     # one loop over the chunks (a loop per range would drain Triton's load pipeline at every range end).
     # RANGES (the program crosses range ends): `total` sums the current range, added to `acc` where the
     # range ends -- a second accumulator, ~70 more registers on 64x64 tiles, so only where needed
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if SWAP:  # see _mma
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
     if RANGES:
-        total = tl.zeros([BM, BN], dtype=tl.float32)
+        total = tl.zeros_like(acc)
     for c in range(c_lo, c_hi):
         more = c + 1 < c_hi
         aw = 0
         bw = 0
-        if not FUSE_QUANT:
+        if ACT == "codes":
             aw = aw_next
             aw_next = tl.load(xs_rows + (c + 1) * stride_xs, mask=mmask & more, other=_ONE_WORD)
         if SCALE_E8M0:
             bw = bw_next
-            bw_next = tl.load(ws_cols + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
-        for j in tl.static_range(4):
-            kb = c * 4 + j
-            a, w = _load_block(x_rows, w_rows, kb, KB, mmask, nmask, FP4)
-            # a block past K adds +0 to a sum that is never -0
-            term = _block_term(a, w, aw, bw, j, kb, ws_cols, stride_wsk, nmask, FP4, FUSE_QUANT, SCALE_E8M0, BN)
+            bw_next = tl.load(ws_rows + (c + 1) * stride_wsk, mask=nmask & more, other=_ONE_WORD)
+        for j in tl.static_range(4 * TL_BLOCK // BK):  # the chunk in BK-wide MMA steps
+            k0 = c * 4 * TL_BLOCK + j * BK
+            a, w = _load_step(x_rows, w_rows, k0, KB * TL_BLOCK, mmask, nmask, FP4, BK, EVEN)
+            # one MMA chain over the range: a block past K adds 0 products to a sum that is never -0
+            a, b = _step_operands(a, w, aw, bw, j, k0, ws_rows, stride_wsk, nmask, FP4, ACT, SCALE_E8M0,
+                                  BM, BN, BK)
             if RANGES:
-                total += term
+                total = _mma(a, b, total, SWAP)
             else:
-                acc += term
+                acc = _mma(a, b, acc, SWAP)
         if RANGES:
             if ((c + 1) % chunks_per_split == 0) | (c + 1 == KC):  # the range ends
                 acc += total
-                total = tl.zeros([BM, BN], dtype=tl.float32)
+                total = tl.zeros_like(total)
+    if SWAP:
+        acc = tl.trans(acc)
     # SPREAD: acc is this program's range sum, stored for _ordered_sum_kernel
     mask = mmask[:, None] & nmask[None, :]
     if SPREAD:
@@ -360,18 +427,25 @@ def _ordered_sum(part: torch.Tensor, y: torch.Tensor, terms: int) -> None:
                                                       launch_pdl=PDL_LAUNCH)
 
 
+def _range_blocks(w: Weight, n: int, kb: int) -> int:
+    """K blocks per summation range: a tensor-parallel shard sums by its whole weight's K ranges (an expert
+    bank has no such field)."""
+    return k_range_blocks(getattr(w, "k_range_out", None) or n, kb)
+
+
 def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: Weight, y: torch.Tensor, *,
-                      fp4: bool, fuse: bool, cfg: LinearConfig, spread: bool | None,
+                      fp4: bool, act: str, cfg: LinearConfig, spread: bool | None,
                       slots: torch.Tensor | None = None, slots_per_row: int = 1,
                       tiles: torch.Tensor | None = None, experts: tuple[int, int] | None = None) -> None:
     """Launch the block-scaled GEMM into y (and the sum of the K ranges when they run as separate programs).
     With `slots`, y's row s is activation row s // slots_per_row times the bank's expert slots[s]; with
     `tiles` too (experts.py's expert tiles), `slots` is the slot order grouped by expert and tile t takes up
-    to BM of them, only those of `experts` (lo, hi) when given, the bank then holding experts lo .. hi - 1."""
+    to BM of them, only those of `experts` (lo, hi) when given, the bank then holding experts lo .. hi - 1.
+    `act`: what `a` holds -- "codes" (quant_act's E4M3 codes, `a_s` their scale words), "quantise" (the bf16
+    activation, quantised in the tiles) or "bf16" (Q8(x) as bf16: dequant_act)."""
     n, k = y.size(1), a.size(1)
     kb = k // BLOCK
-    # a tensor-parallel shard sums by its whole weight's K ranges (an expert bank has no such field)
-    cps = k_range_blocks(getattr(w, "k_range_out", None) or n, kb) // K_RANGE_GROUP
+    cps = _range_blocks(w, n, kb) // K_RANGE_GROUP
     splits = triton.cdiv(triton.cdiv(kb, K_RANGE_GROUP), cps)
     rows = y.size(0)
     stacked = slots is not None and tiles is None
@@ -387,14 +461,13 @@ def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: W
     _bs_gemm_kernel[grid](a, a_s, wv, w.scale, y, part, slots if slots is not None else y,
                           tiles if tiles is not None else y, m, n, kb, cps,
                           a.stride(0), wv.stride(-2), w.scale.stride(-2), y.stride(0),
-                          a_s.stride(0) if not fuse else m, rows * n,
+                          a_s.stride(0) if act == "codes" else m, rows * n,
                           wv.stride(0) if slots is not None else 0, w.scale.stride(0) if slots is not None else 0,
-                          slots_per_row, lo, hi, FP4=fp4, FUSE_QUANT=fuse, SCALE_ROWS=w.scale_rows,
-                          SCALE_E8M0=w.scale_e8m0,
-                          SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM, BN=cfg.BN,
-                          GROUP_M=cfg.GROUP_M,
-                          RANGES=splits > 1 and not spread, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                          enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
+                          slots_per_row, lo, hi, FP4=fp4, ACT=act, SCALE_ROWS=w.scale_rows,
+                          SCALE_E8M0=w.scale_e8m0, SPREAD=spread, SLOTS=stacked, GROUPED=tiles is not None, BM=cfg.BM,
+                          BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, RANGES=splits > 1 and not spread, SWAP=cfg.swap,
+                          EVEN=kb % K_RANGE_GROUP == 0 and n % cfg.BN == 0, num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
     if spread:
         _ordered_sum(part, y, splits)
 
@@ -402,20 +475,19 @@ def block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, wv: torch.Tensor, w: W
 # ---------------------------------------------------------------------------------------------
 # plain bf16 / fp32 GEMM
 # ---------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["M"])
-def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part_cols, stride_xm, stride_wn,
-                       stride_ym, group_x, group_w, group_y,
-                       PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr, RANGES: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "expert_lo", "expert_hi"])
+def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, slot_ptr, tile_ptr, M, N, K, k_per_split, part_cols,
+                       stride_xm, stride_wn, stride_ym, group_x, group_w, group_y, slots_per_row, expert_lo,
+                       expert_hi, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr, RANGES: tl.constexpr, GATHER: tl.constexpr):
     # program_id(1) picks one of several independent GEMMs laid side by side (grouped `wo_a`); each is
     # computed exactly as a single call with the same config would. The K ranges [s * k_per_split, (s + 1) *
     # k_per_split) are fixed by the weight's shape, never by M; each range's dots chain from a zero
     # accumulator and the range sums add in s order. SPLIT: program_id(2) takes range s and stores its fp32
     # sum to part[s, m, g * N + n] (part_cols = groups * N columns) for _ordered_sum_kernel. RANGES (large M):
     # one program runs every range and adds their sums in order itself: the same bits, no partials in memory.
-    # WEIGHT_PREFETCH: a SPLIT program asks L2 for its weight bytes before the wait (as _bs_gemm_kernel's)
-    if WEIGHT_PREFETCH and SPLIT:
-        _prefetch_plain(w_ptr, M, N, K, k_per_split, stride_wn, group_w, BM, BN, GROUP_M)
+    # GATHER (a prefill's routed experts, operands dequantised): program_id(2) is tile t of up to BM slots of one
+    # expert as _bs_gemm_kernel's GROUPED, the bank's experts group_w apart (only [expert_lo, expert_hi) here).
     grid_entry()
     g = tl.program_id(1).to(tl.int64)
     x_ptr += g * group_x
@@ -427,10 +499,16 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part
     rk = tl.arange(0, BK)
     mmask = rm < M
     nmask = rn < N
-    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    wp = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    in_rows = rm
+    out_rows = rm
     k_lo = 0
     k_hi = K
+    if GATHER:
+        e, count, mmask, out_rows, in_rows = _expert_tile(tile_ptr, slot_ptr, expert_lo, expert_hi, slots_per_row, BM)
+        w_ptr += e * group_w
+        k_hi = tl.where(count > 0, K, 0)
+    xp = x_ptr + in_rows[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    wp = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     if SPLIT:
         k_lo = tl.program_id(2) * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -454,7 +532,7 @@ def _plain_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_per_split, part
                 + g * N + rn[None, :])
         tl.store(part, acc, mask=mmask[:, None] & nmask[None, :])
     else:
-        y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        y = y_ptr + out_rows[:, None].to(tl.int64) * stride_ym + rn[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
@@ -475,26 +553,50 @@ def _plain_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, kind: str, gr
     split = splits > 1 and not wide
     part = torch.empty((splits, m, groups * n), dtype=torch.float32, device=x.device) if split else y
     grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), groups, splits if split else 1)
-    _plain_gemm_kernel[grid](x, w, y, part, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2), y.stride(0),
-                             k, n * k, n, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
-                             SPLIT=split, RANGES=wide and splits > 1, num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
+    _plain_gemm_kernel[grid](x, w, y, part, y, y, m, n, k, k_per_split, groups * n, x.stride(0), w.stride(-2),
+                             y.stride(0), k, n * k, n, 1, 0, 0, PREC=prec, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                             GROUP_M=cfg.GROUP_M, SPLIT=split, RANGES=wide and splits > 1, GATHER=False,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
+                             launch_pdl=PDL_LAUNCH)
     if split:
         _ordered_sum(part, y, splits)
 
 
+def dequantised_gemm(a: torch.Tensor, b: torch.Tensor, w: Weight, y: torch.Tensor, *,
+                     slots: torch.Tensor | None = None, slots_per_row: int = 1, tiles: torch.Tensor | None = None,
+                     experts: tuple[int, int] = (0, 1)) -> None:
+    """y = a @ b^T over operands dequantised to bf16 in memory (dequant_act, weights.dequantise: exact) with the
+    FP8/FP4 weight w's K ranges, one program adding them in order: per output element the MMA chain of the
+    register-dequantising tiles, at the tensor cores' rate. With `tiles` (experts.py's expert tiles; b a bank
+    [experts hi - lo, out, in]), y's rows are the slots as in block_scaled_gemm."""
+    k = a.size(1)
+    n = y.size(1)
+    range_k = _range_blocks(w, n, k // BLOCK) * BLOCK
+    cfg = dequant_gemm_config(n)
+    m = cfg.BM if tiles is not None else a.size(0)  # rows per program column: a tile's slots
+    grid = (triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN), 1, tiles.size(0) if tiles is not None else 1)
+    lo, hi = experts
+    _plain_gemm_kernel[grid](a, b, y, y, slots if slots is not None else y, tiles if tiles is not None else y, m, n,
+                             k, range_k, n, a.stride(0), b.stride(-2), y.stride(0), 0, b.stride(0) if b.dim() == 3
+                             else 0, 0, slots_per_row, lo, hi, PREC="tf32", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                             GROUP_M=cfg.GROUP_M, SPLIT=False, RANGES=range_k < k, GATHER=tiles is not None,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
+                             launch_pdl=PDL_LAUNCH)
+
+
 def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
            config: LinearConfig | None = None, fuse_quant: bool | None = None,
-           spread: bool | None = None, preconvert: bool | None = None,
+           spread: bool | None = None, preconvert: bool | None = None, dequantise: bool | None = None,
            fp32_precision: str = "tf32x3") -> torch.Tensor:
     """y = x @ W^T by the weight's storage kind (see cpu.linear). x: [M, in] on CUDA. fp8/fp4 take a
     bf16 activation and give bf16; bf16/fp32 weights give their own dtype. A non-CUDA-layout Weight
     is converted on the fly (convert once with to_cuda_weight instead).
-    Keyword overrides are for tests and benchmarks: `config` (tile config), and three choices that
-    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs) and `preconvert`
-    (widen FP4 to E4M3 before the GEMM); `fp32_precision` for fp32 weights: "tf32x3" (default: three
-    TF32 tensor-core products, measured closer to the CPU's fp32 than the alternative and 3-4.5x
-    faster) or "ieee" (fp32 FMA dots, one long K chain per output)."""
+    Keyword overrides are for tests and benchmarks: `config` (tile config), and four choices that
+    never change bits: `fuse_quant`, `spread` (the K ranges as separate programs), `preconvert`
+    (widen FP4 to E4M3 before the GEMM) and `dequantise` (both operands to bf16 in memory first, the plain
+    GEMM's tiles; default from DEQUANT_MIN_M rows unless `config` names the tiles); `fp32_precision` for
+    fp32 weights: "tf32x3" (default: three TF32 tensor-core products, measured closer to the CPU's fp32
+    than the alternative and 3-4.5x faster) or "ieee" (fp32 FMA dots, one long K chain per output)."""
     if not isinstance(w, CudaWeight) or w.values.device != x.device:
         w = to_cuda_weight(w, x.device)
     assert x.dim() == 2 and x.size(1) == w.in_features, (tuple(x.shape), w.in_features)
@@ -508,12 +610,16 @@ def linear(x: torch.Tensor, w: Weight, *, out: torch.Tensor | None = None,
         if m == 0:
             return y
         x = x.contiguous()
+        if dequantise if dequantise is not None else config is None and m >= DEQUANT_MIN_M:
+            # Q8(x) and W dequantised in memory once a call, then a tensor-core-rate GEMM
+            dequantised_gemm(dequant_act(x), dequant_weight(w), w, y)
+            return y
         fuse = m <= FUSE_QUANT_MAX_M if fuse_quant is None else fuse_quant
         a, a_s = (x, x) if fuse else quant_act(x)  # fused: a_s unused
         wv, fp4 = w.values, w.kind == "fp4"
         if fp4 and (m >= FP4_PRECONVERT_M if preconvert is None else preconvert):
             wv, fp4 = fp4_to_fp8(wv), False
-        block_scaled_gemm(a, a_s, wv, w, y, fp4=fp4, fuse=fuse, cfg=cfg, spread=spread)
+        block_scaled_gemm(a, a_s, wv, w, y, fp4=fp4, act="quantise" if fuse else "codes", cfg=cfg, spread=spread)
         return y
     dtype = torch.float32 if w.kind == "fp32" else torch.bfloat16
     # a bf16 activation of an fp32 weight is widened here: widened in the kernel, 3xTF32 gives other bits

@@ -1,6 +1,6 @@
 """The CUDA kernels' weight layouts: CudaWeight (FP8 codes with E8M0 scale words; FP4 codes in the word
 layout the GEMM decodes with shifts and masks), made from checkpoint codes or from a reference Weight, and
-an FP4 weight widened to E4M3 (the prefill's GEMMs and expert tiles)."""
+an FP4 weight widened to E4M3 (the prefill's expert tiles), a weight dequantised to bf16 (the prefill's GEMMs)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import decode_e2m1, encode_e2m1, pack_fp4
 from dsflash.numerics.quant import K_RANGE_GROUP
 
-from .common import FP_FUSION, PDL_LAUNCH, grid_entry
-from .configs import FP4_WIDEN_WORDS
+from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, grid_entry
+from .configs import DEQUANT_ROWS, FP4_WIDEN_WORDS
 
 
 @dataclass
@@ -65,14 +65,16 @@ def fp4_words(packed: torch.Tensor) -> torch.Tensor:
     return words.to(torch.int32).contiguous().view(torch.uint8).view(packed.shape)
 
 
-def _pack_scales(scale: torch.Tensor) -> torch.Tensor:
+def _pack_scales(scale: torch.Tensor, kind: str) -> torch.Tensor:
     """float32 [rows, KB] -> K-block-major int32 words [ceil(KB/4), rows] of E8M0 bytes when every scale
-    is exactly 2^(b-127) with b in 1..254, else float32 [4*ceil(KB/4), rows] padded with 1.0."""
+    is exactly 2^(b-127) with b in 1..254 (fp4: 1..128, scales up to 2, which gemm.py's FP4 decode multiplies
+    in as one bf16 2^(b-1); a checkpoint's are ~2^-8), else float32 [4*ceil(KB/4), rows] padded with 1.0."""
     rows, kb = scale.shape
     pad = -kb % K_RANGE_GROUP
     bits = scale.contiguous().view(torch.int32)
     exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-    if bool(((mantissa == 0) & (exponent >= 1) & (exponent <= 254) & (bits >= 0)).all()):
+    top = 128 if kind == "fp4" else 254
+    if bool(((mantissa == 0) & (exponent >= 1) & (exponent <= top) & (bits >= 0)).all()):
         e = torch.nn.functional.pad(exponent.to(torch.uint8), (0, pad), value=127)
         return e.t().contiguous().view(-1, K_RANGE_GROUP, rows).permute(0, 2, 1).contiguous().view(torch.int32)[..., 0]
     return torch.nn.functional.pad(scale, (0, pad), value=1.0).t().contiguous()
@@ -81,7 +83,7 @@ def _pack_scales(scale: torch.Tensor) -> torch.Tensor:
 def weight_from_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, device: torch.device) -> CudaWeight:
     """A checkpoint weight straight from its stored codes, with no float detour: fp8 E4M3 [out, in] with
     E8M0 tile scales [ceil(out/32), in/32], or fp4 bytes [out, in/2] with E8M0 scales [out, in/32]."""
-    packed = _pack_scales(scale.to(device).float())
+    packed = _pack_scales(scale.to(device).float(), kind)
     if kind == "fp8":
         return CudaWeight("fp8", codes.to(device).contiguous(), packed, BLOCK)
     return CudaWeight("fp4", fp4_words(codes.to(device).view(torch.uint8)), packed, 1)
@@ -121,7 +123,7 @@ def to_cuda_weight(w: Weight, device: torch.device | str | None = None) -> CudaW
         if not torch.equal(decode_e2m1(codes), vals):
             raise ValueError("fp4 weight values are not all E2M1 values")
         values = fp4_words(pack_fp4(codes).to(device))
-    return CudaWeight(w.kind, values, _pack_scales(scale).to(device), rows)
+    return CudaWeight(w.kind, values, _pack_scales(scale, w.kind).to(device), rows)
 
 
 @triton.jit
@@ -159,3 +161,38 @@ def fp4_to_fp8(values: torch.Tensor) -> torch.Tensor:
                                                                        enable_fp_fusion=FP_FUSION,
                                                                        launch_pdl=PDL_LAUNCH)
     return out.view(torch.float8_e4m3fn)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, ws_ptr, o_ptr, N, K, stride_wn, stride_wsk, SCALE_ROWS: tl.constexpr,
+                    SCALE_E8M0: tl.constexpr, ROWS: tl.constexpr):
+    """E4M3 codes [N, K] times their scales (CudaWeight's layout) -> bf16 [N, K]; one program a K chunk
+    (4 blocks: one scale word) of ROWS rows."""
+    grid_entry()
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(1)
+    j = tl.arange(0, 4 * TL_BLOCK) // TL_BLOCK  # each column's block in the chunk: its byte of the word
+    cols = c * 4 * TL_BLOCK + tl.arange(0, 4 * TL_BLOCK)
+    rmask = rows < N
+    mask = rmask[:, None] & (cols < K)[None, :]
+    codes = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :], mask=mask, other=0.0)
+    if SCALE_E8M0:
+        word = tl.load(ws_ptr + c * stride_wsk + rows // SCALE_ROWS, mask=rmask, other=0)
+        s = (((word[:, None] >> (8 * j[None, :])) & 0xFF) << 23).to(tl.float32, bitcast=True)
+    else:
+        s = tl.load(ws_ptr + (c * 4 + j[None, :]) * stride_wsk + (rows // SCALE_ROWS)[:, None], mask=mask, other=1.0)
+    tl.store(o_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], (codes.to(tl.float32) * s).to(tl.bfloat16),
+             mask=mask)
+
+
+def dequant_weight(w: CudaWeight) -> torch.Tensor:
+    """An fp8/fp4 CudaWeight's values times their scales, bf16 [out, in] (exact for power-of-two scales: E4M3
+    and E2M1 codes have at most 3 mantissa bits)."""
+    codes = fp4_to_fp8(w.values) if w.kind == "fp4" else w.values
+    n, k = codes.shape
+    out = torch.empty((n, k), dtype=torch.bfloat16, device=codes.device)
+    grid = (triton.cdiv(n, DEQUANT_ROWS), triton.cdiv(k, 4 * BLOCK))
+    _dequant_kernel[grid](codes, w.scale, out, n, k, codes.stride(0), w.scale.stride(-2), SCALE_ROWS=w.scale_rows,
+                          SCALE_E8M0=w.scale_e8m0, ROWS=DEQUANT_ROWS, num_warps=4, enable_fp_fusion=FP_FUSION,
+                          launch_pdl=PDL_LAUNCH)
+    return out
