@@ -16,7 +16,10 @@
 # experiment only). `... patch-step FILE...`: engine patches (git apply, in order): the CUDA kernel and model
 # tests with them, the step benchmark before, with (twice) and after them, and the prefill before and with
 # them, in one session (steps vary ~5 ms between machines).
-# `... pdl` (~5 minutes):
+# `... gap` (~9 minutes): where a 6.cuda1 step and prefill go, per shape: the plain GEMMs by K split, tile and
+# precision (bench/experiments/plain_split.py), the FP8/FP4 decode tiles and expert slots
+# (bench/experiments/decode_tiles.py), every kernel at M = 1 / 5 / 8192 against the ceilings (`dsflash.bench.kernels`)
+# and the prefill profile. `... pdl` (~5 minutes):
 # programmatic dependent launch (on by default on sm_90; kernels/cuda/common.py) against plain launches
 # (DSFLASH_PDL=0) on the same card, steps alternating 0 1 twice and prefill each way, after the attention
 # kernels' GPU tests and the CUDA model tests (the PDL bit test among them).
@@ -96,6 +99,13 @@ if [ "$part" = pdl ]; then
     done
   done
   for flag in 0 1; do DSFLASH_PDL=$flag timeout 100 $prefill --out "$out/pdl${flag}a" 2>&1 | grep "^| [0-9]"; done
+fi
+if [ "$part" = gap ]; then
+  timeout 110 python bench/experiments/plain_split.py 2>&1 | grep -v -i warn | tee "$out/plain-split.txt"
+  timeout 170 python bench/experiments/decode_tiles.py > "$out/decode-tiles.md" 2>&1; tail -30 "$out/decode-tiles.md"
+  timeout 150 python -m dsflash.bench.kernels --m 1,5,8192 --out "$out" 2>&1 | tail -60
+  timeout 100 python -m dsflash.cli bench profile --prefill --preset bench --experts 48 --device cuda \
+    --context 8192 --out "$out" 2>&1 | head -45
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   [ "$part" = ab ] && timeout 200 $step 2>&1 | tail -12
