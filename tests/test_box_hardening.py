@@ -348,6 +348,7 @@ def test_sessions_and_queued_requests_of_a_connection_are_bounded(local):
 
 # ---- item 14: the command line's face of an unreachable box ----
 
+@pytest.mark.slow  # ~9 s on 2 cores: the default run keeps the server's 503 while the box is down (test_server_split)
 def test_generate_through_an_unreachable_or_refusing_box_says_so_in_one_line(tmp_path):
     ids = tmp_path / "p.json"
     ids.write_text(json.dumps(prompt(10, seed=2)))

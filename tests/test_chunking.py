@@ -37,6 +37,7 @@ def test_chunked_prefill_is_bit_identical(model_and_ids, size):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # ~10 s on 2 cores: the default run keeps chunked == one pass (test_chunked_prefill_is_bit_identical)
 def test_tiny_b_chunking_tail_prefill_and_dspark(tmp_path_factory):
     """Tiny-B (12 layers, window 8 so rings wrap, 3 DSpark stages): chunked == whole, the encoder-only
     prefill == the full one, and DSpark decoding == plain decoding."""

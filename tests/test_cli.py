@@ -72,6 +72,7 @@ def test_logits_command_replays_a_golden_case_bit_for_bit(tmp_path):
     assert np.array_equal(got["handoff_streams"], golden["full.handoff_streams"])
 
 
+@pytest.mark.slow  # ~8 s on 2 cores: the default run keeps make-checkpoint's own tests (test_make_checkpoint.py)
 def test_make_checkpoint_then_check_golden_refuses_a_non_case(tmp_path):
     r = dsflash("make-checkpoint", "--preset", "tiny-b", "--seed", "3", "--out", str(tmp_path / "tb"))
     assert r.returncode == 0, r.stderr
@@ -153,6 +154,7 @@ def test_threads_default_to_the_cores_this_process_may_use():
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow  # ~13 s on 2 cores: the default run keeps the tiers == resident at the engine (test_layer_ranges)
 def test_generate_with_engram_and_experts_on_disk_gives_the_resident_tokens(tmp_path):
     """The placement flags end to end: `--engram disk --experts disk` with caches smaller than what the prompt
     touches (rows and experts read, experts evicted) give the resident run's tokens, and `--json` reports the

@@ -35,20 +35,25 @@ def one_line_failure(args: list[str], **kw) -> str:
     return lines[0]
 
 
-def test_missing_files_and_a_too_long_request_are_one_line(ckpt, tmp_path):
+def test_a_missing_model_and_a_too_long_request_are_one_line(ckpt, tmp_path):
+    missing = str(tmp_path / "nowhere")
+    assert one_line_failure(["generate", "--model", missing, "--prompt", "hi"]) == \
+        f"dsflash generate: no config.json at {missing}"
+    assert one_line_failure(["generate", "--model", str(ckpt), "--prompt", "hi", "-n", "20000"]) == \
+        "dsflash generate: this request needs 20003 tokens of context; the model's limit is 16384"
+
+
+@pytest.mark.slow  # ~14 s on 2 cores (four more command lines): the default run keeps the two above
+def test_missing_files_are_one_line(ckpt, tmp_path):
     no_tokenizer = tmp_path / "no-tokenizer"
     no_tokenizer.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(ckpt / name, no_tokenizer / name)
     missing = str(tmp_path / "nowhere")
-    assert one_line_failure(["generate", "--model", missing, "--prompt", "hi"]) == \
-        f"dsflash generate: no config.json at {missing}"
     assert one_line_failure(["serve", "--model", missing]) == f"dsflash serve: no config.json at {missing}"
     assert "no tokenizer.json" in one_line_failure(["generate", "--model", str(no_tokenizer), "--prompt", "hi"])
     assert "no tokenizer.json" in one_line_failure(["serve", "--model", str(no_tokenizer),
                                                     "--port", str(free_port())])
-    assert one_line_failure(["generate", "--model", str(ckpt), "--prompt", "hi", "-n", "20000"]) == \
-        "dsflash generate: this request needs 20003 tokens of context; the model's limit is 16384"
     assert "No such file or directory" in one_line_failure(["generate", "--model", str(ckpt), "--prompt-tokens",
                                                             str(tmp_path / "none.json")])
 

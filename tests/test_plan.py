@@ -363,6 +363,7 @@ def test_layouts_that_do_not_divide_are_refused_naming_the_flag(flags, line, cap
     assert capsys.readouterr().err.strip() == f"dsflash plan: {line}"
 
 
+@pytest.mark.slow  # ~7 s on 2 cores (a plan per GPU layout)
 def test_gpus_take_a_count_or_a_list(capsys):
     base = ["plan", "--preset", "v41-flash", "--gpu-memory", "140GiB", "--host-memory", "512GiB", "--json"]
     for flags, ids in (("--gpus 3", [0, 1, 2]), ("--gpus 0", [0]), ("--gpus 4,", [4]), ("--gpus 2,5 --pp 2", [2, 5]),

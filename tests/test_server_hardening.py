@@ -285,6 +285,7 @@ def sse_lines(base: str, path: str, body: dict, into: list) -> None:
         into.extend(line for line in r.iter_lines() if line)
 
 
+@pytest.mark.slow  # ~11 s on 2 cores (a server started, streams, then the shutdown timeout)
 def test_sigterm_ends_streams_cleanly_within_the_shutdown_timeout(ckpt):
     """SIGTERM with --shutdown-timeout 1 during three long generations (a chat stream, an Anthropic stream,
     a non-streamed chat): the streams end with their finish events, the other answers with its partial
