@@ -64,3 +64,22 @@ def quant_tile(xf):
 def sigmoid(x):
     """torch's CUDA sigmoid: 1 / (1 + expf(-x)), an IEEE division."""
     return tl.math.div_rn(1.0, 1.0 + libdevice.exp(-x))
+
+
+@triton.jit
+def scale_bytes(word, first, NB: tl.constexpr):
+    """E8M0 bytes first .. first + NB - 1 of int32 scale words [R] -> int32 [R, NB]."""
+    j = first + tl.arange(0, NB)
+    return (word[:, None] >> (8 * j[None, :])) & 0xFF
+
+
+@triton.jit
+def block_scales(word, first, NB: tl.constexpr):
+    """E8M0 bytes first .. first + NB - 1 of int32 scale words [R] -> float32 [R, NB]: 2^(byte - 127)."""
+    return (scale_bytes(word, first, NB) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def times_blocks(v, s, R: tl.constexpr, NB: tl.constexpr):
+    """float32 v [R, NB * 32] times per-(row, 32-wide block) scales s [R, NB]."""
+    return tl.reshape(tl.reshape(v, [R, NB, TL_BLOCK]) * s[:, :, None], [R, NB * TL_BLOCK])

@@ -87,7 +87,8 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
     y = torch.empty((slots.numel(), n), dtype=torch.bfloat16, device=x.device)
     if slots.numel() == 0:
         return y
-    x = x.contiguous()
+    # Q8(x) as bf16 once a call, not in each of the thousands of slot programs (K ranges x weight tiles x slots)
+    a = dequant_act(x.contiguous())
     if config is None and slots.numel() >= EXPERT_TILE_MIN_SLOTS:
         # a prefill's slots: each expert's slots share tiles (the same bits as one-row tiles, tested). The tiles
         # dequantise their operands in registers, in the MMA's issue slots; dequantised to bf16 in memory once per
@@ -99,7 +100,6 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
             preconvert = slots.numel() >= EXPERT_WIDEN_MIN_SLOTS * experts_n
         if preconvert:
             order, tiles = _expert_tiles(slots, experts_n, dequant_gemm_config(n).BM)
-            a = dequant_act(x)
             group = max(1, EXPERT_WIDEN_BYTES // (2 * n * x.size(1)))
             for lo in range(0, experts_n, group):
                 hi = min(lo + group, experts_n)
@@ -108,12 +108,9 @@ def expert_linear(x: torch.Tensor, bank: ExpertBank, experts: torch.Tensor, slot
             return y
         cfg = linear_config(bank.kind, n, x.size(1))
         order, tiles = _expert_tiles(slots, experts_n, cfg.BM)
-        a = dequant_act(x)
         block_scaled_gemm(a, a, bank.values, bank, y, fp4=bank.kind == "fp4", act="bf16", cfg=cfg, spread=False,
                           slots=order, slots_per_row=slots_per_row, tiles=tiles)
         return y
-    # Q8(x) once a call, not in each of the thousands of slot programs (K ranges x weight tiles x slots)
-    a = dequant_act(x)
     cfg = config or linear_config(bank.kind, n, x.size(1), m=1)  # each slot is a one-row product
     block_scaled_gemm(a, a, bank.values, bank, y, fp4=bank.kind == "fp4", act="bf16", cfg=cfg, spread=spread,
                       slots=slots, slots_per_row=slots_per_row)

@@ -27,7 +27,7 @@ from dsflash.kernels.cpu import Weight
 from dsflash.numerics import BLOCK
 from dsflash.numerics.quant import K_RANGE_GROUP, k_range_blocks
 
-from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, grid_entry, quant_tile
+from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, block_scales, grid_entry, quant_tile, scale_bytes, times_blocks
 from .configs import (
     ACT_QUANT_BLOCKS,
     ACT_QUANT_ROWS,
@@ -147,32 +147,13 @@ def _fp4_scaled_values(w, bw, first, NB: tl.constexpr, BN: tl.constexpr, BK: tl.
     weights.py keeps E8M0 words for FP4 only then) gives value x 2^(b-127), exactly: one instruction per pair
     where the f16 route converts each value to fp32, multiplies and packs it back (SASS of the decode slot
     tile: 1,016 -> 704 instructions)."""
-    scale = (_scale_bytes(bw, first, NB) + 126)[:, :, None, None]  # bf16 exponent field of 2^(b-1)
+    scale = (scale_bytes(bw, first, NB) + 126)[:, :, None, None]  # bf16 exponent field of 2^(b-1)
     i = tl.arange(0, 4)[None, None, None, :]
     w4 = tl.reshape(w, [BN, NB, TL_BLOCK // 8])[:, :, :, None]  # a block's 4 words
     r = (((w4 << (3 * i)) >> 3) & 0x01C001C0) | ((w4 << i) & -2147450880)  # 0x80008000
     r = tl.inline_asm_elementwise(BF16X2_MUL_ASM, "=r,r,r", [r, (scale << 7) | (scale << 23)], dtype=tl.int32,
                                   is_pure=True, pack=1)
     return _pair_halves(r, BN, BK).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _scale_bytes(word, first, NB: tl.constexpr):
-    """E8M0 bytes first .. first + NB - 1 of int32 scale words [R] -> int32 [R, NB]."""
-    j = first + tl.arange(0, NB)
-    return (word[:, None] >> (8 * j[None, :])) & 0xFF
-
-
-@triton.jit
-def _block_scales(word, first, NB: tl.constexpr):
-    """E8M0 bytes first .. first + NB - 1 of int32 scale words [R] -> float32 [R, NB]: 2^(byte - 127)."""
-    return (_scale_bytes(word, first, NB) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _times_blocks(v, s, R: tl.constexpr, NB: tl.constexpr):
-    """float32 v [R, NB * 32] times per-(row, 32-wide block) scales s [R, NB]."""
-    return tl.reshape(tl.reshape(v, [R, NB, TL_BLOCK]) * s[:, :, None], [R, NB * TL_BLOCK])
 
 
 @triton.jit
@@ -236,19 +217,19 @@ def _step_operands(a, w, aw, bw, j: tl.constexpr, k0, ws_rows, stride_wsk, nmask
         q, _e, q_s = quant_tile(tl.reshape(a.to(tl.float32), [BM * NB, TL_BLOCK]))
         a_d = tl.reshape(q.to(tl.float32) * q_s[:, None], [BM, BK]).to(tl.bfloat16)
     elif ACT == "codes":
-        a_d = _times_blocks(a.to(tl.float32), _block_scales(aw, j * NB, NB), BM, NB).to(tl.bfloat16)
+        a_d = times_blocks(a.to(tl.float32), block_scales(aw, j * NB, NB), BM, NB).to(tl.bfloat16)
     else:  # "bf16": Q8(x) dequantised already
         a_d = a
     if SCALE_E8M0 and FP4:  # each pair scaled as it is decoded
         b_d = tl.trans(_fp4_scaled_values(w, bw, j * NB, NB, BN, BK))
     else:
         if SCALE_E8M0:
-            b_s = _block_scales(bw, j * NB, NB)
+            b_s = block_scales(bw, j * NB, NB)
         else:  # float32 scales [4 ceil(KB / 4), rows], padded with 1.0
             kb = k0 // TL_BLOCK + tl.arange(0, NB)
             b_s = tl.load(ws_rows[:, None] + kb[None, :] * stride_wsk, mask=nmask[:, None], other=1.0)
         if FP4:  # the f16 values are value / 2^14, their scale 2^14 larger
-            b_d = tl.trans(_times_blocks(_fp4_word_values(w, BN, BK).to(tl.float32), b_s * 16384.0, BN, NB))
+            b_d = tl.trans(times_blocks(_fp4_word_values(w, BN, BK).to(tl.float32), b_s * 16384.0, BN, NB))
         else:  # [BK, BN]: the blocks run down the rows
             b_d = tl.reshape(tl.reshape(w.to(tl.float32), [NB, TL_BLOCK, BN]) * tl.trans(b_s)[:, None, :], [BK, BN])
     return a_d, b_d.to(tl.bfloat16)

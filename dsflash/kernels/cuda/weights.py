@@ -15,7 +15,7 @@ from dsflash.numerics import BLOCK
 from dsflash.numerics.codecs import decode_e2m1, encode_e2m1, pack_fp4
 from dsflash.numerics.quant import K_RANGE_GROUP
 
-from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, grid_entry
+from .common import FP_FUSION, PDL_LAUNCH, TL_BLOCK, block_scales, grid_entry, times_blocks
 from .configs import DEQUANT_ROWS, FP4_WIDEN_WORDS
 
 
@@ -171,18 +171,17 @@ def _dequant_kernel(w_ptr, ws_ptr, o_ptr, N, K, stride_wn, stride_wsk, SCALE_ROW
     grid_entry()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1)
-    j = tl.arange(0, 4 * TL_BLOCK) // TL_BLOCK  # each column's block in the chunk: its byte of the word
     cols = c * 4 * TL_BLOCK + tl.arange(0, 4 * TL_BLOCK)
     rmask = rows < N
     mask = rmask[:, None] & (cols < K)[None, :]
     codes = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :], mask=mask, other=0.0)
-    if SCALE_E8M0:
-        word = tl.load(ws_ptr + c * stride_wsk + rows // SCALE_ROWS, mask=rmask, other=0)
-        s = (((word[:, None] >> (8 * j[None, :])) & 0xFF) << 23).to(tl.float32, bitcast=True)
+    if SCALE_E8M0:  # the chunk's 4 blocks: the 4 bytes of each row's word
+        s = block_scales(tl.load(ws_ptr + c * stride_wsk + rows // SCALE_ROWS, mask=rmask, other=0), 0, 4)
     else:
-        s = tl.load(ws_ptr + (c * 4 + j[None, :]) * stride_wsk + (rows // SCALE_ROWS)[:, None], mask=mask, other=1.0)
-    tl.store(o_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], (codes.to(tl.float32) * s).to(tl.bfloat16),
-             mask=mask)
+        kb = c * 4 + tl.arange(0, 4)
+        s = tl.load(ws_ptr + kb[None, :] * stride_wsk + (rows // SCALE_ROWS)[:, None], mask=rmask[:, None], other=1.0)
+    values = times_blocks(codes.to(tl.float32), s, ROWS, 4)
+    tl.store(o_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], values.to(tl.bfloat16), mask=mask)
 
 
 def dequant_weight(w: CudaWeight) -> torch.Tensor:
