@@ -56,3 +56,9 @@ def test_keyed_topk_picks_what_a_stable_descending_sort_picks():
             for k in (1, 5, 64, 300):
                 want = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
                 assert torch.equal(cpu.topk_lowest_index(s, k), want), (dtype, k)
+    # 16-bit rows take int32 keys up to 2^16 values and int64 keys beyond: both sides of the bound
+    for width in (1 << 16, (1 << 16) + 1):
+        s = (torch.randint(-40, 41, (2, width), generator=g).float() / 8).bfloat16()
+        s[0, -5:] = torch.inf
+        want = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :70]
+        assert torch.equal(cpu.topk_lowest_index(s, 70), want), width
