@@ -19,9 +19,7 @@
 # `... gap` (~9 minutes): where a 6.cuda1 step and prefill go, per shape: the plain GEMMs by K split, tile and
 # precision (bench/experiments/plain_split.py), the FP8/FP4 decode tiles and expert slots
 # (bench/experiments/decode_tiles.py), every kernel at M = 1 / 5 / 8192 against the ceilings (`dsflash.bench.kernels`)
-# and the prefill profile. `... patch-step bench/experiments/attn_scores.patch`: a decode row's sparse-attention
-# score tiles side by side before its softmax chain (the same bits; ~42 µs a layer's call now, one chain of ten
-# score tiles). `... pdl` (~5 minutes):
+# and the prefill profile. `... pdl` (~5 minutes):
 # programmatic dependent launch (on by default on sm_90; kernels/cuda/common.py) against plain launches
 # (DSFLASH_PDL=0) on the same card, steps alternating 0 1 twice and prefill each way, after the attention
 # kernels' GPU tests and the CUDA model tests (the PDL bit test among them).

@@ -649,9 +649,12 @@ def test_sparse_attn_batch_invariant():
         rows = perm[:m]
         assert torch.equal(kc.sparse_attn(q[rows], kv, sink, idx[rows], scale), full[rows]), f"M={m}"
         assert torch.equal(kc.sparse_attn(q[:m], kv, sink, idx[:m], scale), full[:m]), f"prefix M={m}"
-    # a query's output channels split over programs (decode) give the unsplit kernel's bits
+    # a query's output channels split over programs and its score tiles computed apart first (decode) give the
+    # unsplit kernel's bits
     for block_o in (configs.SPARSE_ATTN_SLICE, 512):  # the split a few queries take, and none
-        assert torch.equal(kc.sparse_attn(q, kv, sink, idx, scale, block_o=block_o), full), f"block_o={block_o}"
+        for apart in (False, True):
+            got = kc.sparse_attn(q, kv, sink, idx, scale, block_o=block_o, scores_apart=apart)
+            assert torch.equal(got, full), f"block_o={block_o} scores_apart={apart}"
 
 
 # ---------------------------------------------------------------------------------------------

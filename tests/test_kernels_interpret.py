@@ -256,6 +256,9 @@ got = cuda.sparse_attn(q, kv, sink, idx, 64 ** -0.5)
 ref = cpu.sparse_attn(q, kv, sink, idx, 64 ** -0.5)
 assert (got == ref).float().mean() > 0.99 and rel(got, ref) < 1e-3, rel(got, ref)
 assert torch.equal(cuda.sparse_attn(q[2:3], kv, sink, idx[2:3], 64 ** -0.5), got[2:3])
+# ... a few queries' score tiles computed side by side first: the bits of each program computing its own
+for apart in (False, True):
+    assert torch.equal(cuda.sparse_attn(q, kv, sink, idx, 64 ** -0.5, scores_apart=apart, block_o=32), got), apart
 print("ok")
 """
 
@@ -563,7 +566,8 @@ def test_new_kernels_compile_for_sm90():
     """The interpreter runs kernels as Python, so it misses what only the compiler rejects: compile the
     kernels not yet run on a GPU machine when written (the indexer's, the compressor's pooling, Engram's, the
     router, the trainer's mHC split and kv-gradient sums, the attention's window and indices and picked
-    entries, the GEMMs' dequantisation) for sm_90 here (Triton ships ptxas; no GPU needed)."""
+    entries, the GEMMs' dequantisation, sparse attention's score tiles apart) for sm_90 here (Triton ships
+    ptxas; no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -628,6 +632,12 @@ def test_new_kernels_compile_for_sm90():
     for local in (False, True):
         check(attention._attention_indices_kernel, {"w_ptr": "*i64", "p_ptr": "*i64", "o_ptr": "*i64"},
               {"LOCAL": local, "BW": 128, "BP": 512})
+    attn_pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "sink_ptr": "*fp32", "idx_ptr": "*i32", "o_ptr": "*bf16",
+                     "s_ptr": "*fp32", "scale": "fp32"}
+    check(attention._attn_scores_kernel, attn_pointers, {"BLOCK_H": 64, "BLOCK_D": 512, "BLOCK_I": 64})
+    for scores, block_o in ((False, 512), (True, 128)):  # a prefill's programs; a decode's, scores apart
+        check(attention._sparse_attn_kernel, attn_pointers, {"BLOCK_H": 64, "BLOCK_D": 512, "BLOCK_I": 64,
+                                                             "BLOCK_O": block_o, "SCORES": scores})
     for picked in (False, True):
         check(quant._fp4_dequant_packed_kernel, {"p_ptr": "*u8", "pick_ptr": "*i64", "o_ptr": "*bf16"},
               {"E4M3_SCALE": False, "G": 64, "BR": configs.FAKE_QUANT_ROWS, "PICKED": picked})

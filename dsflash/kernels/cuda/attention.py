@@ -1,10 +1,10 @@
 """Sparse attention with sinks: one program per (query, 64 heads, output channels); online softmax over
 the reference's blocks of 64 indices (cpu.SPARSE_ATTN_BLOCK) with the probabilities rounded to bf16 before
 the PV product, fp32 running max/denominator, sink added last. Each program computes every score; up to 64
-queries split the 512 output channels 4 ways. And the indices it reads: the window's and the compressed picks'
-merged valid-first in one launch (`attention_indices`), the window's from the positions in another
-(`window_source`), and its source rows gathered from the window ring, the chunk and the picks with the ring's
-update in a third (`window_rows`)."""
+queries split the 512 output channels 4 ways and compute their score tiles side by side in a launch before.
+And the indices it reads: the window's and the compressed picks' merged valid-first in one launch
+(`attention_indices`), the window's from the positions in another (`window_source`), and its source rows
+gathered from the window ring, the chunk and the picks with the ring's update in a third (`window_rows`)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,55 @@ from .configs import SPARSE_ATTN_SLICE, SPARSE_ATTN_SPLIT_MAX_N
 
 
 @triton.jit
-def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, H, D, KI, scale,
+def _block_scores(q, kv_ptr, idx_row, start, KI, stride_kv, rd, dmask, BLOCK_I: tl.constexpr):
+    """Unscaled scores [heads, BLOCK_I] of the index block at `start` (-inf where an index is -1 or past KI), its
+    kv rows and their validity: one tile shape for both kernels that compute them, so the same bits. The chain
+    scales them itself: with FP fusion on, `s * scale - m` may become one FMA, and it must be the same FMA whether
+    s comes from the registers or from the scores apart (scaled there, the stored rounding differed on the H100)."""
+    ri = tl.arange(0, BLOCK_I)
+    ids = tl.load(idx_row + start + ri, mask=(start + ri) < KI, other=-1)
+    valid = ids != -1
+    rows = tl.where(valid, ids, 0).to(tl.int64)
+    kv = tl.load(kv_ptr + rows[:, None] * stride_kv + rd[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+    s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv)), float("-inf"))
+    return s, kv, rows, valid
+
+
+@triton.jit
+def _load_q(q_ptr, n, rh, rd, hmask, dmask, stride_qn, stride_qh):
+    return tl.load(q_ptr + n.to(tl.int64) * stride_qn + rh[:, None] * stride_qh + rd[None, :],
+                   mask=hmask[:, None] & dmask[None, :], other=0.0)
+
+
+@triton.jit
+def _attn_scores_kernel(q_ptr, kv_ptr, idx_ptr, s_ptr, H, D, KI, KP, stride_qn, stride_qh, stride_kv,
+                        stride_in, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr):
+    """Program (query, head block, index block): the block's scores, stored at s[query, head, KP columns] for
+    _sparse_attn_kernel's SCORES pass -- a decode row's ten score tiles side by side instead of in its chain."""
+    grid_entry()
+    n = tl.program_id(0)
+    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rd = tl.arange(0, BLOCK_D)
+    hmask = rh < H
+    dmask = rd < D
+    start = tl.program_id(2) * BLOCK_I
+    q = _load_q(q_ptr, n, rh, rd, hmask, dmask, stride_qn, stride_qh)
+    s, _, _, _ = _block_scores(q, kv_ptr, idx_ptr + n.to(tl.int64) * stride_in, start, KI, stride_kv, rd, dmask,
+                               BLOCK_I)
+    ri = tl.arange(0, BLOCK_I)
+    tl.store(s_ptr + (n * H + rh).to(tl.int64)[:, None] * KP + start + ri[None, :], s, mask=hmask[:, None])
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, s_ptr, H, D, KI, KP, scale,
                         stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr,
-                        BLOCK_O: tl.constexpr):
+                        BLOCK_O: tl.constexpr, SCORES: tl.constexpr):
     """Program (query, head block, output slice): the softmax over the picked rows needs every channel
     (the scores), the output only its BLOCK_O channels. Programs of one query recompute the same scores
-    (same tiles: the same bits) so a decode row spreads over D / BLOCK_O programs."""
+    (same tiles: the same bits) so a decode row spreads over D / BLOCK_O programs. SCORES (a few queries): the
+    scores come from _attn_scores_kernel's tiles, so the chain of blocks holds only the softmax and the PV
+    product -- the same operations on the same values."""
     grid_entry()
     n = tl.program_id(0)
     hb = tl.program_id(1)
@@ -35,24 +77,31 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, H, D, KI, scale
     hmask = rh < H
     dmask = rd < D
     omask = ro < D
-    q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + rh[:, None] * stride_qh + rd[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if not SCORES:
+        q = _load_q(q_ptr, n, rh, rd, hmask, dmask, stride_qn, stride_qh)
+    idx_row = idx_ptr + n.to(tl.int64) * stride_in
     m_i = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_O], dtype=tl.float32)
     ri = tl.arange(0, BLOCK_I)
     for start in range(0, KI, BLOCK_I):
-        ids = tl.load(idx_ptr + n.to(tl.int64) * stride_in + start + ri, mask=(start + ri) < KI, other=-1)
-        valid = ids != -1
-        rows = tl.where(valid, ids, 0).to(tl.int64)
-        kv = tl.load(kv_ptr + rows[:, None] * stride_kv + rd[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(kv))
-        s = tl.where(valid[None, :], s, float("-inf")) * scale
+        if SCORES:
+            ids = tl.load(idx_row + start + ri, mask=(start + ri) < KI, other=-1)
+            valid = ids != -1
+            rows = tl.where(valid, ids, 0).to(tl.int64)
+            s = tl.load(s_ptr + (n * H + rh).to(tl.int64)[:, None] * KP + start + ri[None, :],
+                        mask=hmask[:, None], other=0.0)
+            # through an MMA of zeros (adds +0) into the accumulator layout the chain's own score tile has: the
+            # row sums below reduce in the layout's order, and another layout gives other bits on the GPU
+            s = tl.dot(tl.zeros([BLOCK_H, 16], tl.bfloat16), tl.zeros([16, BLOCK_I], tl.bfloat16), acc=s)
+        else:
+            s, kv, rows, valid = _block_scores(q, kv_ptr, idx_row, start, KI, stride_kv, rd, dmask, BLOCK_I)
+        s = s * scale
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if BLOCK_O < BLOCK_D:
+        if SCORES or BLOCK_O < BLOCK_D:
             kv = tl.load(kv_ptr + rows[:, None] * stride_kv + ro[None, :], mask=valid[:, None] & omask[None, :],
                          other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv)
@@ -182,12 +231,13 @@ def attention_indices(window_idx: torch.Tensor, picks: torch.Tensor, offset: int
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
                 *, out: torch.Tensor | None = None, block_h: int | None = None,
-                block_o: int | None = None) -> torch.Tensor:
+                block_o: int | None = None, scores_apart: bool | None = None) -> torch.Tensor:
     """Single-KV-head attention over gathered rows with a per-head sink (see cpu.sparse_attn).
     q [N, H, D] bf16; kv [R, D] bf16; sink [H] fp32; idx [N, K] int (-1 = none). Returns bf16 [N, H, D].
-    A few queries (a decode step) spread each query's output channels over programs: the same bits
-    (tests/test_kernels_cuda.py). `block_h` / `block_o` (experiments, tests) override the heads and the
-    output channels per program."""
+    A few queries (a decode step) spread each query's output channels over programs and compute their score
+    tiles side by side first (`_attn_scores_kernel`): the same bits (tests/test_kernels_cuda.py). `block_h` /
+    `block_o` / `scores_apart` (experiments, tests) override the heads and the output channels per program and
+    the score pass."""
     n, h, d = q.shape
     assert kv.dim() == 2 and kv.size(1) == d and idx.dim() == 2 and idx.size(0) == n
     q = q.to(torch.bfloat16)
@@ -206,12 +256,21 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     block_h = block_h or min(64, max(16, triton.next_power_of_2(h)))
     block_d = max(16, triton.next_power_of_2(d))
     warps = 8 if block_h * block_d >= 64 * 256 else 4
-    block_o = block_o or (min(block_d, SPARSE_ATTN_SLICE) if n <= SPARSE_ATTN_SPLIT_MAX_N else block_d)
-    grid = (n, triton.cdiv(h, block_h), triton.cdiv(block_d, block_o))
-    _sparse_attn_kernel[grid](q, kv, sink, idx, o, h, d, idx.size(1), float(scale),
-                              q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1),
-                              BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_I=SPARSE_ATTN_BLOCK, BLOCK_O=block_o,
-                              num_warps=warps, num_stages=2, enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
+    few = n <= SPARSE_ATTN_SPLIT_MAX_N
+    block_o = block_o or (min(block_d, SPARSE_ATTN_SLICE) if few else block_d)
+    apart = few if scores_apart is None else scores_apart
+    ki = idx.size(1)
+    kp = triton.cdiv(ki, SPARSE_ATTN_BLOCK) * SPARSE_ATTN_BLOCK
+    scores = torch.empty((n, h, kp), dtype=torch.float32, device=q.device) if apart else o
+    common = dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_I=SPARSE_ATTN_BLOCK, num_warps=warps, num_stages=2,
+                  enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
+    if apart:
+        _attn_scores_kernel[(n, triton.cdiv(h, block_h), kp // SPARSE_ATTN_BLOCK)](
+            q, kv, idx, scores, h, d, ki, kp, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
+            **common)
+    _sparse_attn_kernel[(n, triton.cdiv(h, block_h), triton.cdiv(block_d, block_o))](
+        q, kv, sink, idx, o, scores, h, d, ki, kp, float(scale), q.stride(0), q.stride(1), kv.stride(0),
+        idx.stride(0), o.stride(0), o.stride(1), BLOCK_O=block_o, SCORES=apart, **common)
     return o
 
 
