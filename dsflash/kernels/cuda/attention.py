@@ -262,15 +262,15 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     ki = idx.size(1)
     kp = triton.cdiv(ki, SPARSE_ATTN_BLOCK) * SPARSE_ATTN_BLOCK
     scores = torch.empty((n, h, kp), dtype=torch.float32, device=q.device) if apart else o
-    common = dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_I=SPARSE_ATTN_BLOCK, num_warps=warps, num_stages=2,
-                  enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
+    tiles = dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_I=SPARSE_ATTN_BLOCK, num_warps=warps, num_stages=2)
     if apart:
         _attn_scores_kernel[(n, triton.cdiv(h, block_h), kp // SPARSE_ATTN_BLOCK)](
-            q, kv, idx, scores, h, d, ki, kp, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
-            **common)
+            q, kv, idx, scores, h, d, ki, kp, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), **tiles,
+            enable_fp_fusion=FP_FUSION, launch_pdl=PDL_LAUNCH)
     _sparse_attn_kernel[(n, triton.cdiv(h, block_h), triton.cdiv(block_d, block_o))](
         q, kv, sink, idx, o, scores, h, d, ki, kp, float(scale), q.stride(0), q.stride(1), kv.stride(0),
-        idx.stride(0), o.stride(0), o.stride(1), BLOCK_O=block_o, SCORES=apart, **common)
+        idx.stride(0), o.stride(0), o.stride(1), BLOCK_O=block_o, SCORES=apart, **tiles, enable_fp_fusion=FP_FUSION,
+        launch_pdl=PDL_LAUNCH)
     return o
 
 
