@@ -19,15 +19,27 @@ from .configs import SPARSE_ATTN_SLICE, SPARSE_ATTN_SPLIT_MAX_N
 
 
 @triton.jit
+def _block_rows(idx_row, start, KI, BLOCK_I: tl.constexpr):
+    """The kv rows of the index block at `start` (0 where an index is -1 or past KI) and their validity."""
+    ri = tl.arange(0, BLOCK_I)
+    ids = tl.load(idx_row + start + ri, mask=(start + ri) < KI, other=-1)
+    valid = ids != -1
+    return tl.where(valid, ids, 0).to(tl.int64), valid
+
+
+@triton.jit
+def _score_tile(s_ptr, n, H, rh, KP, start, BLOCK_I: tl.constexpr):
+    """Where the scores apart keep the tile of (query n, heads rh, index block at `start`)."""
+    return s_ptr + (n * H + rh).to(tl.int64)[:, None] * KP + start + tl.arange(0, BLOCK_I)[None, :]
+
+
+@triton.jit
 def _block_scores(q, kv_ptr, idx_row, start, KI, stride_kv, rd, dmask, BLOCK_I: tl.constexpr):
     """Unscaled scores [heads, BLOCK_I] of the index block at `start` (-inf where an index is -1 or past KI), its
     kv rows and their validity: one tile shape for both kernels that compute them, so the same bits. The chain
     scales them itself: with FP fusion on, `s * scale - m` may become one FMA, and it must be the same FMA whether
     s comes from the registers or from the scores apart (scaled there, the stored rounding differed on the H100)."""
-    ri = tl.arange(0, BLOCK_I)
-    ids = tl.load(idx_row + start + ri, mask=(start + ri) < KI, other=-1)
-    valid = ids != -1
-    rows = tl.where(valid, ids, 0).to(tl.int64)
+    rows, valid = _block_rows(idx_row, start, KI, BLOCK_I)
     kv = tl.load(kv_ptr + rows[:, None] * stride_kv + rd[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
     s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv)), float("-inf"))
     return s, kv, rows, valid
@@ -54,8 +66,7 @@ def _attn_scores_kernel(q_ptr, kv_ptr, idx_ptr, s_ptr, H, D, KI, KP, stride_qn, 
     q = _load_q(q_ptr, n, rh, rd, hmask, dmask, stride_qn, stride_qh)
     s, _, _, _ = _block_scores(q, kv_ptr, idx_ptr + n.to(tl.int64) * stride_in, start, KI, stride_kv, rd, dmask,
                                BLOCK_I)
-    ri = tl.arange(0, BLOCK_I)
-    tl.store(s_ptr + (n * H + rh).to(tl.int64)[:, None] * KP + start + ri[None, :], s, mask=hmask[:, None])
+    tl.store(_score_tile(s_ptr, n, H, rh, KP, start, BLOCK_I), s, mask=hmask[:, None])
 
 
 @triton.jit
@@ -83,14 +94,10 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, s_ptr, H, D, KI
     m_i = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_O], dtype=tl.float32)
-    ri = tl.arange(0, BLOCK_I)
     for start in range(0, KI, BLOCK_I):
         if SCORES:
-            ids = tl.load(idx_row + start + ri, mask=(start + ri) < KI, other=-1)
-            valid = ids != -1
-            rows = tl.where(valid, ids, 0).to(tl.int64)
-            s = tl.load(s_ptr + (n * H + rh).to(tl.int64)[:, None] * KP + start + ri[None, :],
-                        mask=hmask[:, None], other=0.0)
+            rows, valid = _block_rows(idx_row, start, KI, BLOCK_I)
+            s = tl.load(_score_tile(s_ptr, n, H, rh, KP, start, BLOCK_I), mask=hmask[:, None], other=0.0)
             # through an MMA of zeros (adds +0) into the accumulator layout the chain's own score tile has: the
             # row sums below reduce in the layout's order, and another layout gives other bits on the GPU
             s = tl.dot(tl.zeros([BLOCK_H, 16], tl.bfloat16), tl.zeros([16, BLOCK_I], tl.bfloat16), acc=s)
@@ -261,6 +268,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     apart = few if scores_apart is None else scores_apart
     ki = idx.size(1)
     kp = triton.cdiv(ki, SPARSE_ATTN_BLOCK) * SPARSE_ATTN_BLOCK
+    # without the pass apart the kernel never reads s_ptr: `o` stands in for it
     scores = torch.empty((n, h, kp), dtype=torch.float32, device=q.device) if apart else o
     tiles = dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_I=SPARSE_ATTN_BLOCK, num_warps=warps, num_stages=2)
     if apart:
