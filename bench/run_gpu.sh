@@ -19,10 +19,10 @@
 # `... gap` (~9 minutes): where a 6.cuda1 step and prefill go, per shape: the plain GEMMs by K split, tile and
 # precision (bench/experiments/plain_split.py), the FP8/FP4 decode tiles and expert slots
 # (bench/experiments/decode_tiles.py), every kernel at M = 1 / 5 / 8192 against the ceilings (`dsflash.bench.kernels`)
-# and the prefill profile. `... pdl` (~5 minutes):
-# programmatic dependent launch (on by default on sm_90; kernels/cuda/common.py) against plain launches
-# (DSFLASH_PDL=0) on the same card, steps alternating 0 1 twice and prefill each way, after the attention
-# kernels' GPU tests and the CUDA model tests (the PDL bit test among them).
+# and the prefill profile. `... pdl` (~5 minutes): programmatic dependent launch (on by default on sm_90;
+# kernels/cuda/common.py) against plain launches (DSFLASH_PDL=0) on the same card, steps alternating 0 1 twice
+# and prefill each way, after the attention kernels' GPU tests and the CUDA model tests (the PDL bit test among
+# them). `... side` the same for the side streams (DSFLASH_SIDE_STREAMS; kernels/cuda/side.py).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -85,20 +85,21 @@ if [ "$part" = patch-step ]; then  # engine patches (git apply, in order): the C
   for ((i = $#; i >= 1; i--)); do git apply -R "${!i}"; done
   timeout 100 $quick --out "$out/after" 2>&1 | grep "^| [0-9]"
 fi
-if [ "$part" = pdl ]; then
+if [ "$part" = pdl ] || [ "$part" = side ]; then
+  var=DSFLASH_PDL && [ "$part" = side ] && var=DSFLASH_SIDE_STREAMS
   quick="python -m dsflash.cli bench step --preset bench --experts 48 --device cuda --context 8192 --rows 1,5,8 --reps 7"
   prefill="python -m dsflash.cli bench prefill --preset bench --experts 48 --device cuda --lengths 8192,32768"
   timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py -k "attention_indices or packed_fp4" \
     2>&1 | grep -E "^E  |FAILED|passed|failed" | tail -6
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 \
+  timeout 300 python -m pytest -q -p no:cacheprovider tests/test_cuda_model.py 2>&1 \
     | grep -E "tier|FAILED|passed|failed|Error" | tail -8
   for round in a b; do
     for flag in 0 1; do
-      mkdir -p "$out/pdl$flag$round" && echo "DSFLASH_PDL=$flag ($round)"
-      DSFLASH_PDL=$flag timeout 100 $quick --out "$out/pdl$flag$round" 2>&1 | grep "^| [0-9]"
+      mkdir -p "$out/$part$flag$round" && echo "$var=$flag ($round)"
+      env "$var=$flag" timeout 100 $quick --out "$out/$part$flag$round" 2>&1 | grep "^| [0-9]"
     done
   done
-  for flag in 0 1; do DSFLASH_PDL=$flag timeout 100 $prefill --out "$out/pdl${flag}a" 2>&1 | grep "^| [0-9]"; done
+  for flag in 0 1; do env "$var=$flag" timeout 100 $prefill --out "$out/$part${flag}a" 2>&1 | grep "^| [0-9]"; done
 fi
 if [ "$part" = gap ]; then
   timeout 110 python bench/experiments/plain_split.py 2>&1 | grep -v -i warn | tee "$out/plain-split.txt"

@@ -97,7 +97,7 @@ def test_resume_split_and_restart_are_bit_identical_on_cuda(tmp_path):
         box.kill()
 
 
-PDL_RUN = """
+LAUNCH_RUN = """
 import hashlib
 import torch
 from dsflash.engine.session import Engine
@@ -117,22 +117,63 @@ print(PDL_LAUNCH, digest.hexdigest())
 """
 
 
+def launch_digests(flag: str) -> dict[str, list[str]]:
+    """LAUNCH_RUN's output (the flag it reports, the digest) with the environment variable `flag` at 0 and 1."""
+    root = Path(__file__).resolve().parents[1]
+    runs = {}
+    for value in ("0", "1"):
+        env = {**os.environ, flag: value, "PYTHONPATH": str(root)}
+        r = subprocess.run([sys.executable, "-c", LAUNCH_RUN], env=env, capture_output=True, text=True, timeout=400,
+                           cwd=root)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[value] = r.stdout.split()[-2:]
+    return runs
+
+
 def test_programmatic_dependent_launch_keeps_every_bit():
     """Programmatic dependent launch (kernels/cuda/common.py, on unless `DSFLASH_PDL=0`): each kernel may start
     while the one before it finishes and waits in `grid_entry` for its writes, so prefills, graphed steps of 1-3
     rows and rollbacks give the bits of plain launches (a kernel reading before the wait would race and
     differ)."""
-    root = Path(__file__).resolve().parents[1]
-    runs = {}
-    for flag in ("0", "1"):
-        env = {**os.environ, "DSFLASH_PDL": flag, "PYTHONPATH": str(root)}
-        r = subprocess.run([sys.executable, "-c", PDL_RUN], env=env, capture_output=True, text=True, timeout=400,
-                           cwd=root)
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs[flag] = r.stdout.split()[-2:]
+    runs = launch_digests("DSFLASH_PDL")
     hopper = str(torch.cuda.get_device_capability()[0] >= 9)
     assert runs["0"][0] == "False" and runs["1"][0] == hopper, runs
     assert runs["0"][1] == runs["1"][1]
+
+
+def test_side_streams_keep_every_bit():
+    """The mHC mixes forked onto a side stream beside each sub-layer and the shared expert beside the routed
+    ones (kernels/cuda/side.py, on unless `DSFLASH_SIDE_STREAMS=0`): eager prefills, captured and replayed
+    steps and rollbacks give the bits of everything in place on one stream (a kernel of either chain reading
+    before its join would race)."""
+    runs = launch_digests("DSFLASH_SIDE_STREAMS")
+    assert runs["0"][1] == runs["1"][1]
+
+
+def test_fork_runs_beside_the_caller_until_join():
+    """`fork` launches on a side stream that starts after the caller's work; `join` makes the caller wait for
+    it, also inside a CUDA graph capture; a join with nothing forked adds no wait (a capture may not wait on
+    work outside it)."""
+    from dsflash.kernels.cuda import side
+
+    caller = torch.cuda.current_stream()
+    x = torch.ones(1 << 20, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the caller busy: the forked work must wait for it
+    y = x + 1
+    forked_on, z = side.fork(lambda: (torch.cuda.current_stream(), y * 2))
+    assert forked_on != caller
+    side.join()
+    side.join()  # nothing forked since: no wait
+    assert torch.equal(z, torch.full_like(x, 4.0))
+    graph, out = torch.cuda.CUDAGraph(), {}
+    side.join()
+    with torch.cuda.graph(graph):
+        w = side.fork(lambda t: t * 3, x)
+        side.join()
+        out["v"] = w + 1
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out["v"], torch.full_like(x, 4.0))
 
 
 def test_cuda_graph_replays_equal_eager_forwards():

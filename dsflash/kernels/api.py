@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -30,6 +30,15 @@ class MoeRoute(Protocol):
     def __call__(self, logits: Tensor, bias: Tensor, k: int, score_func: str, temp: float, norm: bool,
                  scale: float, ids: Tensor | None = None, ascending: bool = False
                  ) -> tuple[Tensor, Tensor] | None: ...
+
+
+def run_here(fn: Callable[..., Any], *args: Any) -> Any:
+    """`Kernels.fork` of a backend without side streams: fn(*args), in place."""
+    return fn(*args)
+
+
+def nothing_forked() -> None:
+    """`Kernels.join` of a backend without side streams."""
 
 
 class Fp4FakeQuant(Protocol):
@@ -114,3 +123,9 @@ class Kernels(Generic[BankT]):
     rope_rotate: Callable[[Tensor, Tensor, Tensor, int, bool], Tensor]
     # (kind, stored tensor, stored scale or None) -> the backend's weight on `device`
     weight: Callable[[str, Tensor, Tensor | None], Weight]
+    # (fn, *args) -> fn(*args), whose kernels may run beside what the caller launches next until it calls `join`
+    # (work off the critical path: a site's mHC mixes, which only the sub-layer's output needs; the shared expert
+    # beside the routed ones). The caller keeps
+    # fn's inputs alive and unchanged until `join`, and reads fn's outputs only after it. Same kernels, same bits
+    fork: Callable[..., Any] = run_here
+    join: Callable[[], None] = nothing_forked

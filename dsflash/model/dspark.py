@@ -168,7 +168,7 @@ class DSpark:
             start += 1
         for block in self.stages[start:]:
             if halt:
-                ffn_in = block.attend(h, pre, chunk)
+                ffn_in = block.attend(h, pre, chunk, joined=True)
                 return (*ffn_in, *block.ffn.route(ffn_in.x, chunk))
             h, pre = block.forward(h, pre, chunk)
         x = self.k.rms_norm(hc_pre(self.k, h, pre), self.norm, a.norm_eps)

@@ -65,19 +65,28 @@ class Block:
         f = self.attend(h, pre_mix, chunk)
         return self.finish(self.ffn(f.x, chunk), f)
 
-    def attend(self, h: torch.Tensor, pre_mix: torch.Tensor, chunk: Chunk) -> FfnInput:
-        """The attention site, then the FFN site's mixes and input: the block up to its FFN. (A forward
-        replayed in segments stops here to read the routing on the host: model/transformer.py.)"""
+    def attend(self, h: torch.Tensor, pre_mix: torch.Tensor, chunk: Chunk, joined: bool = False) -> FfnInput:
+        """The attention site, then the FFN site's mixes and input: the block up to its FFN. A site's mixes
+        feed only its `hc_post` (the sub-layer's input is collapsed by the previous site's pre), so they are
+        forked (`Kernels.fork`: on CUDA a side stream) beside the sub-layer; the FFN site's are joined in
+        `finish`, or here when `joined` (a forward replayed in segments stops here to read the routing on the
+        host and returns this FfnInput: model/transformer.py)."""
         residual = h
-        attn_pre, attn_post, attn_comb = self.hc_mixes(h, self.hc_attn)
+        attn_mixes = self.k.fork(self.hc_mixes, h, self.hc_attn)
         x = self.k.rms_norm(self.hc_pre(h, pre_mix), self.attn_norm, self.eps)
-        h = self.hc_post(self.attn(x, chunk), residual, attn_post, attn_comb)
-        ffn_pre, ffn_post, ffn_comb = self.hc_mixes(h, self.hc_ffn)
+        y = self.attn(x, chunk)
+        self.k.join()
+        attn_pre, attn_post, attn_comb = attn_mixes
+        h = self.hc_post(y, residual, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = self.k.fork(self.hc_mixes, h, self.hc_ffn)
         x = self.k.rms_norm(self.hc_pre(h, attn_pre), self.ffn_norm, self.eps)
+        if joined:
+            self.k.join()
         return FfnInput(x, h, ffn_post, ffn_comb, ffn_pre)
 
     def finish(self, y: torch.Tensor, f: FfnInput) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output streams from its FFN's output y, and its FFN pre."""
+        self.k.join()
         return self.hc_post(y, f.residual, f.post, f.comb), f.pre
 
     def hc_mixes(self, h: torch.Tensor, site: HcSite) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

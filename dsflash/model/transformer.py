@@ -403,7 +403,7 @@ class Transformer:
                     if i in a.dspark_target_layer_ids:
                         f.taps.append(self.k.stream_mean(f.h))
                     if halt:
-                        ffn_in = block.attend(f.h, f.pre, f.chunk)
+                        ffn_in = block.attend(f.h, f.pre, f.chunk, joined=True)
                         weights, f.route_ids = block.ffn.route(ffn_in.x, f.chunk)
                         f.halted = (i, ffn_in, weights)
                         return

@@ -6,6 +6,7 @@ family; `kernels(device)` builds the backend's `Kernels`.
   experts: the routed experts' bank and `expert_linear`
 - attention: `sparse_attn`, `window_source`, `window_rows`, `attention_indices` (and the training backward's
   fixed-point row sums); indexer: `index_scores`, `topk_indices`, `candidate_blocks`; router: `moe_route`
+- side: `fork` / `join`, work on a side stream beside the critical path
 - mhc: `hc_split_sinkhorn` (and its backward, for training), `collapse`, `expand`; quant: the KV / index fake
   quantisation and the packed FP4 state (numerics/packing.py's bytes)
 - elementwise: the fixed-order row sums and RMS ops, the MoE sum, SwiGLU, the compressor's pooling,
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from dsflash.kernels.api import Kernels
+from dsflash.kernels.api import Kernels, nothing_forked, run_here
 from dsflash.kernels.cpu import Weight
 
 from .attention import add_rows_fixed_point, attention_indices, sparse_attn, window_rows, window_source
@@ -48,6 +49,7 @@ from .indexer import candidate_blocks, index_scores, topk_indices
 from .mhc import collapse, expand, hc_split_sinkhorn, hc_split_sinkhorn_backward
 from .quant import fp4_dequant_packed, fp4_dequant_picked, fp4_fake_quant, fp4_quant_packed, fp8_fake_quant
 from .router import moe_route
+from .side import SIDE_STREAMS, fork, join
 from .weights import CudaWeight, fp4_words, to_cuda_weight, weight_from_codes
 
 __all__ = ["kernels", "CudaWeight", "ExpertBank", "to_cuda_weight", "fp4_words", "quant_act",
@@ -71,6 +73,7 @@ def kernels(device: torch.device) -> Kernels[ExpertBank]:
         dtype = torch.float32 if kind == "fp32" else torch.bfloat16
         return to_cuda_weight(Weight(kind, stored.to(dtype)), device)
 
+    side = SIDE_STREAMS and device.type == "cuda"  # (the interpreter's runs on a CPU have no streams)
     return Kernels(
         name="cuda", device=device, row_tile=1, linear=linear, sparse_attn=sparse_attn,
         hc_split_sinkhorn=hc_split_sinkhorn, grouped_linear=grouped_linear, expert_bank=expert_bank,
@@ -83,4 +86,4 @@ def kernels(device: torch.device) -> Kernels[ExpertBank]:
         window_source=window_source, window_rows=window_rows, attention_indices=attention_indices,
         collapse=collapse, expand=expand, moe_sum=moe_sum, swiglu=swiglu, softmax_pool=softmax_pool,
         engram_rows=engram_rows, engram_gate=engram_gate, rope_rotate=rope_rotate,
-        weight=weight)
+        weight=weight, fork=fork if side else run_here, join=join if side else nothing_forked)
