@@ -151,17 +151,19 @@ def test_side_streams_keep_every_bit():
 
 
 def test_fork_runs_beside_the_caller_until_join():
-    """`fork` launches on a side stream that starts after the caller's work; `join` makes the caller wait for
-    it, also inside a CUDA graph capture; a join with nothing forked adds no wait (a capture may not wait on
-    work outside it)."""
+    """`fork` launches on a side stream that starts after the caller's work (work on more than SIDE_MAX_ROWS
+    rows in place); `join` makes the caller wait for it, also inside a CUDA graph capture; a join with nothing
+    forked adds no wait (a capture may not wait on work outside it)."""
     from dsflash.kernels.cuda import side
 
     caller = torch.cuda.current_stream()
     x = torch.ones(1 << 20, device="cuda")
     torch.cuda._sleep(50_000_000)  # the caller busy: the forked work must wait for it
     y = x + 1
-    forked_on, z = side.fork(lambda: (torch.cuda.current_stream(), y * 2))
+    forked_on, z = side.fork(lambda t: (torch.cuda.current_stream(), t * 2), y)
     assert forked_on != caller
+    wide = torch.zeros(side.SIDE_MAX_ROWS + 1, 4, device="cuda")
+    assert side.fork(lambda t: torch.cuda.current_stream(), wide) == caller  # a prefill's rows: in place
     side.join()
     side.join()  # nothing forked since: no wait
     assert torch.equal(z, torch.full_like(x, 4.0))

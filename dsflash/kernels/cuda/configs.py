@@ -150,3 +150,7 @@ ROW_SUM_BLOCK = 256  # row_sum's lanes; Engram's gate reduces its row sums in th
 RMS_BLOCK = 1024  # channels per program of the RMS scaling
 ENGRAM_ROWS_BLOCK = 1024  # channels per program of Engram's row gather
 ROPE_ROWS = 16  # (token, head) rows per program of the RoPE rotation
+# side streams (side.py): work on more rows than this runs in place. A decode step's kernels fill a few SMs and
+# gain from a second chain beside them (H100: box step 8.0-8.2 -> 6.9 ms); a prefill chunk's fill the GPU alone
+# and lose to the contention (8K / 32K prefill 2-3 % slower forked: bench/results/side-streams-h100-2026-12-06.md)
+SIDE_MAX_ROWS = 64

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .configs import SIDE_MAX_ROWS
+
 # off with `DSFLASH_SIDE_STREAMS=0` (everything in place on the caller's stream: the A/B of the bench and tests)
 SIDE_STREAMS = os.environ.get("DSFLASH_SIDE_STREAMS", "1") == "1"
 
@@ -30,7 +32,10 @@ _FORKED: set[int] = set()
 
 
 def fork(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) launched on the caller stream's side stream, after everything launched on the caller's."""
+    """fn(*args) launched on the caller stream's side stream, after everything launched on the caller's; in place
+    when its first tensor argument has more than SIDE_MAX_ROWS rows."""
+    if next((a.size(0) for a in args if isinstance(a, torch.Tensor)), 0) > SIDE_MAX_ROWS:
+        return fn(*args)
     caller = torch.cuda.current_stream()
     key = caller.cuda_stream
     side = _SIDE.get(key)
