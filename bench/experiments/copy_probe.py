@@ -1,0 +1,91 @@
+"""Does a model learn to copy inside its window, and how soon? (issue 21: needles need copying.) Windows of random
+ids (`--ids` of them) in which the trainer's shuffled repeats (`Trainer.write_repeats`) make `--share` of the
+tokens copies of a passage 8 to window/2 tokens earlier, so only copying predicts them; greedy copy accuracy
+(chance: 1/ids) and loss every 25 steps, for the trained schedule at smoke width (`--model v41`, its own window
+`--window`) or a plain pre-norm GPT of the same width on the same windows (`--model plain`, 4 layers, learnt
+positions, full causal attention), both with the trainer's AdamW and schedule.
+
+`PYTHONPATH=. python bench/experiments/copy_probe.py --data .train-data --model plain --ids 64 --batch 32` (CPU).
+"""
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dsflash.train import data
+from dsflash.train.loop import Plan, Trainer, learning_rate, smoke_args
+
+
+class PlainGPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int = 4, heads: int = 4, positions: int = 4096):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(positions, dim)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(dim, heads, 4 * dim, 0.0, batch_first=True,
+                                                               norm_first=True) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        h = (self.embed(x) + self.pos(torch.arange(n)))[None]
+        mask = nn.Transformer.generate_square_subsequent_mask(n)
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        return self.head(self.norm(h))[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", type=Path, default=Path(".train-data"), help="for the vocabulary and Engram map")
+    ap.add_argument("--model", choices=("v41", "plain"), default="v41")
+    ap.add_argument("--ids", type=int, default=64, help="distinct ids the windows are drawn from")
+    ap.add_argument("--seq", type=int, default=256, help="tokens a window")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--batch", type=int, default=1, help="windows a step (plain only)")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--window", type=int, default=64, help="the V4.1 model's attention window")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--share", type=float, default=0.5, help="of a window's tokens, copies")
+    ns = ap.parse_args()
+    torch.manual_seed(0)
+    token_map, classes = data.load_engram_map(ns.data)
+    args = dataclasses.replace(smoke_args(len(token_map), classes), window_size=ns.window, dim=ns.dim)
+    stream = np.random.default_rng(0).integers(10, 10 + ns.ids, 2_000_000)
+    plan = Plan(seq_len=ns.seq, fact_span=0, index_rows=0, repeat_share=ns.share, repeat_reach=ns.window // 2,
+                repeat_shuffled=True, lr=ns.lr, steps=ns.steps, graphs=False)
+    trainer = Trainer(args, token_map, stream, stream[:10_000], plan, "cpu")
+    plain = PlainGPT(len(token_map), ns.dim) if ns.model == "plain" else None
+    params = list(plain.parameters()) if plain else trainer.masters.trainable()
+    opt = torch.optim.AdamW(params, lr=ns.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    started, hits = time.time(), []
+    for step in range(ns.steps):
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(ns.lr, step, step / ns.steps, 30)
+        x, _, copies, _ = trainer.window(step / ns.steps)
+        if plain:
+            logits = plain(x[:-1])
+            loss = F.cross_entropy(logits, x[1:])
+            (loss / ns.batch).backward()
+            for _ in range(ns.batch - 1):
+                xb = trainer.window(step / ns.steps)[0]
+                (F.cross_entropy(plain(xb[:-1]), xb[1:]) / ns.batch).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad()
+        else:
+            loss, _, logits, loads = trainer.window_loss(x, torch.zeros(x.numel() - 1),
+                                                         torch.zeros(0, dtype=torch.int64), False)
+            trainer._update(opt, params, loads)
+        hits.append(float((logits[copies].argmax(-1) == x[1:][copies]).float().mean()) if copies.numel() else 0.0)
+        if (step + 1) % 25 == 0:
+            print(f"{ns.model} step {step + 1} loss {float(loss):.3f} copy accuracy {np.mean(hits[-25:]):.3f} "
+                  f"{time.time() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
