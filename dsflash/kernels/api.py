@@ -125,7 +125,7 @@ class Kernels(Generic[BankT]):
     weight: Callable[[str, Tensor, Tensor | None], Weight]
     # (fn, *args) -> fn(*args), whose kernels may run beside what the caller launches next until it calls `join`
     # (work off the critical path: a site's mHC mixes, which only the sub-layer's output needs; the shared expert
-    # beside the routed ones). The caller keeps
-    # fn's inputs alive and unchanged until `join`, and reads fn's outputs only after it. Same kernels, same bits
+    # beside the routed ones). The caller keeps fn's inputs alive and unchanged until `join`, and reads fn's
+    # outputs only after it. Same kernels, same bits
     fork: Callable[..., Any] = run_here
     join: Callable[[], None] = nothing_forked
