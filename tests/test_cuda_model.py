@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -153,7 +154,8 @@ def test_side_streams_keep_every_bit():
 def test_fork_runs_beside_the_caller_until_join():
     """`fork` launches on a side stream that starts after the caller's work (work on more than SIDE_MAX_ROWS
     rows in place); `join` makes the caller wait for it, also inside a CUDA graph capture; a join with nothing
-    forked adds no wait (a capture may not wait on work outside it)."""
+    forked adds no wait (a capture may not wait on work outside it), and another thread's join leaves this
+    thread's fork pending."""
     from dsflash.kernels.cuda import side
 
     caller = torch.cuda.current_stream()
@@ -162,6 +164,10 @@ def test_fork_runs_beside_the_caller_until_join():
     y = x + 1
     forked_on, z = side.fork(lambda t: (torch.cuda.current_stream(), t * 2), y)
     assert forked_on != caller
+    other = threading.Thread(target=side.join)  # another thread's join: nothing of its own to wait for
+    other.start()
+    other.join()
+    assert caller.cuda_stream in side._state()[1]  # this thread's fork still waits for its join
     wide = torch.zeros(side.SIDE_MAX_ROWS + 1, 4, device="cuda")
     assert side.fork(lambda t: torch.cuda.current_stream(), wide) == caller  # a prefill's rows: in place
     side.join()

@@ -14,6 +14,7 @@ reads must stay alive until `join` (the model's residual stream and the MoE's in
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -24,11 +25,17 @@ from .configs import SIDE_MAX_ROWS
 # off with `DSFLASH_SIDE_STREAMS=0` (everything in place on the caller's stream: the A/B of the bench and tests)
 SIDE_STREAMS = os.environ.get("DSFLASH_SIDE_STREAMS", "1") == "1"
 
-# one side stream per caller stream (the engine's halves and a graph capture each launch on their own), and the
-# caller streams whose forked work no join has waited for yet: a join with nothing forked waits for nothing (a
-# graph capture may not wait on work launched outside it, as a segment after one that joined would)
-_SIDE: dict[int, torch.cuda.Stream] = {}
-_FORKED: set[int] = set()
+# per thread (two threads may each run a forward on one device, the model halves of one process: a thread's
+# current stream is its own, but the legacy default stream is every thread's): a side stream per caller stream,
+# and the caller streams whose forked work no join has waited for yet. A join with nothing forked waits for
+# nothing (a graph capture may not wait on work launched outside it, as a segment after one that joined would)
+_LOCAL = threading.local()
+
+
+def _state() -> tuple[dict[int, torch.cuda.Stream], set[int]]:
+    if not hasattr(_LOCAL, "side"):
+        _LOCAL.side, _LOCAL.forked = {}, set()
+    return _LOCAL.side, _LOCAL.forked
 
 
 def fork(fn: Callable[..., Any], *args: Any) -> Any:
@@ -36,20 +43,22 @@ def fork(fn: Callable[..., Any], *args: Any) -> Any:
     when its first tensor argument has more than SIDE_MAX_ROWS rows."""
     if next((a.size(0) for a in args if isinstance(a, torch.Tensor)), 0) > SIDE_MAX_ROWS:
         return fn(*args)
+    sides, forked = _state()
     caller = torch.cuda.current_stream()
     key = caller.cuda_stream
-    side = _SIDE.get(key)
+    side = sides.get(key)
     if side is None:
-        side = _SIDE[key] = torch.cuda.Stream(caller.device)
+        side = sides[key] = torch.cuda.Stream(caller.device)
     side.wait_stream(caller)
-    _FORKED.add(key)
+    forked.add(key)
     with torch.cuda.stream(side):
         return fn(*args)
 
 
 def join() -> None:
-    """The caller's stream waits for everything forked from it since the last join."""
+    """The caller's stream waits for everything this thread forked from it since the last join."""
+    sides, forked = _state()
     caller = torch.cuda.current_stream()
-    if caller.cuda_stream in _FORKED:
-        _FORKED.discard(caller.cuda_stream)
-        caller.wait_stream(_SIDE[caller.cuda_stream])
+    if caller.cuda_stream in forked:
+        forked.discard(caller.cuda_stream)
+        caller.wait_stream(sides[caller.cuda_stream])
