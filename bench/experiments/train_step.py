@@ -4,7 +4,8 @@ is about one kernel launch), and with `--profile` torch.profiler's table of the 
 with the device's busy time beside the wall time (host-bound or device-bound, and where).
 
 `OMP_NUM_THREADS=1 python bench/experiments/train_step.py --data /work/main/.train-data --config trained
---seq-len 512` (a CPU proxy of the host overhead), or on the H200 `--device cuda --seq-len 16384 --profile`.
+--seq-len 512` (a CPU proxy of the host overhead), or on the H200 `--device cuda --seq-len 16384 --profile`;
+`--cuda-select` A/Bs the CUDA backend's selection kernels in the trainer (issue 21's next speed-up).
 """
 
 import argparse
@@ -96,6 +97,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=40, help="ops in the profile's table")
     p.add_argument("--compile", default="", help="kernel-record entries to wrap in torch.compile, comma-separated")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (Plan.graphs)")
+    p.add_argument("--cuda-select", action="store_true",
+                   help="the CUDA backend's index scores and candidate blocks in the forward's selection, which no "
+                        "gradient flows through (other picks' bits than the reference's; with TRITON_INTERPRET=1 on "
+                        "a CPU too)")
     p.add_argument("--host-copies", action="store_true", help="list the eager window's host copies and reads")
     ns = p.parse_args()
     token_map, classes = data.load_engram_map(ns.data)
@@ -104,6 +109,11 @@ def main() -> None:
     t = Trainer(args, token_map, train, train, Plan(seq_len=ns.seq_len, fact_span=0, graphs=not ns.eager), ns.device)
     compiled = {n: torch.compile(getattr(t.k, n)) for n in ns.compile.split(",") if n}
     t.k = dataclasses.replace(t.k, **compiled)
+    if ns.cuda_select:
+        from dsflash.kernels import cuda
+
+        t.k = dataclasses.replace(t.k, index_scores=torch.no_grad()(cuda.index_scores),
+                                  candidate_blocks=cuda.candidate_blocks)
     params = t.masters.trainable()
     opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     if ns.host_copies:
