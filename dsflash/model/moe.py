@@ -197,7 +197,7 @@ class MoE:
     def _routed_by_slot(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2, n: int
                         ) -> torch.Tensor:
         """Every (row, slot) pair in two expert_linear calls (gate and up together, then down), with no host
-        read of the routing, then the shared expert. Each row's slots come in ascending expert id, the
+        read of the routing, and the shared expert. Each row's slots come in ascending expert id, the
         reference's summation order. `ids` index the banks w13 (w1 at entry i, w3 at n + i) and w2: the
         layer's own (expert ids) or the expert cache's (slots). The shared expert is forked beside the routed
         ones (`Kernels.fork`: on CUDA a side stream), which it does not depend on."""
