@@ -3,7 +3,7 @@ dequantised operands), per V4.1 layer shape: which tiles give the large calls' b
 
     PYTHONPATH=$PWD python bench/experiments/decode_tiles.py
 
-For M = 1 and 8 rows: decode tiles (16 rows as the N of a wgmma whose M is 64 or 128 weight rows, `swap`) with
+For M = 1 and 8 rows: decode tiles (16 or 8 rows as the N of a wgmma whose M is 64 or 128 weight rows, `swap`) with
 MMA steps of 32 to 128 columns and 2-4 pipeline stages, and the 64-row wgmma tiles, with the K ranges as separate
 programs or not (and the default tiles with the activation quantised by a launch of its own), each against the
 rows of a 1,100-row call (the in-memory dequantised route) -- the number of differing outputs -- and the GPU time
@@ -27,6 +27,9 @@ TILES = {
     "swap 16x64 k64 s3": configs.LinearConfig(BM=16, BN=64, BK=64, num_warps=4, num_stages=3, swap=True),
     "swap 16x64 k32 s4": configs.LinearConfig(BM=16, BN=64, BK=32, num_warps=4, num_stages=4, swap=True),
     "swap 16x128 k128 s3": configs.LinearConfig(BM=16, BN=128, BK=128, num_warps=4, num_stages=3, swap=True),
+    # 8 rows as a wgmma's N (m64n8k16): half the activation work of the 16-row tiles (SASS loop body of the FP8
+    # decode tile 480 -> 403 instructions, compiled here), for steps of at most 8 rows
+    "swap 8x64 k128 s4": configs.LinearConfig(BM=8, BN=64, BK=128, num_warps=4, num_stages=4, swap=True),
     "wgmma 64x64 k32 s4": configs.LinearConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=4),
 }
 EXPERTS = 48  # the bench preset's bank; slots: a one-row step's 6 and a five-row step's 30
