@@ -255,14 +255,15 @@ def test_windows_carry_recall_facts_apart_and_the_text_elsewhere(data_dir):
     assert all(u == v for u, v, w in zip(x, plain, written, strict=True) if not w)
 
 
-@pytest.mark.parametrize(("progress", "shuffled"), [(0.0, False), (1.0, False), (1.0, True)])
-def test_windows_repeat_passages_at_the_curriculums_gaps(data_dir, progress, shuffled):
+@pytest.mark.parametrize(("progress", "ids"), [(0.0, "text"), (1.0, "text"), (1.0, "window"), (1.0, "vocabulary")])
+def test_windows_repeat_passages_at_the_curriculums_gaps(data_dir, progress, ids):
     """A window's repeats: passages of 16-64 tokens written again 8 tokens to the curriculum's longest gap after
     their end (half the attention window at the start, `repeat_reach` from halfway on) until the share is
     copied; the copy positions are the ones whose targets a repeat gives (all but its first token), the far ones
-    those more than a window after their source; every other token is the train text's. Shuffled, a passage
-    and its copy are ids drawn from the window, not the text there."""
-    t = trainer(data_dir, seq_len=2047, repeat_share=0.3, repeat_reach=512, repeat_shuffled=shuffled)
+    those more than a window after their source; every other token is the train text's. With `ids` "window" or
+    "vocabulary", a passage and its copy are ids drawn from the window or the train text's distinct tokens,
+    not the text there."""
+    t = trainer(data_dir, seq_len=2047, repeat_share=0.3, repeat_reach=512, repeat_ids=ids)
     plain = trainer(data_dir, seq_len=2047).window()[0]
     x, _, copies, far = t.window(progress)
     top = t.repeat_gap_max(progress)
@@ -280,7 +281,13 @@ def test_windows_repeat_passages_at_the_curriculums_gaps(data_dir, progress, shu
     assert sorted(far.tolist()) == sorted(far_expected) and (progress == 0 or len(far_expected) > copies.numel() / 2)
     assert torch.equal(plain[torch.from_numpy(~written)], x[torch.from_numpy(~written)])
     changed = float((plain[torch.from_numpy(sources)] != x[torch.from_numpy(sources)]).float().mean())
-    assert changed > 0.8 if shuffled else changed == 0, changed
+    assert changed > 0.8 if ids != "text" else changed == 0, changed
+    pool = torch.unique(x) if ids == "window" else t.vocabulary if ids == "vocabulary" else None
+    if pool is not None:  # drawn from the window, or from the text's distinct tokens, which are many more
+        assert bool(torch.isin(x[torch.from_numpy(sources)], pool).all())
+    if ids != "text":  # from the window, ids come as often as the text has them; from the vocabulary, uniformly
+        top = int(torch.bincount(x[torch.from_numpy(sources)]).max())
+        assert top <= 12 if ids == "vocabulary" else top >= 20, top  # 626 ids: 31 the text's most common, 7
 
 
 def test_a_few_steps_lower_the_validation_nll(data_dir):

@@ -1,6 +1,7 @@
 """Does a model learn to copy inside its window, and how soon? (issue 21: needles need copying.) Windows of random
-ids (`--ids` of them) in which the trainer's shuffled repeats (`Trainer.write_repeats`) make `--share` of the
-tokens copies of a passage 8 to window/2 tokens earlier, so only copying predicts them; greedy copy accuracy
+ids (`--ids` of them) or of the train text (`--background text`) in which the trainer's repeats of random ids
+(`Trainer.write_repeats`, `--repeat-ids`) make `--share` of the tokens copies of a passage 8 to window/2 tokens
+after it, so only copying predicts them; greedy copy accuracy
 (chance: 1/ids) and loss every 25 steps, for the trained schedule at smoke width (`--model v41`, its own window
 `--window`) or a plain pre-norm GPT of the same width on the same windows (`--model plain`, 4 layers, learnt
 positions, full causal attention), both with the trainer's AdamW and schedule.
@@ -51,28 +52,49 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=64, help="the V4.1 model's attention window")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--share", type=float, default=0.5, help="of a window's tokens, copies")
+    ap.add_argument("--task", choices=("repeats", "twice"), default="repeats")
+    ap.add_argument("--repeat-ids", choices=("window", "vocabulary"), default="window",
+                    help="--task repeats: a passage's ids drawn from the window or from the background's distinct ids")
+    ap.add_argument("--background", choices=("ids", "text"), default="ids",
+                    help="windows of random ids (--ids of them) or of the train text")
+    ap.add_argument("--passage", type=int, default=32, help="--task twice: ids a passage")
     ns = ap.parse_args()
     torch.manual_seed(0)
     token_map, classes = data.load_engram_map(ns.data)
     args = dataclasses.replace(smoke_args(len(token_map), classes), window_size=ns.window, dim=ns.dim)
-    stream = np.random.default_rng(0).integers(10, 10 + ns.ids, 2_000_000)
+    stream = (data.load_tokens(ns.data, "train") if ns.background == "text"
+              else np.random.default_rng(0).integers(10, 10 + ns.ids, 2_000_000))
     plan = Plan(seq_len=ns.seq, fact_span=0, index_rows=0, repeat_share=ns.share, repeat_reach=ns.window // 2,
-                repeat_shuffled=True, lr=ns.lr, steps=ns.steps, graphs=False)
+                repeat_ids=ns.repeat_ids, lr=ns.lr, steps=ns.steps, graphs=False)
     trainer = Trainer(args, token_map, stream, stream[:10_000], plan, "cpu")
     plain = PlainGPT(len(token_map), ns.dim) if ns.model == "plain" else None
     params = list(plain.parameters()) if plain else trainer.masters.trainable()
     opt = torch.optim.AdamW(params, lr=ns.lr, betas=(0.9, 0.95), weight_decay=0.1)
     started, hits = time.time(), []
+    rng = np.random.default_rng(1)
+
+    def window(progress: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if ns.task == "repeats":
+            x, _, copies, _ = trainer.window(progress)
+            return x, copies
+        pairs = -(-(ns.seq + 1) // (2 * ns.passage))
+        a = torch.from_numpy(rng.integers(10, 10 + ns.ids, (pairs, 1, ns.passage)))
+        x = a.expand(pairs, 2, ns.passage).reshape(-1)[:ns.seq + 1]
+        # position i predicts x[i + 1]: a second copy's tokens after its first
+        starts = torch.arange(pairs)[:, None] * 2 * ns.passage + ns.passage + torch.arange(ns.passage - 1)
+        copies = starts.reshape(-1)
+        return x, copies[copies < ns.seq]
+
     for step in range(ns.steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(ns.lr, step, step / ns.steps, 30)
-        x, _, copies, _ = trainer.window(step / ns.steps)
+        x, copies = window(step / ns.steps)
         if plain:
             logits = plain(x[:-1])
             loss = F.cross_entropy(logits, x[1:])
             (loss / ns.batch).backward()
             for _ in range(ns.batch - 1):
-                xb = trainer.window(step / ns.steps)[0]
+                xb = window(step / ns.steps)[0]
                 (F.cross_entropy(plain(xb[:-1]), xb[1:]) / ns.batch).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()

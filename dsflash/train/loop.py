@@ -97,8 +97,9 @@ class Plan:
     answer_weight: float = 0.0  # of the facts' answers' mean loss beside the mean over every token
     repeat_share: float = 0.0  # of a window's tokens, copies of a passage earlier in it (`write_repeats`); 0: none
     repeat_reach: int = 4096  # the longest gap from a passage to its copy, reached halfway through the phase
-    # a repeated passage is first replaced by ids drawn from the window at random (`write_repeats`)
-    repeat_shuffled: bool = False
+    # what a repeated passage holds (`write_repeats`): "text" (the text there), "window" (ids drawn from the window
+    # at random) or "vocabulary" (ids drawn uniformly from the train text's distinct tokens)
+    repeat_ids: str = "text"
     batch: int = 1  # training windows a step on each rank, their gradients averaged (`Ranks`)
     graphs: bool = True  # on a GPU, each window of a phase after its first as one CUDA graph (graph.py)
     seed: int = 0
@@ -248,6 +249,10 @@ class Trainer:
         first = self.ranks.rank * plan.batch
         self.streams = [Stream.seeded(plan.seed, first + j) for j in range(plan.batch)]
         self.train_tokens = torch.from_numpy(train.astype(np.int64))
+        if plan.repeat_ids not in ("text", "window", "vocabulary"):
+            raise ValueError(f"repeat_ids is text, window or vocabulary, not {plan.repeat_ids!r}")
+        # the distinct ids of the train text, which a "vocabulary" repeat draws from
+        self.vocabulary = torch.unique(self.train_tokens) if plan.repeat_ids == "vocabulary" else None
         self.validation = torch.from_numpy(validation.astype(np.int64))
         self.masters = Masters(Checkpoint(init), self.device) if init else init_masters(args, plan.seed, self.device)
         self.k = training_kernels(self.masters)
@@ -305,11 +310,15 @@ class Trainer:
         `repeat_gap_max(progress)` later, until `repeat_share` of x are copies; a passage and its copy avoid
         each other and every token `used` marks (the facts), then are marked. Recalling a fact is copying
         from the context, which plain text asks for too rarely to be learnt in a short run; a repeat asks for
-        it at every token after its first. With `repeat_shuffled` the passage is ids drawn from x at random
-        first: its copy is then predictable by copying alone (real text's copies are mostly predictable from
-        the n-grams before them, which is what a model that has not learnt to copy already uses). Returns the
-        positions of x[1:] whose targets a repeat copies (position i predicts x[i + 1]), and of those the ones
-        more than a window after their source."""
+        it at every token after its first. With `repeat_ids` "window" or "vocabulary" the passage is first
+        replaced by ids drawn at random: its copy is then predictable by copying alone (real text's copies are
+        mostly predictable from the n-grams before them, which is what a model that has not learnt to copy
+        already uses). Drawn from the window, a passage's ids occur elsewhere in it too, so the token before a
+        target does not tell where to copy from; drawn from the vocabulary (mostly rare ids, once in a window)
+        it does -- the classic induction task, which the smoke model learns in ~1,000 steps of 256 tokens where
+        ids from the window stay at chance (bench/results/copy-probe-cpu-2026-12-06.txt). Returns the positions
+        of x[1:] whose targets a repeat copies (position i predicts x[i + 1]), and of those the ones more than a
+        window after their source."""
         target, top = self.plan.repeat_share * x.numel(), self.repeat_gap_max(progress)
         copies, far, placed, written, attempts = [], [], [], 0, 0
         while written < target and attempts < 64 + x.numel() // 8:
@@ -329,8 +338,11 @@ class Trainer:
             if b - a > self.args.window_size:
                 far.extend(range(b, b + n - 1))
             written += n
-        for a, b, n in placed if self.plan.repeat_shuffled else ():  # drawn after: the same places either way
-            x[a:a + n] = x[torch.from_numpy(rng.integers(0, x.numel(), n))]
+        for a, b, n in placed if self.plan.repeat_ids != "text" else ():  # drawn after: the same places either way
+            if self.plan.repeat_ids == "window":
+                x[a:a + n] = x[torch.from_numpy(rng.integers(0, x.numel(), n))]
+            else:
+                x[a:a + n] = self.vocabulary[torch.from_numpy(rng.integers(0, self.vocabulary.numel(), n))]
             x[b:b + n] = x[a:a + n]
         return copies, far
 

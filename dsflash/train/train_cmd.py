@@ -78,7 +78,7 @@ def _train(ns: argparse.Namespace) -> int:
                 dspark_share=ns.dspark_share, fact_span=ns.fact_span, index_rows=ns.index_rows,
                 index_weight=ns.index_weight, attention_picks=ns.attention_picks, answer_weight=ns.answer_weight,
                 repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach,
-                repeat_shuffled=ns.repeat_shuffled, batch=ns.batch, graphs=not ns.eager)
+                repeat_ids=ns.repeat_ids, batch=ns.batch, graphs=not ns.eager)
     trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
                       plan, device, data.load_facts(ns.data), ns.init)
     out = Path(ns.out)
@@ -165,8 +165,9 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat-reach", type=int, default=Plan.repeat_reach,
                         help="the longest gap from a passage to its copy, grown to from inside the attention "
                              "window over the first half of the backbone phase")
-    parser.add_argument("--repeat-shuffled", action="store_true",
-                        help="repeat passages of ids drawn from the window at random, which only copying predicts")
+    parser.add_argument("--repeat-ids", choices=("text", "window", "vocabulary"), default=Plan.repeat_ids,
+                        help="what a repeated passage holds: the text there, or ids drawn at random (which only "
+                             "copying predicts) from the window or uniformly from the train text's distinct tokens")
     parser.add_argument("--batch", type=int, default=Plan.batch,
                         help="training windows a step on each rank, their gradients averaged")
     parser.add_argument("--ranks", type=int, default=1,
