@@ -159,7 +159,7 @@ def test_fork_runs_beside_the_caller_until_join():
     from dsflash.kernels.cuda import side
 
     caller = torch.cuda.current_stream()
-    x = torch.ones(1 << 20, device="cuda")
+    x = torch.ones(4, 1 << 18, device="cuda")  # rows of a decode step: forked
     torch.cuda._sleep(50_000_000)  # the caller busy: the forked work must wait for it
     y = x + 1
     forked_on, z = side.fork(lambda t: (torch.cuda.current_stream(), t * 2), y)
@@ -167,7 +167,7 @@ def test_fork_runs_beside_the_caller_until_join():
     other = threading.Thread(target=side.join)  # another thread's join: nothing of its own to wait for
     other.start()
     other.join()
-    assert caller.cuda_stream in side._state()[1]  # this thread's fork still waits for its join
+    assert (caller.cuda_stream, 0) in side._state()[1]  # this thread's fork still waits for its join
     wide = torch.zeros(side.SIDE_MAX_ROWS + 1, 4, device="cuda")
     assert side.fork(lambda t: torch.cuda.current_stream(), wide) == caller  # a prefill's rows: in place
     side.join()
@@ -177,11 +177,14 @@ def test_fork_runs_beside_the_caller_until_join():
     side.join()
     with torch.cuda.graph(graph):
         w = side.fork(lambda t: t * 3, x)
+        v = side.fork(lambda t: t * 5, x, lane=1)  # another lane: joined apart
+        side.join(1)
+        out["v"] = v + 1
         side.join()
-        out["v"] = w + 1
+        out["w"] = w + 1
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out["v"], torch.full_like(x, 4.0))
+    assert torch.equal(out["w"], torch.full_like(x, 4.0)) and torch.equal(out["v"], torch.full_like(x, 6.0))
 
 
 def test_cuda_graph_replays_equal_eager_forwards():

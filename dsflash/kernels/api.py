@@ -32,12 +32,12 @@ class MoeRoute(Protocol):
                  ) -> tuple[Tensor, Tensor] | None: ...
 
 
-def run_here(fn: Callable[..., Any], *args: Any) -> Any:
+def run_here(fn: Callable[..., Any], *args: Any, lane: int = 0) -> Any:
     """`Kernels.fork` of a backend without side streams: fn(*args), in place."""
     return fn(*args)
 
 
-def nothing_forked() -> None:
+def nothing_forked(lane: int = 0) -> None:
     """`Kernels.join` of a backend without side streams."""
 
 
@@ -123,9 +123,10 @@ class Kernels(Generic[BankT]):
     rope_rotate: Callable[[Tensor, Tensor, Tensor, int, bool], Tensor]
     # (kind, stored tensor, stored scale or None) -> the backend's weight on `device`
     weight: Callable[[str, Tensor, Tensor | None], Weight]
-    # (fn, *args) -> fn(*args), whose kernels may run beside what the caller launches next until it calls `join`
+    # (fn, *args, lane=0) -> fn(*args), whose kernels may run beside what the caller launches next until it calls
+    # `join(lane)` (forks of different lanes run beside each other too, and are joined apart)
     # (work off the critical path: a site's mHC mixes, which only the sub-layer's output needs; the shared expert
     # beside the routed ones). The caller keeps fn's inputs alive and unchanged until `join`, and reads fn's
     # outputs only after it. Same kernels, same bits
     fork: Callable[..., Any] = run_here
-    join: Callable[[], None] = nothing_forked
+    join: Callable[..., None] = nothing_forked

@@ -287,25 +287,27 @@ class Attention:
         self.indexer = Indexer(args, layer, w, prefix + "indexer.") if self.is_index_source else None
 
     def __call__(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        """The attention sub-layer over the chunk's rows: normalised input x [rows, D] -> output [rows, D]."""
-        qr, kv = self.projections(x, chunk.positions)
+        """The attention sub-layer over the chunk's rows: normalised input x [rows, D] -> output [rows, D]. The
+        window KV is forked (`Kernels.fork`, lane 1: on CUDA a side stream of its own) beside the q LoRA and an
+        index layer's selection, which do not read it."""
+        kv = self.k.fork(self.window_kv, x, chunk.positions, lane=1)
+        qr = self.k.rms_norm(self.k.linear(x, self.wq_a), self.q_norm, self.eps)
+        if self.indexer is not None:
+            self.select(x, qr, chunk)
+        self.k.join(1)
         source, idx = self.core(x, qr, kv, chunk)
         return self.output(qr, source, idx, chunk.positions)
 
     def core(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, chunk: Chunk
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """An index layer's selection, then what the queries attend to: (source rows, indices)."""
-        if self.indexer is not None:
-            self.select(x, qr, chunk)
+        """What the queries attend to: (source rows, indices)."""
         return self.attend(kv, chunk)
 
-    def projections(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qr, window kv) of the rows: the q LoRA's normalised latent, and kv RoPE'd and FP8-valued over all of
-        its channels."""
-        qr = self.k.rms_norm(self.k.linear(x, self.wq_a), self.q_norm, self.eps)
+    def window_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rows' window kv: RoPE'd and FP8-valued over all of its channels."""
         kv = self.k.rms_norm(self.k.linear(x, self.wkv), self.kv_norm, self.eps)
         self.rope.rotate(kv, positions)
-        return qr, self.k.fp8_fake_quant(kv)
+        return self.k.fp8_fake_quant(kv)
 
     def output(self, qr: torch.Tensor, source: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor
                ) -> torch.Tensor:

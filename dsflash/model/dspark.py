@@ -43,9 +43,7 @@ class DSparkAttention(Attention):
 
     def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The stage's context KV of target rows (main_x: their projected taps) at `positions`: FP8-valued."""
-        kv = self.k.rms_norm(self.k.linear(main_x, self.wkv), self.kv_norm, self.eps)
-        self.rope.rotate(kv, positions)
-        return self.k.fp8_fake_quant(kv)
+        return self.window_kv(main_x, positions)
 
     def write_context(self, state, main_x: torch.Tensor, positions: torch.Tensor, n: int) -> None:
         self.history(state).write(positions[:n], self.context_kv(main_x, positions)[:n])

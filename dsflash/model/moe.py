@@ -200,14 +200,15 @@ class MoE:
         read of the routing, and the shared expert. Each row's slots come in ascending expert id, the
         reference's summation order. `ids` index the banks w13 (w1 at entry i, w3 at n + i) and w2: the
         layer's own (expert ids) or the expert cache's (slots). The shared expert is forked beside the routed
-        ones (`Kernels.fork`: on CUDA a side stream), which it does not depend on."""
-        shared = self.k.fork(self.shared, x)
+        ones (`Kernels.fork`, lane 1: on CUDA a side stream beside the FFN site's mixes too), which it does not
+        depend on."""
+        shared = self.k.fork(self.shared, x, lane=1)
         # per row: its k gate slots (w1 of each expert), then its k up slots (w3: bank entries n + id)
         gate_up = self.k.expert_linear(x, w13, torch.cat([ids, ids + n], 1), 2 * self.topk)
         gate_up = gate_up.view(ids.size(0), 2, self.topk, -1)
         h = self.k.swiglu(gate_up[:, 0], gate_up[:, 1], self.args.swiglu_limit, weights.unsqueeze(-1))
         routed = self.k.expert_linear(h.view(ids.numel(), -1), w2, ids, 1).view(*ids.shape, -1)
-        self.k.join()
+        self.k.join(1)
         return self.k.moe_sum(routed, shared)
 
     def _routed_from_cache(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -26,26 +26,27 @@ from .configs import SIDE_MAX_ROWS
 SIDE_STREAMS = os.environ.get("DSFLASH_SIDE_STREAMS", "1") == "1"
 
 # per thread (two threads may each run a forward on one device, the model halves of one process: a thread's
-# current stream is its own, but the legacy default stream is every thread's): a side stream per caller stream,
-# and the caller streams whose forked work no join has waited for yet. A join with nothing forked waits for
-# nothing (a graph capture may not wait on work launched outside it, as a segment after one that joined would)
+# current stream is its own, but the legacy default stream is every thread's): a side stream per caller stream
+# and lane (forks of different lanes run beside each other and are joined apart), and the (caller, lane) pairs
+# whose forked work no join has waited for yet. A join with nothing forked waits for nothing (a graph capture
+# may not wait on work launched outside it, as a segment after one that joined would)
 _LOCAL = threading.local()
 
 
-def _state() -> tuple[dict[int, torch.cuda.Stream], set[int]]:
+def _state() -> tuple[dict[tuple[int, int], torch.cuda.Stream], set[tuple[int, int]]]:
     if not hasattr(_LOCAL, "side"):
         _LOCAL.side, _LOCAL.forked = {}, set()
     return _LOCAL.side, _LOCAL.forked
 
 
-def fork(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) launched on the caller stream's side stream, after everything launched on the caller's; in place
-    when its first tensor argument has more than SIDE_MAX_ROWS rows."""
+def fork(fn: Callable[..., Any], *args: Any, lane: int = 0) -> Any:
+    """fn(*args) launched on the side stream of the caller's stream and `lane`, after everything launched on
+    the caller's; in place when its first tensor argument has more than SIDE_MAX_ROWS rows."""
     if next((a.size(0) for a in args if isinstance(a, torch.Tensor)), 0) > SIDE_MAX_ROWS:
         return fn(*args)
     sides, forked = _state()
     caller = torch.cuda.current_stream()
-    key = caller.cuda_stream
+    key = (caller.cuda_stream, lane)
     side = sides.get(key)
     if side is None:
         side = sides[key] = torch.cuda.Stream(caller.device)
@@ -55,10 +56,11 @@ def fork(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
 
 
-def join() -> None:
-    """The caller's stream waits for everything this thread forked from it since the last join."""
+def join(lane: int = 0) -> None:
+    """The caller's stream waits for everything this thread forked from it in `lane` since that lane's last
+    join."""
     sides, forked = _state()
-    caller = torch.cuda.current_stream()
-    if caller.cuda_stream in forked:
-        forked.discard(caller.cuda_stream)
-        caller.wait_stream(sides[caller.cuda_stream])
+    key = (torch.cuda.current_stream().cuda_stream, lane)
+    if key in forked:
+        forked.discard(key)
+        torch.cuda.current_stream().wait_stream(sides[key])
