@@ -1,7 +1,7 @@
 """Experiment (GPU): a decode row's sparse attention (the bench preset's 64 heads of 512 channels, a 128-row window
-and 512 picks over an 8K cache) at 1, 5 and 8 queries, with 128 (the engine's), 64 and 32 output channels a
-program: microseconds a call from CUDA-graph replays and outputs differing from the engine's default. Run before
-and after a patch of the kernel (bench/experiments/attn_prefetch.patch) to time it.
+and 512 picks over an 8K cache) at 1, 5 and 8 queries, with 128, 64 and 32 (the engine's) output channels a
+program: microseconds a call from CUDA-graph replays and outputs differing from the engine's default (run before
+and after a patch of the kernel to time it; bench/results/side-kv-attn-h100-2026-12-06.md).
 
     PYTHONPATH=$PWD python bench/experiments/attn_decode.py > $OUT/attn-decode.txt
 """

@@ -125,7 +125,10 @@ EXPERT_WIDEN_MIN_SLOTS = 256
 # sparse attention (its blocks of indices are the reference's cpu.SPARSE_ATTN_BLOCK: they set the rounding)
 # ---------------------------------------------------------------------------------------------
 SPARSE_ATTN_SPLIT_MAX_N = 64  # up to this many queries, each query's output channels spread over programs
-SPARSE_ATTN_SLICE = 128  # ... of this many channels
+# ... of this many channels: the chain of a decode row's index blocks is latency-bound, and 16 programs of 32
+# channels finish it sooner than 4 of 128 (H100, 64 heads x 512, 640 indices: 22.1 -> 18.1 us at one query,
+# the same bits: bench/results/attn-decode-h100-2026-12-06.md)
+SPARSE_ATTN_SLICE = 32
 
 # ---------------------------------------------------------------------------------------------
 # indexer
