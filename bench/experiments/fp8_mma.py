@@ -1,0 +1,165 @@
+"""Experiment (GPU; the kernel also runs under Triton's interpreter): a candidate CUDA numerics 6.cuda2 for the
+FP8/FP4 linears -- each 32-wide K block one E4M3 x E4M3 tensor-core MMA (wgmma k32) from a zero accumulator, its
+sum times the block's activation scale and then its weight scale, added in K order to the K range's sum; the
+range sums added in order. That is the CPU reference's own structure (kernels/cpu.py `_block_scaled_gemm`:
+block partials, scaled, range totals in order); 6.cuda1 instead converts every weight value to bf16 and runs one
+MMA chain per range, whose conversions bound its decode tiles (bench/results/side-kv-attn-h100-2026-12-06.md:
+480 instructions a 128-column step, DRAM at 42 % of peak). Here the weight's bytes feed the MMA as they are
+stored (FP4 experts widened to E4M3 codes first, exact). What it must show before it can become the backend's:
+its outputs against the CPU reference (equal where the tensor core's k32 sum is the fp32 sum), the same bits at
+every row count (decode's swapped 16-row tiles with the ranges as separate programs, prefill's 64/128-row tiles),
+and its time against 6.cuda1's `linear` per V4.1 shape.
+
+    PYTHONPATH=$PWD python bench/experiments/fp8_mma.py > $OUT/fp8-mma.txt            (GPU)
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python bench/experiments/fp8_mma.py --check     (CPU: small shapes, with
+    tests/interpreter_fixes.py)
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from dsflash.kernels import cpu
+from dsflash.kernels import cuda as kc
+from dsflash.kernels.cuda.gemm import _ordered_sum
+from dsflash.kernels.cuda.weights import fp4_to_fp8
+from dsflash.numerics import BLOCK
+from dsflash.numerics.quant import k_range_blocks
+
+
+@triton.jit
+def _byte_scale(word, j: tl.constexpr):
+    """2^(e - 127) of E8M0 byte j of int32 scale words."""
+    return (((word >> (8 * j)) & 0xFF) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chunks_per_range,
+                    stride_xm, stride_xs, stride_wn, stride_wsk, stride_ym,
+                    SCALE_ROWS: tl.constexpr, SPREAD: tl.constexpr, SWAP: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr):
+    """y = the sum over K ranges of (the sum over the range's 32-wide blocks, in K order from 0, of
+    (A_b W_b^T) * a_s * w_s), ranges added in order. x: E4M3 codes [M, K] with scale words [ceil(KB/4), M];
+    w: E4M3 codes [N, K] with scale words [ceil(KB/4), ceil(N/SCALE_ROWS)]; K a multiple of 128 (a chunk: four
+    blocks, one scale word; a range is whole chunks). SPREAD: program_id(1) takes one range and stores its sum
+    to part[r] for _ordered_sum. SWAP: the weight tile is the MMA's A operand (64 weight rows fill the wgmma's M
+    where a decode's few rows cannot)."""
+    pid_m = tl.program_id(0) // tl.cdiv(N, BN)
+    pid_n = tl.program_id(0) % tl.cdiv(N, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, 32)
+    mmask = rm < M
+    nmask = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [32, BN]: W^T's block
+    kc = KB // 4
+    c_lo = 0
+    c_hi = kc
+    if SPREAD:
+        c_lo = tl.program_id(1) * chunks_per_range
+        c_hi = tl.minimum(c_lo + chunks_per_range, kc)
+    if SWAP:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    total = tl.zeros_like(acc)
+    for c in range(c_lo, c_hi):
+        xw = tl.load(xs_ptr + c * stride_xs + rm, mask=mmask, other=0x7F7F7F7F)
+        ww = tl.load(ws_ptr + c * stride_wsk + rn // SCALE_ROWS, mask=nmask, other=0x7F7F7F7F)
+        for j in tl.static_range(4):  # the chunk's blocks in K order, each its own MMA from zero
+            a = tl.load(x_rows + (4 * c + j) * 32, mask=mmask[:, None], other=0.0)
+            w = tl.load(w_cols + (4 * c + j) * 32, mask=nmask[None, :], other=0.0)
+            if SWAP:
+                blk = tl.dot(tl.trans(w), tl.trans(a))  # [BN, BM]
+                total += blk * _byte_scale(xw, j)[None, :] * _byte_scale(ww, j)[:, None]
+            else:
+                blk = tl.dot(a, w)
+                total += blk * _byte_scale(xw, j)[:, None] * _byte_scale(ww, j)[None, :]
+        if (c + 1) % chunks_per_range == 0:  # the range ends (kc is whole ranges' chunks or the last one's)
+            acc += total
+            total = tl.zeros_like(total)
+    acc += total  # the last range's sum when it is shorter (zeros otherwise: + 0 changes no non-negative-zero sum)
+    if SWAP:
+        acc = tl.trans(acc)
+    mask = mmask[:, None] & nmask[None, :]
+    if SPREAD:
+        tl.store(part_ptr + tl.program_id(1) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mask)
+    else:
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=mask)
+
+
+def fp8_mma_linear(x: torch.Tensor, w: kc.CudaWeight, swap: bool | None = None) -> torch.Tensor:
+    """bf16 [M, K] @ an FP8/FP4 CudaWeight (E8M0 scale words) -> bf16 [M, N] under the candidate numerics."""
+    m, k = x.shape
+    n, kb = w.out_features, k // BLOCK
+    codes, words = kc.quant_act(x)
+    wv = fp4_to_fp8(w.values) if w.kind == "fp4" else w.values
+    assert kb % 4 == 0, "K a multiple of 128 (every V4.1 FP8/FP4 shape)"
+    per = k_range_blocks(n, kb)
+    swap = m <= 16 if swap is None else swap
+    bm, bn = (16, 64) if swap else (64, 64)
+    ranges = triton.cdiv(kb, per)
+    spread = swap and ranges > 1
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    part = torch.empty((ranges, m, n), dtype=torch.float32, device=x.device) if spread else y
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), ranges if spread else 1)
+    _fp8_mma_kernel[grid](codes, words, wv, w.scale, y, part, m, n, kb, per // 4, codes.stride(0), words.stride(0),
+                          wv.stride(0), w.scale.stride(0), y.stride(0), SCALE_ROWS=w.scale_rows, SPREAD=spread,
+                          SWAP=swap, BM=bm, BN=bn, num_warps=4, num_stages=4)
+    if spread:
+        _ordered_sum(part, y, ranges)
+    return y
+
+
+def compare(name: str, kind: str, n: int, k: int, rows: tuple[int, ...], device: str, time_it: bool) -> None:
+    from tests.test_kernels_cuda import rand_act, rand_weight
+
+    g = torch.Generator().manual_seed(7)
+    w_ref = rand_weight(kind, n, k, g)
+    x = rand_act(max(rows), k, g)
+    ref = cpu.linear(x, w_ref)  # the CPU reference (the oracle)
+    w = kc.to_cuda_weight(w_ref, device)
+    xd = x.to(device)
+    full = fp8_mma_linear(xd, w).cpu()
+    cuda1 = kc.linear(xd, w).cpu() if device == "cuda" else None
+    for m in rows:
+        y = fp8_mma_linear(xd[:m], w).cpu()
+        line = f"| {name} {k}->{n} | {m} | {int((y != full[:m]).sum())} | {float((y == ref[:m]).float().mean()):.4f} |"
+        if cuda1 is not None:
+            line += f" {float((cuda1[:m] == ref[:m]).float().mean()):.4f} |"
+        if time_it:
+            from dsflash.bench.kernels import bench_graph
+
+            mine = bench_graph(functools.partial(fp8_mma_linear, xd[:m], w)) * 1e3
+            theirs = bench_graph(functools.partial(kc.linear, xd[:m], w)) * 1e3
+            line += f" {mine:.1f} | {theirs:.1f} |"
+        print(line, flush=True)
+
+
+def main() -> None:
+    if "--check" in sys.argv:  # the interpreter on CPU tensors: the structure, on small shapes
+        sys.path.insert(0, "tests")
+        import interpreter_fixes  # noqa: F401  (the fp32 -> bf16/fp8 casts and masks the GPU has)
+
+        print("| shape | M | outputs differing from the largest call's rows | equal to the CPU reference |")
+        for name, kind, n, k in (("fp8", "fp8", 128, 512), ("fp4", "fp4", 64, 1024)):
+            compare(name, kind, n, k, (1, 5, 40), "cpu", False)
+        return
+    from dsflash.bench.kernels import LINEARS
+
+    print("| shape | M | outputs differing from the 8,192-row call's rows | 6.cuda2 equal to the CPU reference "
+          "| 6.cuda1 equal to the CPU reference | 6.cuda2 us | 6.cuda1 us |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, kind, n, k in LINEARS:
+        if kind in ("fp8", "fp4"):
+            compare(name, kind, n, k, (1, 5, 8, 16, 512, 8192), "cuda", True)
+
+
+if __name__ == "__main__":
+    main()
