@@ -22,7 +22,8 @@
 # and the prefill profile. `... pdl` (~5 minutes): programmatic dependent launch (on by default on sm_90;
 # kernels/cuda/common.py) against plain launches (DSFLASH_PDL=0) on the same card, steps alternating 0 1 twice
 # and prefill each way, after the attention kernels' GPU tests and the CUDA model tests (the PDL bit test among
-# them). `... side` the same for the side streams (DSFLASH_SIDE_STREAMS; kernels/cuda/side.py).
+# them). `... side` the same for the side streams (DSFLASH_SIDE_STREAMS; kernels/cuda/side.py). `... fp8mma`
+# (~6 minutes): the candidate numerics 6.cuda2's GEMM (bench/experiments/fp8_mma.py), then the decode tiles.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -100,6 +101,11 @@ if [ "$part" = pdl ] || [ "$part" = side ]; then
     done
   done
   for flag in 0 1; do env "$var=$flag" timeout 100 $prefill --out "$out/$part${flag}a" 2>&1 | grep "^| [0-9]"; done
+fi
+if [ "$part" = fp8mma ]; then  # the candidate numerics 6.cuda2 (bench/experiments/fp8_mma.py): bits against the CPU
+  # reference and across row counts, time against 6.cuda1 per shape; then the decode tiles (8-row tiles among them)
+  timeout 300 python bench/experiments/fp8_mma.py 2>&1 | grep -v -i warn | tee "$out/fp8-mma.txt"
+  timeout 200 python bench/experiments/decode_tiles.py > "$out/decode-tiles.md" 2>&1; grep -E "8x64|^\| expert" "$out/decode-tiles.md"
 fi
 if [ "$part" = gap ]; then
   timeout 110 python bench/experiments/plain_split.py 2>&1 | grep -v -i warn | tee "$out/plain-split.txt"
