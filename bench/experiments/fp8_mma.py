@@ -39,6 +39,28 @@ def _byte_scale(word, j: tl.constexpr):
 
 
 @triton.jit
+def _block_mma(x_rows, w_cols, kb, mmask, nmask, SWAP: tl.constexpr):
+    """K block kb's product of the E4M3 codes from a zero fp32 accumulator: [BM, BN], or [BN, BM] with SWAP."""
+    a = tl.load(x_rows + kb * 32, mask=mmask[:, None], other=0.0)
+    w = tl.load(w_cols + kb * 32, mask=nmask[None, :], other=0.0)
+    if SWAP:
+        blk = tl.dot(tl.trans(w), tl.trans(a))
+    else:
+        blk = tl.dot(a, w)
+    return blk
+
+
+@triton.jit
+def _scaled_add(total, blk, xw, ww, j: tl.constexpr, SWAP: tl.constexpr):
+    """total + blk * a_s * w_s, the scales byte j of the rows' words (both powers of two: exact products)."""
+    if SWAP:
+        total += blk * _byte_scale(xw, j)[None, :] * _byte_scale(ww, j)[:, None]
+    else:
+        total += blk * _byte_scale(xw, j)[:, None] * _byte_scale(ww, j)[None, :]
+    return total
+
+
+@triton.jit
 def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chunks_per_range,
                     stride_xm, stride_xs, stride_wn, stride_wsk, stride_ym,
                     SCALE_ROWS: tl.constexpr, SPREAD: tl.constexpr, SWAP: tl.constexpr,
@@ -72,15 +94,16 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
     for c in range(c_lo, c_hi):
         xw = tl.load(xs_ptr + c * stride_xs + rm, mask=mmask, other=0x7F7F7F7F)
         ww = tl.load(ws_ptr + c * stride_wsk + rn // SCALE_ROWS, mask=nmask, other=0x7F7F7F7F)
-        for j in tl.static_range(4):  # the chunk's blocks in K order, each its own MMA from zero
-            a = tl.load(x_rows + (4 * c + j) * 32, mask=mmask[:, None], other=0.0)
-            w = tl.load(w_cols + (4 * c + j) * 32, mask=nmask[None, :], other=0.0)
-            if SWAP:
-                blk = tl.dot(tl.trans(w), tl.trans(a))  # [BN, BM]
-                total += blk * _byte_scale(xw, j)[None, :] * _byte_scale(ww, j)[:, None]
-            else:
-                blk = tl.dot(a, w)
-                total += blk * _byte_scale(xw, j)[:, None] * _byte_scale(ww, j)[None, :]
+        # the chunk's four blocks, each its own MMA from zero, all issued before the first sum is read; then
+        # their scaled sums added in K order
+        b0 = _block_mma(x_rows, w_cols, 4 * c, mmask, nmask, SWAP)
+        b1 = _block_mma(x_rows, w_cols, 4 * c + 1, mmask, nmask, SWAP)
+        b2 = _block_mma(x_rows, w_cols, 4 * c + 2, mmask, nmask, SWAP)
+        b3 = _block_mma(x_rows, w_cols, 4 * c + 3, mmask, nmask, SWAP)
+        total = _scaled_add(total, b0, xw, ww, 0, SWAP)
+        total = _scaled_add(total, b1, xw, ww, 1, SWAP)
+        total = _scaled_add(total, b2, xw, ww, 2, SWAP)
+        total = _scaled_add(total, b3, xw, ww, 3, SWAP)
         if (c + 1) % chunks_per_range == 0:  # the range ends (kc is whole ranges' chunks or the last one's)
             acc += total
             total = tl.zeros_like(total)
