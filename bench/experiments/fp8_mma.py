@@ -1,14 +1,14 @@
-"""Experiment (GPU; the kernel also runs under Triton's interpreter): a candidate CUDA numerics 6.cuda2 for the
-FP8/FP4 linears -- each 32-wide K block one E4M3 x E4M3 tensor-core MMA (wgmma k32) from a zero accumulator, its
-sum times the block's activation scale and then its weight scale, added in K order to the K range's sum; the
-range sums added in order. That is the CPU reference's own structure (kernels/cpu.py `_block_scaled_gemm`:
-block partials, scaled, range totals in order); 6.cuda1 instead converts every weight value to bf16 and runs one
-MMA chain per range, whose conversions bound its decode tiles (bench/results/side-kv-attn-h100-2026-12-06.md:
-480 instructions a 128-column step, DRAM at 42 % of peak). Here the weight's bytes feed the MMA as they are
-stored (FP4 experts widened to E4M3 codes first, exact). What it must show before it can become the backend's:
-its outputs against the CPU reference (equal where the tensor core's k32 sum is the fp32 sum), the same bits at
-every row count (decode's swapped 16-row tiles with the ranges as separate programs, prefill's 64/128-row tiles),
-and its time against 6.cuda1's `linear` per V4.1 shape.
+"""Experiment (GPU; the kernel also runs under Triton's interpreter): a candidate CUDA numerics 6.cuda2 for the FP8/FP4
+linears -- each 32-wide K block one E4M3 x E4M3 tensor-core MMA (wgmma k32) from a zero accumulator, its sum times
+the block's activation scale and then its weight scale, added in K order to the K range's sum; the range sums added
+in order. That is the CPU reference's own structure (kernels/cpu.py `_block_scaled_gemm`: block partials, scaled,
+range totals in order); 6.cuda1 instead converts every weight value to bf16 and runs one MMA chain per range, whose
+conversions bound its decode tiles (bench/results/side-kv-attn-h100-2026-12-06.md: 480 instructions a 128-column
+step, DRAM at 42 % of peak). Here the weight's bytes feed the MMA as they are stored (FP4 experts' packed bytes
+widened to E4M3 codes in registers, 7 logic ops a register: exact). What it must show before it can become the
+backend's: its outputs against the CPU reference (equal where the tensor core's k32 sum is the fp32 sum), the same
+bits at every row count (decode's swapped 16-row tiles with the ranges as separate programs, prefill's 64/128-row
+tiles), and its time against 6.cuda1's `linear` per V4.1 shape.
 
     PYTHONPATH=$PWD python bench/experiments/fp8_mma.py > $OUT/fp8-mma.txt            (GPU)
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python bench/experiments/fp8_mma.py --check     (CPU: small shapes, with
@@ -18,6 +18,7 @@ and its time against 6.cuda1's `linear` per V4.1 shape.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -27,9 +28,33 @@ import triton.language as tl
 from dsflash.kernels import cpu
 from dsflash.kernels import cuda as kc
 from dsflash.kernels.cuda.gemm import _ordered_sum
-from dsflash.kernels.cuda.weights import fp4_to_fp8
 from dsflash.numerics import BLOCK
+from dsflash.numerics.codecs import encode_e2m1, pack_fp4
 from dsflash.numerics.quant import k_range_blocks
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# A packed E2M1 byte's two codes (low nibble first) as two E4M3 bytes of value x 2^-6, exactly: E2M1 s|e1 e0|m
+# becomes E4M3 s|0 0 e1 e0|m 0 0 -- the same exponent and mantissa bits, E2M1's subnormal 0.5 landing on E4M3's
+# subnormal grid -- so a code's byte is (sign << 7) | (magnitude << 2) and the 2^6 goes into the block's scale.
+# On one register of four bytes [b, b, c, c] (each packed byte twice): its four E4M3 bytes in 7 logic ops.
+FP4_TO_E4M3_ASM = tl.constexpr(
+    "{ .reg .b32 t0, t1, t2, t3; and.b32 t0, $1, 0x00070007; shl.b32 t0, t0, 2; and.b32 t1, $1, 0x00080008; "
+    "shl.b32 t1, t1, 4; and.b32 t2, $1, 0x70007000; shr.b32 t2, t2, 2; and.b32 t3, $1, 0x80008000; "
+    "or.b32 t0, t0, t1; or.b32 t2, t2, t3; or.b32 $0, t0, t2; }")
+
+
+@triton.jit
+def _fp4_e4m3(packed, BN: tl.constexpr, ASM: tl.constexpr):
+    """Packed E2M1 bytes uint8 [BN, 16] -> E4M3 [BN, 32] of value x 2^-6."""
+    twice = tl.reshape(tl.join(packed, packed), [BN, 32])  # byte k at elements 2k and 2k + 1
+    if ASM:
+        e = tl.inline_asm_elementwise(FP4_TO_E4M3_ASM, "=r,r", [twice], dtype=tl.uint8, is_pure=True, pack=4)
+    else:  # the same bits elementwise (Triton's interpreter has no inline PTX)
+        nib = (twice >> (4 * (tl.arange(0, 32) % 2))[None, :].to(tl.uint8)) & 0xF
+        e = ((nib & 7) << 2) | ((nib & 8) << 4)
+    return e.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -39,10 +64,15 @@ def _byte_scale(word, j: tl.constexpr):
 
 
 @triton.jit
-def _block_mma(x_rows, w_cols, kb, mmask, nmask, SWAP: tl.constexpr):
-    """K block kb's product of the E4M3 codes from a zero fp32 accumulator: [BM, BN], or [BN, BM] with SWAP."""
+def _block_mma(x_rows, w_cols, kb, mmask, nmask, FP4: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr,
+               SWAP: tl.constexpr):
+    """K block kb's product of the E4M3 codes from a zero fp32 accumulator: [BM, BN], or [BN, BM] with SWAP.
+    FP4: w_cols are the weight rows' packed bytes [BN, 16] of block 0, widened here."""
     a = tl.load(x_rows + kb * 32, mask=mmask[:, None], other=0.0)
-    w = tl.load(w_cols + kb * 32, mask=nmask[None, :], other=0.0)
+    if FP4:
+        w = tl.trans(_fp4_e4m3(tl.load(w_cols + kb * 16, mask=nmask[:, None], other=0), BN, ASM))
+    else:
+        w = tl.load(w_cols + kb * 32, mask=nmask[None, :], other=0.0)
     if SWAP:
         blk = tl.dot(tl.trans(w), tl.trans(a))
     else:
@@ -51,23 +81,28 @@ def _block_mma(x_rows, w_cols, kb, mmask, nmask, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _scaled_add(total, blk, xw, ww, j: tl.constexpr, SWAP: tl.constexpr):
-    """total + blk * a_s * w_s, the scales byte j of the rows' words (both powers of two: exact products)."""
+def _scaled_add(total, blk, xw, ww, j: tl.constexpr, FP4: tl.constexpr, SWAP: tl.constexpr):
+    """total + blk * a_s * w_s, the scales byte j of the rows' words (powers of two: exact products; FP4's
+    widened codes are 2^-6 of their values, so its scale is 2^6 larger)."""
+    w_s = _byte_scale(ww, j)
+    if FP4:
+        w_s = w_s * 64.0
     if SWAP:
-        total += blk * _byte_scale(xw, j)[None, :] * _byte_scale(ww, j)[:, None]
+        total += blk * _byte_scale(xw, j)[None, :] * w_s[:, None]
     else:
-        total += blk * _byte_scale(xw, j)[:, None] * _byte_scale(ww, j)[None, :]
+        total += blk * _byte_scale(xw, j)[:, None] * w_s[None, :]
     return total
 
 
 @triton.jit
 def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chunks_per_range,
                     stride_xm, stride_xs, stride_wn, stride_wsk, stride_ym,
-                    SCALE_ROWS: tl.constexpr, SPREAD: tl.constexpr, SWAP: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr):
+                    SCALE_ROWS: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, SPREAD: tl.constexpr,
+                    SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """y = the sum over K ranges of (the sum over the range's 32-wide blocks, in K order from 0, of
     (A_b W_b^T) * a_s * w_s), ranges added in order. x: E4M3 codes [M, K] with scale words [ceil(KB/4), M];
-    w: E4M3 codes [N, K] with scale words [ceil(KB/4), ceil(N/SCALE_ROWS)]; K a multiple of 128 (a chunk: four
+    w: E4M3 codes [N, K], or FP4 packed E2M1 bytes [N, K/2] (widened in registers: `_fp4_e4m3`), with scale
+    words [ceil(KB/4), ceil(N/SCALE_ROWS)]; K a multiple of 128 (a chunk: four
     blocks, one scale word; a range is whole chunks). SPREAD: program_id(1) takes one range and stores its sum
     to part[r] for _ordered_sum. SWAP: the weight tile is the MMA's A operand (64 weight rows fill the wgmma's M
     where a decode's few rows cannot)."""
@@ -79,7 +114,10 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
     mmask = rm < M
     nmask = rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [32, BN]: W^T's block
+    if FP4:  # [BN, 16]: the rows' packed bytes of block 0
+        w_cols = w_ptr + rn[:, None].to(tl.int64) * stride_wn + tl.arange(0, 16)[None, :]
+    else:  # [32, BN]: W^T's block 0
+        w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     kc = KB // 4
     c_lo = 0
     c_hi = kc
@@ -96,14 +134,14 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
         ww = tl.load(ws_ptr + c * stride_wsk + rn // SCALE_ROWS, mask=nmask, other=0x7F7F7F7F)
         # the chunk's four blocks, each its own MMA from zero, all issued before the first sum is read; then
         # their scaled sums added in K order
-        b0 = _block_mma(x_rows, w_cols, 4 * c, mmask, nmask, SWAP)
-        b1 = _block_mma(x_rows, w_cols, 4 * c + 1, mmask, nmask, SWAP)
-        b2 = _block_mma(x_rows, w_cols, 4 * c + 2, mmask, nmask, SWAP)
-        b3 = _block_mma(x_rows, w_cols, 4 * c + 3, mmask, nmask, SWAP)
-        total = _scaled_add(total, b0, xw, ww, 0, SWAP)
-        total = _scaled_add(total, b1, xw, ww, 1, SWAP)
-        total = _scaled_add(total, b2, xw, ww, 2, SWAP)
-        total = _scaled_add(total, b3, xw, ww, 3, SWAP)
+        b0 = _block_mma(x_rows, w_cols, 4 * c, mmask, nmask, FP4, ASM, BN, SWAP)
+        b1 = _block_mma(x_rows, w_cols, 4 * c + 1, mmask, nmask, FP4, ASM, BN, SWAP)
+        b2 = _block_mma(x_rows, w_cols, 4 * c + 2, mmask, nmask, FP4, ASM, BN, SWAP)
+        b3 = _block_mma(x_rows, w_cols, 4 * c + 3, mmask, nmask, FP4, ASM, BN, SWAP)
+        total = _scaled_add(total, b0, xw, ww, 0, FP4, SWAP)
+        total = _scaled_add(total, b1, xw, ww, 1, FP4, SWAP)
+        total = _scaled_add(total, b2, xw, ww, 2, FP4, SWAP)
+        total = _scaled_add(total, b3, xw, ww, 3, FP4, SWAP)
         if (c + 1) % chunks_per_range == 0:  # the range ends (kc is whole ranges' chunks or the last one's)
             acc += total
             total = tl.zeros_like(total)
@@ -117,12 +155,14 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
         tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=mask)
 
 
-def fp8_mma_linear(x: torch.Tensor, w: kc.CudaWeight, swap: bool | None = None) -> torch.Tensor:
-    """bf16 [M, K] @ an FP8/FP4 CudaWeight (E8M0 scale words) -> bf16 [M, N] under the candidate numerics."""
+def fp8_mma_linear(x: torch.Tensor, w: kc.CudaWeight, packed: torch.Tensor | None = None,
+                   swap: bool | None = None) -> torch.Tensor:
+    """bf16 [M, K] @ an FP8/FP4 CudaWeight (E8M0 scale words) -> bf16 [M, N] under the candidate numerics; an FP4
+    weight's codes come as `packed`, the checkpoint's bytes (codecs.pack_fp4's layout)."""
     m, k = x.shape
     n, kb = w.out_features, k // BLOCK
     codes, words = kc.quant_act(x)
-    wv = fp4_to_fp8(w.values) if w.kind == "fp4" else w.values
+    wv = packed if w.kind == "fp4" else w.values
     assert kb % 4 == 0, "K a multiple of 128 (every V4.1 FP8/FP4 shape)"
     per = k_range_blocks(n, kb)
     swap = m <= 16 if swap is None else swap
@@ -133,8 +173,8 @@ def fp8_mma_linear(x: torch.Tensor, w: kc.CudaWeight, swap: bool | None = None) 
     part = torch.empty((ranges, m, n), dtype=torch.float32, device=x.device) if spread else y
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), ranges if spread else 1)
     _fp8_mma_kernel[grid](codes, words, wv, w.scale, y, part, m, n, kb, per // 4, codes.stride(0), words.stride(0),
-                          wv.stride(0), w.scale.stride(0), y.stride(0), SCALE_ROWS=w.scale_rows, SPREAD=spread,
-                          SWAP=swap, BM=bm, BN=bn, num_warps=4, num_stages=4)
+                          wv.stride(0), w.scale.stride(0), y.stride(0), SCALE_ROWS=w.scale_rows, FP4=w.kind == "fp4",
+                          ASM=not INTERPRET, SPREAD=spread, SWAP=swap, BM=bm, BN=bn, num_warps=4, num_stages=4)
     if spread:
         _ordered_sum(part, y, ranges)
     return y
@@ -148,18 +188,20 @@ def compare(name: str, kind: str, n: int, k: int, rows: tuple[int, ...], device:
     x = rand_act(max(rows), k, g)
     ref = cpu.linear(x, w_ref)  # the CPU reference (the oracle)
     w = kc.to_cuda_weight(w_ref, device)
+    packed = pack_fp4(encode_e2m1(w_ref.values)).to(device) if kind == "fp4" else None
     xd = x.to(device)
-    full = fp8_mma_linear(xd, w).cpu()
+    mma = functools.partial(fp8_mma_linear, w=w, packed=packed)
+    full = mma(xd).cpu()
     cuda1 = kc.linear(xd, w).cpu() if device == "cuda" else None
     for m in rows:
-        y = fp8_mma_linear(xd[:m], w).cpu()
+        y = mma(xd[:m]).cpu()
         line = f"| {name} {k}->{n} | {m} | {int((y != full[:m]).sum())} | {float((y == ref[:m]).float().mean()):.4f} |"
         if cuda1 is not None:
             line += f" {float((cuda1[:m] == ref[:m]).float().mean()):.4f} |"
         if time_it:
             from dsflash.bench.kernels import bench_graph
 
-            mine = bench_graph(functools.partial(fp8_mma_linear, xd[:m], w)) * 1e3
+            mine = bench_graph(functools.partial(mma, xd[:m])) * 1e3
             theirs = bench_graph(functools.partial(kc.linear, xd[:m], w)) * 1e3
             line += f" {mine:.1f} | {theirs:.1f} |"
         print(line, flush=True)
