@@ -5,7 +5,7 @@ in order. That is the CPU reference's own structure (kernels/cpu.py `_block_scal
 range totals in order); 6.cuda1 instead converts every weight value to bf16 and runs one MMA chain per range, whose
 conversions bound its decode tiles (bench/results/side-kv-attn-h100-2026-12-06.md: 480 instructions a 128-column
 step, DRAM at 42 % of peak). Here the weight's bytes feed the MMA as they are stored (FP4 experts' packed bytes
-widened to E4M3 codes in registers, 7 logic ops a register: exact). What it must show before it can become the
+widened to E4M3 codes in registers, 7 logic ops for eight: exact). What it must show before it can become the
 backend's: its outputs against the CPU reference (equal where the tensor core's k32 sum is the fp32 sum), the same
 bits at every row count (decode's swapped 16-row tiles with the ranges as separate programs, prefill's 64/128-row
 tiles), and its time against 6.cuda1's `linear` per V4.1 shape.
@@ -29,30 +29,44 @@ from dsflash.kernels import cpu
 from dsflash.kernels import cuda as kc
 from dsflash.kernels.cuda.gemm import _ordered_sum
 from dsflash.numerics import BLOCK
-from dsflash.numerics.codecs import encode_e2m1, pack_fp4
+from dsflash.numerics.codecs import encode_e2m1
 from dsflash.numerics.quant import k_range_blocks
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# A packed E2M1 byte's two codes (low nibble first) as two E4M3 bytes of value x 2^-6, exactly: E2M1 s|e1 e0|m
-# becomes E4M3 s|0 0 e1 e0|m 0 0 -- the same exponent and mantissa bits, E2M1's subnormal 0.5 landing on E4M3's
-# subnormal grid -- so a code's byte is (sign << 7) | (magnitude << 2) and the 2^6 goes into the block's scale.
-# On one register of four bytes [b, b, c, c] (each packed byte twice): its four E4M3 bytes in 7 logic ops.
+# E2M1 s|e1 e0|m as the E4M3 byte s|0 0 e1 e0|m 0 0 is the value x 2^-6, exactly (the same exponent and mantissa
+# bits; E2M1's subnormal 0.5 lands on E4M3's subnormal grid), so a code widens to (sign << 7) | (magnitude << 2)
+# and the 2^6 goes into the block's scale. The weight is stored for it (`fp4_nibble_pairs`): in each 4-byte word of
+# eight codes, byte j holds code j (low nibble) and code j + 4 (high), so one register's low nibbles widen to
+# codes 0-3 and its high nibbles to codes 4-7, each four bytes in place: 7 logic ops for eight codes.
 FP4_TO_E4M3_ASM = tl.constexpr(
-    "{ .reg .b32 t0, t1, t2, t3; and.b32 t0, $1, 0x00070007; shl.b32 t0, t0, 2; and.b32 t1, $1, 0x00080008; "
-    "shl.b32 t1, t1, 4; and.b32 t2, $1, 0x70007000; shr.b32 t2, t2, 2; and.b32 t3, $1, 0x80008000; "
-    "or.b32 t0, t0, t1; or.b32 t2, t2, t3; or.b32 $0, t0, t2; }")
+    "{ .reg .b32 t; and.b32 $0, $2, 0x07070707; shl.b32 $0, $0, 2; and.b32 t, $2, 0x08080808; shl.b32 t, t, 4; "
+    "or.b32 $0, $0, t; and.b32 $1, $2, 0x70707070; shr.b32 $1, $1, 2; and.b32 t, $2, 0x80808080; "
+    "or.b32 $1, $1, t; }")
+
+
+def fp4_nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes [N, K] -> bytes [N, K/2], byte j of each 4-byte word holding codes 8w + j (low nibble)
+    and 8w + j + 4 (high nibble)."""
+    c = codes.to(torch.uint8).view(codes.size(0), -1, 2, 4)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(codes.size(0), -1).contiguous()
 
 
 @triton.jit
-def _fp4_e4m3(packed, BN: tl.constexpr, ASM: tl.constexpr):
-    """Packed E2M1 bytes uint8 [BN, 16] -> E4M3 [BN, 32] of value x 2^-6."""
-    twice = tl.reshape(tl.join(packed, packed), [BN, 32])  # byte k at elements 2k and 2k + 1
+def _fp4_e4m3(w_rows, kb, nmask, BN: tl.constexpr, ASM: tl.constexpr):
+    """Block kb of the weight rows' `fp4_nibble_pairs` bytes (w_rows: [BN] row pointers) -> E4M3 [BN, 32] of the
+    values x 2^-6."""
     if ASM:
-        e = tl.inline_asm_elementwise(FP4_TO_E4M3_ASM, "=r,r", [twice], dtype=tl.uint8, is_pure=True, pack=4)
-    else:  # the same bits elementwise (Triton's interpreter has no inline PTX)
-        nib = (twice >> (4 * (tl.arange(0, 32) % 2))[None, :].to(tl.uint8)) & 0xF
+        packed = tl.load(w_rows[:, None] + kb * 16 + tl.arange(0, 16)[None, :], mask=nmask[:, None], other=0)
+        lo, hi = tl.inline_asm_elementwise(FP4_TO_E4M3_ASM, "=r,=r,r", [packed], dtype=(tl.uint8, tl.uint8),
+                                           is_pure=True, pack=4)
+        e = tl.reshape(tl.permute(tl.join(tl.reshape(lo, [BN, 4, 4]), tl.reshape(hi, [BN, 4, 4])), (0, 1, 3, 2)),
+                       [BN, 32])
+    else:  # the same bits elementwise (Triton's interpreter has no inline PTX): code k's byte and nibble
+        k = tl.arange(0, 32)
+        byte = tl.load(w_rows[:, None] + kb * 16 + (4 * (k // 8) + k % 4)[None, :], mask=nmask[:, None], other=0)
+        nib = (byte >> (4 * ((k % 8) // 4))[None, :].to(tl.uint8)) & 0xF
         e = ((nib & 7) << 2) | ((nib & 8) << 4)
     return e.to(tl.float8e4nv, bitcast=True)
 
@@ -67,10 +81,10 @@ def _byte_scale(word, j: tl.constexpr):
 def _block_mma(x_rows, w_cols, kb, mmask, nmask, FP4: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr,
                SWAP: tl.constexpr):
     """K block kb's product of the E4M3 codes from a zero fp32 accumulator: [BM, BN], or [BN, BM] with SWAP.
-    FP4: w_cols are the weight rows' packed bytes [BN, 16] of block 0, widened here."""
+    FP4: w_cols are the weight rows' pointers [BN] to `fp4_nibble_pairs` bytes, widened here."""
     a = tl.load(x_rows + kb * 32, mask=mmask[:, None], other=0.0)
     if FP4:
-        w = tl.trans(_fp4_e4m3(tl.load(w_cols + kb * 16, mask=nmask[:, None], other=0), BN, ASM))
+        w = tl.trans(_fp4_e4m3(w_cols, kb, nmask, BN, ASM))
     else:
         w = tl.load(w_cols + kb * 32, mask=nmask[None, :], other=0.0)
     if SWAP:
@@ -101,7 +115,7 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
                     SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """y = the sum over K ranges of (the sum over the range's 32-wide blocks, in K order from 0, of
     (A_b W_b^T) * a_s * w_s), ranges added in order. x: E4M3 codes [M, K] with scale words [ceil(KB/4), M];
-    w: E4M3 codes [N, K], or FP4 packed E2M1 bytes [N, K/2] (widened in registers: `_fp4_e4m3`), with scale
+    w: E4M3 codes [N, K], or FP4 E2M1 bytes [N, K/2] (`fp4_nibble_pairs`, widened in registers), with scale
     words [ceil(KB/4), ceil(N/SCALE_ROWS)]; K a multiple of 128 (a chunk: four
     blocks, one scale word; a range is whole chunks). SPREAD: program_id(1) takes one range and stores its sum
     to part[r] for _ordered_sum. SWAP: the weight tile is the MMA's A operand (64 weight rows fill the wgmma's M
@@ -114,8 +128,8 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
     mmask = rm < M
     nmask = rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    if FP4:  # [BN, 16]: the rows' packed bytes of block 0
-        w_cols = w_ptr + rn[:, None].to(tl.int64) * stride_wn + tl.arange(0, 16)[None, :]
+    if FP4:  # the rows' packed bytes
+        w_cols = w_ptr + rn.to(tl.int64) * stride_wn
     else:  # [32, BN]: W^T's block 0
         w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     kc = KB // 4
@@ -158,7 +172,7 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
 def fp8_mma_linear(x: torch.Tensor, w: kc.CudaWeight, packed: torch.Tensor | None = None,
                    swap: bool | None = None) -> torch.Tensor:
     """bf16 [M, K] @ an FP8/FP4 CudaWeight (E8M0 scale words) -> bf16 [M, N] under the candidate numerics; an FP4
-    weight's codes come as `packed`, the checkpoint's bytes (codecs.pack_fp4's layout)."""
+    weight's codes come as `packed` (`fp4_nibble_pairs`)."""
     m, k = x.shape
     n, kb = w.out_features, k // BLOCK
     codes, words = kc.quant_act(x)
@@ -188,7 +202,7 @@ def compare(name: str, kind: str, n: int, k: int, rows: tuple[int, ...], device:
     x = rand_act(max(rows), k, g)
     ref = cpu.linear(x, w_ref)  # the CPU reference (the oracle)
     w = kc.to_cuda_weight(w_ref, device)
-    packed = pack_fp4(encode_e2m1(w_ref.values)).to(device) if kind == "fp4" else None
+    packed = fp4_nibble_pairs(encode_e2m1(w_ref.values)).to(device) if kind == "fp4" else None
     xd = x.to(device)
     mma = functools.partial(fp8_mma_linear, w=w, packed=packed)
     full = mma(xd).cpu()
