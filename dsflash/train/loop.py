@@ -315,8 +315,9 @@ class Trainer:
         mostly predictable from the n-grams before them, which is what a model that has not learnt to copy
         already uses). Drawn from the window, a passage's ids occur elsewhere in it too, so the token before a
         target does not tell where to copy from; drawn from the vocabulary (mostly rare ids, once in a window)
-        it does -- the classic induction task, which the smoke model learns in ~1,000 steps of 256 tokens where
-        ids from the window stay at chance (bench/results/copy-probe-cpu-2026-12-06.txt). Returns the positions
+        it does, as in the classic induction task (32 of 64 random ids written twice: learnt by the smoke model
+        in ~1,000 steps of 256 tokens, where its copies of ids from the window stay at chance;
+        bench/results/copy-probe-cpu-2026-12-06.txt). Returns the positions
         of x[1:] whose targets a repeat copies (position i predicts x[i + 1]), and of those the ones more than a
         window after their source."""
         target, top = self.plan.repeat_share * x.numel(), self.repeat_gap_max(progress)
