@@ -33,6 +33,7 @@ from dsflash.numerics.codecs import encode_e2m1
 from dsflash.numerics.quant import k_range_blocks
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+REF_ROWS = 512  # rows compared with the CPU reference
 
 
 # E2M1 s|e1 e0|m as the E4M3 byte s|0 0 e1 e0|m 0 0 is the value x 2^-6, exactly (the same exponent and mantissa
@@ -200,7 +201,9 @@ def compare(name: str, kind: str, n: int, k: int, rows: tuple[int, ...], device:
     g = torch.Generator().manual_seed(7)
     w_ref = rand_weight(kind, n, k, g)
     x = rand_act(max(rows), k, g)
-    ref = cpu.linear(x, w_ref)  # the CPU reference (the oracle)
+    # the CPU reference (the oracle) on the first REF_ROWS rows: its per-block partials of 8,192 rows would take
+    # tens of GB
+    ref = cpu.linear(x[:REF_ROWS], w_ref)
     w = kc.to_cuda_weight(w_ref, device)
     packed = fp4_nibble_pairs(encode_e2m1(w_ref.values)).to(device) if kind == "fp4" else None
     xd = x.to(device)
@@ -209,9 +212,11 @@ def compare(name: str, kind: str, n: int, k: int, rows: tuple[int, ...], device:
     cuda1 = kc.linear(xd, w).cpu() if device == "cuda" else None
     for m in rows:
         y = mma(xd[:m]).cpu()
-        line = f"| {name} {k}->{n} | {m} | {int((y != full[:m]).sum())} | {float((y == ref[:m]).float().mean()):.4f} |"
+        r = min(m, REF_ROWS)
+        equal = float((y[:r] == ref[:r]).float().mean())
+        line = f"| {name} {k}->{n} | {m} | {int((y != full[:m]).sum())} | {equal:.4f} |"
         if cuda1 is not None:
-            line += f" {float((cuda1[:m] == ref[:m]).float().mean()):.4f} |"
+            line += f" {float((cuda1[:r] == ref[:r]).float().mean()):.4f} |"
         if time_it:
             from dsflash.bench.kernels import bench_graph
 
@@ -233,7 +238,7 @@ def main() -> None:
     from dsflash.bench.kernels import LINEARS
 
     print("| shape | M | outputs differing from the 8,192-row call's rows | 6.cuda2 equal to the CPU reference "
-          "| 6.cuda1 equal to the CPU reference | 6.cuda2 us | 6.cuda1 us |")
+          "(first 512 rows) | 6.cuda1 equal to it | 6.cuda2 us | 6.cuda1 us |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, kind, n, k in LINEARS:
         if kind in ("fp8", "fp4"):
