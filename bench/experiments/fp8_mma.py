@@ -170,8 +170,7 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, KB, chu
         tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=mask)
 
 
-def fp8_mma_linear(x: torch.Tensor, w: kc.CudaWeight, packed: torch.Tensor | None = None,
-                   swap: bool | None = None) -> torch.Tensor:
+def fp8_mma_linear(x: torch.Tensor, w: kc.CudaWeight, packed: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 [M, K] @ an FP8/FP4 CudaWeight (E8M0 scale words) -> bf16 [M, N] under the candidate numerics; an FP4
     weight's codes come as `packed` (`fp4_nibble_pairs`)."""
     m, k = x.shape
@@ -180,7 +179,7 @@ def fp8_mma_linear(x: torch.Tensor, w: kc.CudaWeight, packed: torch.Tensor | Non
     wv = packed if w.kind == "fp4" else w.values
     assert kb % 4 == 0, "K a multiple of 128 (every V4.1 FP8/FP4 shape)"
     per = k_range_blocks(n, kb)
-    swap = m <= 16 if swap is None else swap
+    swap = m <= 16  # a decode's few rows: the swapped 16-row tiles
     bm, bn = (16, 64) if swap else (64, 64)
     ranges = triton.cdiv(kb, per)
     spread = swap and ranges > 1

@@ -60,7 +60,8 @@ def join(lane: int = 0) -> None:
     """The caller's stream waits for everything this thread forked from it in `lane` since that lane's last
     join."""
     sides, forked = _state()
-    key = (torch.cuda.current_stream().cuda_stream, lane)
+    caller = torch.cuda.current_stream()
+    key = (caller.cuda_stream, lane)
     if key in forked:
         forked.discard(key)
-        torch.cuda.current_stream().wait_stream(sides[key])
+        caller.wait_stream(sides[key])
