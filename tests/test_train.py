@@ -39,7 +39,17 @@ from dsflash.train.backend import (
 )
 from dsflash.train.export import export_weights, stored_tensors
 from dsflash.train.indexer import attention_picks, attention_target, query_rows
-from dsflash.train.loop import Plan, Trainer, draft_logits, drop_unrouted_grads, learning_rate, smoke_args
+from dsflash.train.loop import (
+    REPEAT_VOCAB_GROWTH,
+    REPEAT_VOCAB_LEARNT,
+    REPEAT_VOCAB_STEPS,
+    Plan,
+    Trainer,
+    draft_logits,
+    drop_unrouted_grads,
+    learning_rate,
+    smoke_args,
+)
 from dsflash.train.quality import NEEDLE_WORDS
 from dsflash.train.train_cmd import main as train_main
 
@@ -288,6 +298,29 @@ def test_windows_repeat_passages_at_the_curriculums_gaps(data_dir, progress, ids
     if ids != "text":  # from the window, ids come as often as the text has them; from the vocabulary, uniformly
         top = int(torch.bincount(x[torch.from_numpy(sources)]).max())
         assert top <= 12 if ids == "vocabulary" else top >= 20, top  # 626 ids: 31 the text's most common, 7
+
+
+def test_vocabulary_repeats_start_from_a_few_ids_and_grow_as_they_are_learnt(data_dir):
+    """Plan.repeat_vocab: passages drawn from the first ids of the seeded order only, REPEAT_VOCAB_GROWTH times
+    more once the last REPEAT_VOCAB_STEPS steps' mean copy accuracy reaches REPEAT_VOCAB_LEARNT, never past the
+    train text's distinct ids; a backbone step logs the count it drew from."""
+    t = trainer(data_dir, seq_len=2047, repeat_share=0.3, repeat_ids="vocabulary", repeat_vocab=8, steps=1,
+                eval_every=1000)
+    x, _, copies, _ = t.window(1.0)
+    assert set(x[copies + 1].tolist()) <= set(t.vocabulary[:8].tolist()) and copies.numel() > 300
+    for acc in [0.9] * (REPEAT_VOCAB_STEPS - 1):
+        t.grow_repeat_vocab(acc)
+    assert t.repeat_vocab == 8  # fewer than REPEAT_VOCAB_STEPS steps seen
+    t.grow_repeat_vocab(1.0 - REPEAT_VOCAB_LEARNT)
+    assert t.repeat_vocab == 8 * REPEAT_VOCAB_GROWTH
+    for acc in [REPEAT_VOCAB_LEARNT - 0.01] * (3 * REPEAT_VOCAB_STEPS):
+        t.grow_repeat_vocab(acc)
+    assert t.repeat_vocab == 8 * REPEAT_VOCAB_GROWTH  # not learnt: no growth
+    for _ in range(20 * REPEAT_VOCAB_STEPS):
+        t.grow_repeat_vocab(1.0)
+    assert t.repeat_vocab == t.vocabulary.numel() == torch.unique(t.train_tokens).numel()
+    t.backbone(deadline=math.inf)
+    assert t.log.rows[-1]["repeat_vocab"] == t.vocabulary.numel()
 
 
 def test_a_few_steps_lower_the_validation_nll(data_dir):

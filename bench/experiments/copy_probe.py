@@ -2,7 +2,7 @@
 ids (`--ids` of them) or of the train text (`--background text`) in which the trainer's repeats of random ids
 (`Trainer.write_repeats`, `--repeat-ids`) make `--share` of the tokens copies of a passage 8 to window/2 tokens
 after it, so only copying predicts them; greedy copy accuracy
-(chance: 1/ids) and loss every 25 steps, for the trained schedule at smoke width (`--model v41`, its own window
+(chance: 1/ids; one figure an --ids count, over its last 25 windows) and loss every 25 steps, for the trained schedule at smoke width (`--model v41`, its own window
 `--window`) or a plain pre-norm GPT of the same width on the same windows (`--model plain`, 4 layers, learnt
 positions, full causal attention), both with the trainer's AdamW and schedule.
 
@@ -44,7 +44,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=Path(".train-data"), help="for the vocabulary and Engram map")
     ap.add_argument("--model", choices=("v41", "plain"), default="v41")
-    ap.add_argument("--ids", type=int, default=64, help="distinct ids the windows are drawn from")
+    ap.add_argument("--ids", type=lambda v: [int(x) for x in v.split(",")], default=[64],
+                    help="distinct ids the windows are drawn from; a list (64,1024) is a curriculum: the next count "
+                         "from each of --switch's steps on, or with --mix each window's count drawn from the list")
+    ap.add_argument("--switch", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                    help="steps at which --ids moves to its next count")
+    ap.add_argument("--mix", action="store_true", help="each window's id count drawn uniformly from --ids")
     ap.add_argument("--seq", type=int, default=256, help="tokens a window")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=1, help="windows a step (plain only)")
@@ -63,38 +68,44 @@ def main() -> None:
     token_map, classes = data.load_engram_map(ns.data)
     args = dataclasses.replace(smoke_args(len(token_map), classes), window_size=ns.window, dim=ns.dim)
     stream = (data.load_tokens(ns.data, "train") if ns.background == "text"
-              else np.random.default_rng(0).integers(10, 10 + ns.ids, 2_000_000))
+              else np.random.default_rng(0).integers(10, 10 + ns.ids[0], 2_000_000))
     plan = Plan(seq_len=ns.seq, fact_span=0, index_rows=0, repeat_share=ns.share, repeat_reach=ns.window // 2,
                 repeat_ids=ns.repeat_ids, lr=ns.lr, steps=ns.steps, graphs=False)
     trainer = Trainer(args, token_map, stream, stream[:10_000], plan, "cpu")
     plain = PlainGPT(len(token_map), ns.dim) if ns.model == "plain" else None
     params = list(plain.parameters()) if plain else trainer.masters.trainable()
     opt = torch.optim.AdamW(params, lr=ns.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    started, hits = time.time(), []
+    started, hits = time.time(), {n: [] for n in ns.ids}
     rng = np.random.default_rng(1)
 
-    def window(progress: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def ids_at(step: int) -> int:
+        if ns.mix:
+            return int(rng.choice(ns.ids))
+        return ns.ids[sum(step >= s for s in ns.switch)]
+
+    def window(step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A window, the positions whose next token is a copy, and the count of ids it was drawn from."""
         if ns.task == "repeats":
-            x, _, copies, _ = trainer.window(progress)
-            return x, copies
-        pairs = -(-(ns.seq + 1) // (2 * ns.passage))
-        a = torch.from_numpy(rng.integers(10, 10 + ns.ids, (pairs, 1, ns.passage)))
+            x, _, copies, _ = trainer.window(step / ns.steps)
+            return x, copies, ns.ids[0]
+        pairs, ids = -(-(ns.seq + 1) // (2 * ns.passage)), ids_at(step)
+        a = torch.from_numpy(rng.integers(10, 10 + ids, (pairs, 1, ns.passage)))
         x = a.expand(pairs, 2, ns.passage).reshape(-1)[:ns.seq + 1]
         # position i predicts x[i + 1]: a second copy's tokens after its first
         starts = torch.arange(pairs)[:, None] * 2 * ns.passage + ns.passage + torch.arange(ns.passage - 1)
         copies = starts.reshape(-1)
-        return x, copies[copies < ns.seq]
+        return x, copies[copies < ns.seq], ids
 
     for step in range(ns.steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(ns.lr, step, step / ns.steps, 30)
-        x, copies = window(step / ns.steps)
+        x, copies, ids = window(step)
         if plain:
             logits = plain(x[:-1])
             loss = F.cross_entropy(logits, x[1:])
             (loss / ns.batch).backward()
             for _ in range(ns.batch - 1):
-                xb = window(step / ns.steps)[0]
+                xb = window(step)[0]
                 (F.cross_entropy(plain(xb[:-1]), xb[1:]) / ns.batch).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
@@ -103,9 +114,10 @@ def main() -> None:
             loss, _, logits, loads = trainer.window_loss(x, torch.zeros(x.numel() - 1),
                                                          torch.zeros(0, dtype=torch.int64), False)
             trainer._update(opt, params, loads)
-        hits.append(float((logits[copies].argmax(-1) == x[1:][copies]).float().mean()) if copies.numel() else 0.0)
+        hits[ids].append(float((logits[copies].argmax(-1) == x[1:][copies]).float().mean()) if copies.numel() else 0.0)
         if (step + 1) % 25 == 0:
-            print(f"{ns.model} step {step + 1} loss {float(loss):.3f} copy accuracy {np.mean(hits[-25:]):.3f} "
+            accuracy = " ".join(f"{np.mean(h[-25:]):.3f}" for h in hits.values() if h)
+            print(f"{ns.model} step {step + 1} ids {ids} loss {float(loss):.3f} copy accuracy {accuracy} "
                   f"{time.time() - started:.0f} s", flush=True)
 
 

@@ -41,6 +41,9 @@ BIAS_RATE = 0.005
 FACT_MIN_GAP = 64  # tokens from a recall fact's statement to its cue, at least
 REPEAT_TOKENS = (16, 64)  # a repeated passage's length, from-to (Plan.repeat_share)
 REPEAT_GAP_MIN = 8  # tokens from a passage's end to its copy, at least
+# Plan.repeat_vocab's curriculum: the id count grows REPEAT_VOCAB_GROWTH-fold once the mean copy accuracy of the
+# last REPEAT_VOCAB_STEPS steps reaches REPEAT_VOCAB_LEARNT
+REPEAT_VOCAB_GROWTH, REPEAT_VOCAB_STEPS, REPEAT_VOCAB_LEARNT = 4, 25, 0.5
 
 
 def trained_args(vocab_size: int, classes: int) -> ModelArgs:
@@ -100,6 +103,10 @@ class Plan:
     # what a repeated passage holds (`write_repeats`): "text" (the text there), "window" (ids drawn from the window
     # at random) or "vocabulary" (ids drawn uniformly from the train text's distinct tokens)
     repeat_ids: str = "text"
+    # with repeat_ids "vocabulary": the ids a passage is drawn from at the start, the first of the distinct ids in
+    # a seeded order, grown as they are learnt (REPEAT_VOCAB_*); 0: all of them from the start. Copying among a
+    # few ids is learnt first and then carries over to more (bench/results/copy-probe-cpu-2026-12-07.txt)
+    repeat_vocab: int = 0
     batch: int = 1  # training windows a step on each rank, their gradients averaged (`Ranks`)
     graphs: bool = True  # on a GPU, each window of a phase after its first as one CUDA graph (graph.py)
     seed: int = 0
@@ -251,8 +258,14 @@ class Trainer:
         self.train_tokens = torch.from_numpy(train.astype(np.int64))
         if plan.repeat_ids not in ("text", "window", "vocabulary"):
             raise ValueError(f"repeat_ids is text, window or vocabulary, not {plan.repeat_ids!r}")
-        # the distinct ids of the train text, which a "vocabulary" repeat draws from
-        self.vocabulary = torch.unique(self.train_tokens) if plan.repeat_ids == "vocabulary" else None
+        # the distinct ids of the train text in a seeded order: a "vocabulary" repeat draws from the first
+        # `repeat_vocab` of them (Plan.repeat_vocab)
+        self.vocabulary = self.repeat_vocab = None
+        if plan.repeat_ids == "vocabulary":
+            ids = torch.unique(self.train_tokens)
+            self.vocabulary = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(plan.seed))]
+            self.repeat_vocab = min(plan.repeat_vocab or ids.numel(), ids.numel())
+        self._copy_accs: list[float] = []  # the last steps' copy accuracies (`grow_repeat_vocab`)
         self.validation = torch.from_numpy(validation.astype(np.int64))
         self.masters = Masters(Checkpoint(init), self.device) if init else init_masters(args, plan.seed, self.device)
         self.k = training_kernels(self.masters)
@@ -343,7 +356,7 @@ class Trainer:
             if self.plan.repeat_ids == "window":
                 x[a:a + n] = x[torch.from_numpy(rng.integers(0, x.numel(), n))]
             else:
-                x[a:a + n] = self.vocabulary[torch.from_numpy(rng.integers(0, self.vocabulary.numel(), n))]
+                x[a:a + n] = self.vocabulary[torch.from_numpy(rng.integers(0, self.repeat_vocab, n))]
             x[b:b + n] = x[a:a + n]
         return copies, far
 
@@ -426,12 +439,24 @@ class Trainer:
             step += 1
             row = {"phase": "backbone", "step": step, "elapsed_s": round(time.monotonic() - started, 2),
                    "lr": lr, "picks": "attention" if warm else "indexer", **mean_rows(logged)}
+            if self.repeat_vocab is not None:
+                row["repeat_vocab"] = self.repeat_vocab
+                self.grow_repeat_vocab(row.get("copy_acc", 0.0))
             if self.ranks.rank == 0:  # the log holds rank 0's windows
                 if step % p.eval_every == 0:
                     row["val_loss"] = self.nll(self.validation, p.eval_windows)
                 self.log.add(**row)
         self._captured.clear()  # the phase's graphs, and their memory
         return step
+
+    def grow_repeat_vocab(self, copy_acc: float) -> None:
+        """Plan.repeat_vocab's curriculum, after each step: REPEAT_VOCAB_GROWTH times the ids once the copies
+        among the present ones are learnt (each rank by its own windows' accuracy)."""
+        self._copy_accs = [*self._copy_accs[-(REPEAT_VOCAB_STEPS - 1):], copy_acc]
+        if (len(self._copy_accs) == REPEAT_VOCAB_STEPS and self.repeat_vocab < self.vocabulary.numel()
+                and sum(self._copy_accs) / REPEAT_VOCAB_STEPS >= REPEAT_VOCAB_LEARNT):
+            self.repeat_vocab = min(self.vocabulary.numel(), self.repeat_vocab * REPEAT_VOCAB_GROWTH)
+            self._copy_accs = []
 
     def backbone_window(self, progress: float, stream: int, warm: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor], dict[str, float]]:

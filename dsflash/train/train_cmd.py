@@ -78,7 +78,7 @@ def _train(ns: argparse.Namespace) -> int:
                 dspark_share=ns.dspark_share, fact_span=ns.fact_span, index_rows=ns.index_rows,
                 index_weight=ns.index_weight, attention_picks=ns.attention_picks, answer_weight=ns.answer_weight,
                 repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach,
-                repeat_ids=ns.repeat_ids, batch=ns.batch, graphs=not ns.eager)
+                repeat_ids=ns.repeat_ids, repeat_vocab=ns.repeat_vocab, batch=ns.batch, graphs=not ns.eager)
     trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
                       plan, device, data.load_facts(ns.data), ns.init)
     out = Path(ns.out)
@@ -168,6 +168,9 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat-ids", choices=("text", "window", "vocabulary"), default=Plan.repeat_ids,
                         help="what a repeated passage holds: the text there, or ids drawn at random (which only "
                              "copying predicts) from the window or uniformly from the train text's distinct tokens")
+    parser.add_argument("--repeat-vocab", type=int, default=Plan.repeat_vocab,
+                        help="with --repeat-ids vocabulary: draw from this many of the distinct tokens at first, "
+                             "4x more each time the last 25 steps copy half their targets (0: all from the start)")
     parser.add_argument("--batch", type=int, default=Plan.batch,
                         help="training windows a step on each rank, their gradients averaged")
     parser.add_argument("--ranks", type=int, default=1,
