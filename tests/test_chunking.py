@@ -28,7 +28,7 @@ def run_chunks(model, ids, size):
                                                                "main_hidden")]
 
 
-@pytest.mark.parametrize("size", [1, 7, 64])
+@pytest.mark.parametrize("size", [pytest.param(1, marks=pytest.mark.slow), 7, 64])  # 1: ~11 s
 def test_chunked_prefill_is_bit_identical(model_and_ids, size):
     model, ids = model_and_ids
     whole = run_chunks(model, ids, ids.numel())
@@ -64,6 +64,7 @@ def test_tiny_b_chunking_tail_prefill_and_dspark(tmp_path_factory):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.slow  # ~17 s; the CUDA graph shapes are CUDA-tested in test_cuda_model.py
 def test_graph_shaped_forwards_are_bit_identical_on_cpu(model_and_ids):
     """A short forward the way a CUDA graph runs it (SegmentGraphs without capture: the indexer scoring the
     sources' whole buffers, picks by gather, state written at device offsets) gives the eager forward's bits:

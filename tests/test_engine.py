@@ -131,6 +131,7 @@ def test_a_resumed_session_takes_an_ended_ones_buffers_and_goes_on_the_same(engi
         list(decode(fresh, fresh.last_logits, 8, SamplingParams(), stop=set()))
 
 
+@pytest.mark.slow  # ~11 s
 def test_a_new_session_takes_an_ended_ones_buffers_and_decodes_the_same_tokens(engine):
     """With graphs, a session's state is made of the buffers the sessions before it held, in the same roles --
     what lets it replay their CUDA graphs, which read the state by address -- zeroed: its tokens, drafted or
@@ -201,7 +202,8 @@ def test_accepted_drafts_give_plain_decoding(engine, params):
     assert stats.accepted > 0 and stats.accepted < stats.drafted
 
 
-@pytest.mark.parametrize("params", [DECODING[0], pytest.param(DECODING[1], marks=SLOW)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [pytest.param(DECODING[0], marks=SLOW), pytest.param(DECODING[1], marks=SLOW)],
+                         ids=["greedy", "seeded"])  # ~9 s each
 def test_capped_reasoning_and_drafts(engine, params):
     """A reasoning budget forces the reasoning's end token after that many tokens (a draft sure to verify),
     and the tokens after it, one per step by hand or with partly right drafts, are the same."""
@@ -253,6 +255,7 @@ def test_penalties_and_biases_by_hand():
         SamplingParams(logit_bias=((3, 200.0),))
 
 
+@pytest.mark.slow  # ~11 s; test_server's completions check penalties end to end
 def test_penalised_decoding_equals_a_token_by_token_loop(engine):
     """decode() keeps the penalties' history right; the hand loop recomputes it from the tokens."""
     ids = prompt(30, seed=7)
@@ -465,6 +468,7 @@ def test_draft_depth_is_given_each_cycles_whole_time(monkeypatch):
         assert seconds >= 0.02 * (min(accepted + 1, k) + 1), (k, seconds, accepted)
 
 
+@pytest.mark.slow  # ~12 s
 def test_sessions_of_an_engine_share_its_draft_depth():
     """The second session goes on from the first one's measurements: the same DraftDepth, its cycles counted
     on and its prices kept (so a session does not measure plain decoding and the deepest drafts afresh);

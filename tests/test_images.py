@@ -92,6 +92,7 @@ def test_wrong_spans_are_refused(case):
     assert Path(CASE).exists()
 
 
+@pytest.mark.slow  # ~9 s; test_split covers split == one process
 def test_split_with_an_image_equals_one_process(case, tmp_path):
     """The box runs the vision tower: an image prompt through a box process gives the same bits, and a
     box restarted mid-answer is rebuilt with the image (the back side keeps its pixels)."""

@@ -223,6 +223,7 @@ def test_unsupported_schemas_are_refused(schema, message):
         schema_start(compile_schema({"type": "string"}))
 
 
+@pytest.mark.slow  # ~10 s; the prefix and completion tests check the grammar in the default run
 def test_random_decoding_under_a_schema_conforms(vocab):
     tok, tb = vocab
     rng, finished = random.Random(1), 0

@@ -173,10 +173,9 @@ def test_random_step_and_rollback_sequences_equal_one_process(parallel, one):
 
 
 # tp2 runs ~110 sharded linears a forward, each a round trip over the group: ~25 s a decoding on 2 cores
-# the default run keeps pp2ep2 (expert parallelism inside each pipeline stage); ep2 alone ~11 s more
-@pytest.mark.parametrize("parallel", [pytest.param("ep2", marks=pytest.mark.slow),
-                                      pytest.param("tp2", marks=pytest.mark.slow), "pp2ep2",
-                                      pytest.param("pp2tp2", marks=pytest.mark.slow)], indirect=True)
+# ~11-23 s each: all run with the slow set (the default run's parallel tests check the layouts' plain decoding)
+@pytest.mark.parametrize("parallel", [pytest.param(p, marks=pytest.mark.slow)
+                                      for p in ("ep2", "tp2", "pp2ep2", "pp2tp2")], indirect=True)
 @pytest.mark.parametrize("params", [SamplingParams(), pytest.param(SamplingParams(temperature=0.7, seed=5),
                                                                    marks=pytest.mark.slow)], ids=["greedy", "seeded"])
 def test_dspark_decoding_equals_one_process(parallel, one, params):

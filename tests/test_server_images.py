@@ -93,6 +93,7 @@ def test_bad_images_are_400_naming_the_field(server):
         assert r.status_code == 400 and needle in r.text and "messages[0].content[1]" in r.text, r.text
 
 
+@pytest.mark.slow  # ~10 s; the server's image tests stay
 def test_generate_cli_with_an_image(tmp_path_factory, server):
     """`dsflash generate --image` on the same tiny vision checkpoint the server uses (made by the fixture)."""
     import json

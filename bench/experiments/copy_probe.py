@@ -1,15 +1,17 @@
 """Does a model learn to copy inside its window, and how soon? (issue 21: needles need copying.) Windows of random
-ids (`--ids` of them) or of the train text (`--background text`) in which the trainer's repeats of random ids
-(`Trainer.write_repeats`, `--repeat-ids`) make `--share` of the tokens copies of a passage 8 to window/2 tokens
-after it, so only copying predicts them; greedy copy accuracy
-(chance: 1/ids; one figure an --ids count, over its last 25 windows) and loss every 25 steps, for the trained schedule at smoke width (`--model v41`, its own window
-`--window`) or a plain pre-norm GPT of the same width on the same windows (`--model plain`, 4 layers, learnt
-positions, full causal attention), both with the trainer's AdamW and schedule.
+ids (`--ids` of them; a list with `--switch` or `--mix` is a curriculum) or of the train text (`--background text`)
+in which the trainer's repeats of random ids (`Trainer.write_repeats`, `--repeat-ids`, `--repeat-vocab`) make
+`--share` of the tokens copies of a passage 8 to window/2 tokens after it, so only copying predicts them; greedy
+copy accuracy (chance: 1/ids; one figure an id count, over its last 25 windows) and loss every 25 steps, for the
+trained schedule at smoke width (`--model v41`, its own window `--window`) or a plain pre-norm GPT of the same
+width on the same windows (`--model plain`, 4 layers, learnt positions, full causal attention), both with the
+trainer's AdamW and schedule.
 
-`PYTHONPATH=. python bench/experiments/copy_probe.py --data .train-data --model plain --ids 64 --batch 32` (CPU).
+`PYTHONPATH=$PWD python bench/experiments/copy_probe.py --data .train-data --model plain --ids 64 --batch 32` (CPU).
 """
 
 import argparse
+import collections
 import dataclasses
 import time
 from pathlib import Path
@@ -60,6 +62,8 @@ def main() -> None:
     ap.add_argument("--task", choices=("repeats", "twice"), default="repeats")
     ap.add_argument("--repeat-ids", choices=("window", "vocabulary"), default="window",
                     help="--task repeats: a passage's ids drawn from the window or from the background's distinct ids")
+    ap.add_argument("--repeat-vocab", type=int, default=0,
+                    help="--repeat-ids vocabulary: the trainer's id curriculum (Plan.repeat_vocab) from this many ids")
     ap.add_argument("--background", choices=("ids", "text"), default="ids",
                     help="windows of random ids (--ids of them) or of the train text")
     ap.add_argument("--passage", type=int, default=32, help="--task twice: ids a passage")
@@ -70,12 +74,12 @@ def main() -> None:
     stream = (data.load_tokens(ns.data, "train") if ns.background == "text"
               else np.random.default_rng(0).integers(10, 10 + ns.ids[0], 2_000_000))
     plan = Plan(seq_len=ns.seq, fact_span=0, index_rows=0, repeat_share=ns.share, repeat_reach=ns.window // 2,
-                repeat_ids=ns.repeat_ids, lr=ns.lr, steps=ns.steps, graphs=False)
+                repeat_ids=ns.repeat_ids, repeat_vocab=ns.repeat_vocab, lr=ns.lr, steps=ns.steps, graphs=False)
     trainer = Trainer(args, token_map, stream, stream[:10_000], plan, "cpu")
     plain = PlainGPT(len(token_map), ns.dim) if ns.model == "plain" else None
     params = list(plain.parameters()) if plain else trainer.masters.trainable()
     opt = torch.optim.AdamW(params, lr=ns.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    started, hits = time.time(), {n: [] for n in ns.ids}
+    started, hits = time.time(), collections.defaultdict(list)
     rng = np.random.default_rng(1)
 
     def ids_at(step: int) -> int:
@@ -87,7 +91,7 @@ def main() -> None:
         """A window, the positions whose next token is a copy, and the count of ids it was drawn from."""
         if ns.task == "repeats":
             x, _, copies, _ = trainer.window(step / ns.steps)
-            return x, copies, ns.ids[0]
+            return x, copies, ns.ids[0] if trainer.repeat_vocab is None else trainer.repeat_vocab
         pairs, ids = -(-(ns.seq + 1) // (2 * ns.passage)), ids_at(step)
         a = torch.from_numpy(rng.integers(10, 10 + ids, (pairs, 1, ns.passage)))
         x = a.expand(pairs, 2, ns.passage).reshape(-1)[:ns.seq + 1]
@@ -115,6 +119,8 @@ def main() -> None:
                                                          torch.zeros(0, dtype=torch.int64), False)
             trainer._update(opt, params, loads)
         hits[ids].append(float((logits[copies].argmax(-1) == x[1:][copies]).float().mean()) if copies.numel() else 0.0)
+        if trainer.repeat_vocab is not None:
+            trainer.grow_repeat_vocab(hits[ids][-1])
         if (step + 1) % 25 == 0:
             accuracy = " ".join(f"{np.mean(h[-25:]):.3f}" for h in hits.values() if h)
             print(f"{ns.model} step {step + 1} ids {ids} loss {float(loss):.3f} copy accuracy {accuracy} "
