@@ -22,7 +22,17 @@ from dsflash.engine.placement import size_arg
 from dsflash.train import data
 from dsflash.train.backend import Masters
 from dsflash.train.export import SHARD_BYTES, export_weights
-from dsflash.train.loop import Plan, Trainer, smoke_args, summary, trained_args, write_json
+from dsflash.train.loop import (
+    REPEAT_VOCAB_GROWTH,
+    REPEAT_VOCAB_LEARNT,
+    REPEAT_VOCAB_STEPS,
+    Plan,
+    Trainer,
+    smoke_args,
+    summary,
+    trained_args,
+    write_json,
+)
 from dsflash.train.plot import write_csv, write_png
 
 SAVE_RESERVE_S = 45.0  # of the budget, kept for the test NLL, the export and the curves
@@ -170,7 +180,8 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                              "copying predicts) from the window or uniformly from the train text's distinct tokens")
     parser.add_argument("--repeat-vocab", type=int, default=Plan.repeat_vocab,
                         help="with --repeat-ids vocabulary: draw from this many of the distinct tokens at first, "
-                             "4x more each time the last 25 steps copy half their targets (0: all from the start)")
+                             f"{REPEAT_VOCAB_GROWTH}x more each time the last {REPEAT_VOCAB_STEPS} steps copy "
+                             f"{REPEAT_VOCAB_LEARNT * 100:.0f}%% of their targets (0: all from the start)")
     parser.add_argument("--batch", type=int, default=Plan.batch,
                         help="training windows a step on each rank, their gradients averaged")
     parser.add_argument("--ranks", type=int, default=1,
