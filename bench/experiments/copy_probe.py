@@ -64,6 +64,9 @@ def main() -> None:
                     help="--task repeats: a passage's ids drawn from the window or from the background's distinct ids")
     ap.add_argument("--repeat-vocab", type=int, default=0,
                     help="--repeat-ids vocabulary: the trainer's id curriculum (Plan.repeat_vocab) from this many ids")
+    ap.add_argument("--reach", type=int, default=0,
+                    help="--task repeats: the longest gap from a passage to its copy (default: half the window; "
+                         "beyond the window, copies are read from the compressed entries)")
     ap.add_argument("--background", choices=("ids", "text"), default="ids",
                     help="windows of random ids (--ids of them) or of the train text")
     ap.add_argument("--passage", type=int, default=32, help="--task twice: ids a passage")
@@ -73,8 +76,9 @@ def main() -> None:
     args = dataclasses.replace(smoke_args(len(token_map), classes), window_size=ns.window, dim=ns.dim)
     stream = (data.load_tokens(ns.data, "train") if ns.background == "text"
               else np.random.default_rng(0).integers(10, 10 + ns.ids[0], 2_000_000))
-    plan = Plan(seq_len=ns.seq, fact_span=0, index_rows=0, repeat_share=ns.share, repeat_reach=ns.window // 2,
-                repeat_ids=ns.repeat_ids, repeat_vocab=ns.repeat_vocab, lr=ns.lr, steps=ns.steps, graphs=False)
+    plan = Plan(seq_len=ns.seq, fact_span=0, index_rows=0, repeat_share=ns.share,
+                repeat_reach=ns.reach or ns.window // 2, repeat_ids=ns.repeat_ids, repeat_vocab=ns.repeat_vocab,
+                lr=ns.lr, steps=ns.steps, graphs=False)
     trainer = Trainer(args, token_map, stream, stream[:10_000], plan, "cpu")
     plain = PlainGPT(len(token_map), ns.dim) if ns.model == "plain" else None
     params = list(plain.parameters()) if plain else trainer.masters.trainable()
