@@ -551,6 +551,7 @@ def test_fixed_point_row_sums_kernel_is_the_torch_op():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
+@pytest.mark.slow  # ~6 s under the interpreter
 def test_training_sinkhorn_backward_kernel_gives_autograds_gradients():
     """The trainer's mHC split on a GPU (train/backend.py _Sinkhorn: the forward kernel keeping its states and
     the backward kernel) against autograd through the reference, under the interpreter: the mixes', scales' and

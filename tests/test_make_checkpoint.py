@@ -137,6 +137,7 @@ def test_cli(tmp_path, capsys):
         main(["make-checkpoint", "--preset", "nope", "--out", str(tmp_path / "y")])
 
 
+@pytest.mark.slow  # ~8 s
 def test_make_checkpoint_output_takes_text_prompts(tmp_path):
     """`make-checkpoint` then `generate --prompt` on its output, as a user would (subprocesses): before,
     no tokenizer.json was written and the prompt failed."""

@@ -344,9 +344,9 @@ def test_split_with_a_parallel_box_equals_one_process(one, tiny_b_dir, layout):
         box.kill()
 
 
-# ~6 s each on 2 cores: the default run keeps ep2 with its experts on disk
-@pytest.mark.parametrize("parallel", [pytest.param("ep2-host", marks=pytest.mark.slow), "ep2-disk",
-                                      pytest.param("pp2ep2-host", marks=pytest.mark.slow)], indirect=True)
+# ~6-10 s each on 2 cores: all with the slow set (test_layer_ranges runs experts from host and disk stores by default)
+@pytest.mark.parametrize("parallel", [pytest.param(p, marks=pytest.mark.slow)
+                                      for p in ("ep2-host", "ep2-disk", "pp2ep2-host")], indirect=True)
 def test_expert_parallel_ranks_run_their_experts_off_the_device(parallel, one):
     """`--ep 2 --experts host|disk` (and with `--pp 2`): each rank keeps its range of every MoE layer in an expert
     store of its own and runs it from a device cache of its share (4 of the 8 experts: a prefill's wide call takes
