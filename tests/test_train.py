@@ -43,6 +43,7 @@ from dsflash.train.loop import (
     REPEAT_VOCAB_GROWTH,
     REPEAT_VOCAB_LEARNT,
     REPEAT_VOCAB_STEPS,
+    TWICE_TOKENS,
     Plan,
     Trainer,
     draft_logits,
@@ -321,6 +322,24 @@ def test_vocabulary_repeats_start_from_a_few_ids_and_grow_as_they_are_learnt(dat
     assert t.repeat_vocab == t.vocabulary.numel() == torch.unique(t.train_tokens).numel()
     t.backbone(deadline=math.inf)
     assert t.log.rows[-1]["repeat_vocab"] == t.vocabulary.numel()
+
+
+def test_copy_warmup_windows_are_passages_of_the_curriculums_ids_written_twice(data_dir):
+    """Plan.copy_warmup: over its share of the phase a window is ids alone, each passage of TWICE_TOKENS written
+    twice in a row, drawn from the curriculum's first `repeat_vocab` ids, its copies the positions whose target is
+    a second copy's token after its first; after it, the text with its repeats; without vocabulary ids, refused."""
+    t = trainer(data_dir, seq_len=255, repeat_share=0.3, repeat_ids="vocabulary", repeat_vocab=8, copy_warmup=0.5)
+    x, answers, copies, far = t.window(0.2)
+    h = TWICE_TOKENS
+    assert x.numel() == 256 and answers.numel() == far.numel() == 0
+    assert set(x.tolist()) <= set(t.vocabulary[:8].tolist())
+    assert all(torch.equal(x[p + h:p + 2 * h], x[p:p + h]) for p in range(0, 256, 2 * h))
+    expected = [p + h + i for p in range(0, 256, 2 * h) for i in range(h - 1)]
+    assert copies.tolist() == expected and torch.equal(x[copies + 1], x[copies + 1 - h])
+    text = t.window(0.7)[0]
+    assert len(set(text.tolist()) - set(t.vocabulary[:8].tolist())) > 50  # the text, not the warm-up's ids
+    with pytest.raises(ValueError, match="copy_warmup"):
+        trainer(data_dir, seq_len=255, copy_warmup=0.5)
 
 
 def test_a_few_steps_lower_the_validation_nll(data_dir):

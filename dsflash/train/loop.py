@@ -44,6 +44,7 @@ REPEAT_GAP_MIN = 8  # tokens from a passage's end to its copy, at least
 # Plan.repeat_vocab's curriculum: the id count grows REPEAT_VOCAB_GROWTH-fold once the mean copy accuracy of the
 # last REPEAT_VOCAB_STEPS steps reaches REPEAT_VOCAB_LEARNT
 REPEAT_VOCAB_GROWTH, REPEAT_VOCAB_STEPS, REPEAT_VOCAB_LEARNT = 4, 25, 0.5
+TWICE_TOKENS = 32  # a passage of Plan.copy_warmup's windows, written twice in a row
 
 
 def trained_args(vocab_size: int, classes: int) -> ModelArgs:
@@ -107,6 +108,10 @@ class Plan:
     # a seeded order, grown as they are learnt (REPEAT_VOCAB_*); 0: all of them from the start. Copying among a
     # few ids is learnt first and then carries over to more (bench/results/copy-probe-cpu-2026-12-07.txt)
     repeat_vocab: int = 0
+    # of the backbone phase, from its start: windows of ids alone (with repeat_ids "vocabulary", from the
+    # curriculum's ids), each passage of TWICE_TOKENS written twice in a row -- the induction task, which the smoke
+    # model learns in ~1,000 steps where copies among text are not learnt (copy-probe-cpu-2026-12-07.txt); 0: none
+    copy_warmup: float = 0.0
     batch: int = 1  # training windows a step on each rank, their gradients averaged (`Ranks`)
     graphs: bool = True  # on a GPU, each window of a phase after its first as one CUDA graph (graph.py)
     seed: int = 0
@@ -258,6 +263,8 @@ class Trainer:
         self.train_tokens = torch.from_numpy(train.astype(np.int64))
         if plan.repeat_ids not in ("text", "window", "vocabulary"):
             raise ValueError(f"repeat_ids is text, window or vocabulary, not {plan.repeat_ids!r}")
+        if plan.copy_warmup and plan.repeat_ids != "vocabulary":
+            raise ValueError("copy_warmup draws its ids as repeat_ids 'vocabulary' does: set that too")
         # the distinct ids of the train text in a seeded order: a "vocabulary" repeat draws from the first
         # `repeat_vocab` of them (Plan.repeat_vocab)
         self.vocabulary = self.repeat_vocab = None
@@ -301,6 +308,8 @@ class Trainer:
         targets a repeat copies, and of those the ones whose passage lies beyond the attention window. Drawn
         from `self.streams[stream]`."""
         rng = self.streams[stream].rng
+        if progress < self.plan.copy_warmup:
+            return self.twice_window(rng)
         start = int(rng.integers(0, self.train_tokens.numel() - self.plan.seq_len - 1))
         x = self.train_tokens[start:start + self.plan.seq_len + 1].clone()
         used = torch.zeros(x.numel(), dtype=torch.bool)
@@ -309,6 +318,19 @@ class Trainer:
         answers, copies, far = (torch.tensor(rows, dtype=torch.int64, device=self.device)
                                 for rows in (answers, copies, far))
         return x.to(self.device), answers, copies, far
+
+    def twice_window(self, rng: np.random.Generator
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Plan.copy_warmup's window: seq_len + 1 ids of the curriculum's `repeat_vocab`, passages of TWICE_TOKENS
+        each written twice in a row; as `window` returns (no facts; the copies, none beyond the window)."""
+        n, half = self.plan.seq_len + 1, TWICE_TOKENS
+        pairs = -(-n // (2 * half))
+        passages = self.vocabulary[torch.from_numpy(rng.integers(0, self.repeat_vocab, (pairs, 1, half)))]
+        x = passages.expand(pairs, 2, half).reshape(-1)[:n]
+        # position i predicts x[i + 1]: a second copy's tokens after its first
+        copies = (torch.arange(pairs)[:, None] * 2 * half + half + torch.arange(half - 1)).reshape(-1)
+        none = torch.zeros(0, dtype=torch.int64, device=self.device)
+        return x.to(self.device), none, copies[copies < n - 1].to(self.device), none
 
     def repeat_gap_max(self, progress: float) -> int:
         """The copying curriculum: the longest gap grows geometrically from inside the attention window to

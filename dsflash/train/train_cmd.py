@@ -88,7 +88,8 @@ def _train(ns: argparse.Namespace) -> int:
                 dspark_share=ns.dspark_share, fact_span=ns.fact_span, index_rows=ns.index_rows,
                 index_weight=ns.index_weight, attention_picks=ns.attention_picks, answer_weight=ns.answer_weight,
                 repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach,
-                repeat_ids=ns.repeat_ids, repeat_vocab=ns.repeat_vocab, batch=ns.batch, graphs=not ns.eager)
+                repeat_ids=ns.repeat_ids, repeat_vocab=ns.repeat_vocab, copy_warmup=ns.copy_warmup,
+                batch=ns.batch, graphs=not ns.eager)
     trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
                       plan, device, data.load_facts(ns.data), ns.init)
     out = Path(ns.out)
@@ -182,6 +183,10 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --repeat-ids vocabulary: draw from this many of the distinct tokens at first, "
                              f"{REPEAT_VOCAB_GROWTH}x more each time the last {REPEAT_VOCAB_STEPS} steps copy "
                              f"{REPEAT_VOCAB_LEARNT * 100:.0f}%% of their targets (0: all from the start)")
+    parser.add_argument("--copy-warmup", type=float, default=Plan.copy_warmup,
+                        help="of the backbone phase, from its start: windows of random ids only, each passage "
+                             "written twice in a row (the induction task; needs --repeat-ids vocabulary, whose "
+                             "--repeat-vocab curriculum it follows)")
     parser.add_argument("--batch", type=int, default=Plan.batch,
                         help="training windows a step on each rank, their gradients averaged")
     parser.add_argument("--ranks", type=int, default=1,
