@@ -69,16 +69,16 @@ def main() -> None:
                          "beyond the window, copies are read from the compressed entries)")
     ap.add_argument("--background", choices=("ids", "text"), default="ids",
                     help="windows of random ids (--ids of them) or of the train text")
-    ap.add_argument("--passage", type=int, default=32, help="--task twice: ids a passage")
     ns = ap.parse_args()
     torch.manual_seed(0)
     token_map, classes = data.load_engram_map(ns.data)
     args = dataclasses.replace(smoke_args(len(token_map), classes), window_size=ns.window, dim=ns.dim)
+    twice = ns.task == "twice"  # the trainer's copy warm-up windows (`twice_window`) over the stream's distinct ids
     stream = (data.load_tokens(ns.data, "train") if ns.background == "text"
-              else np.random.default_rng(0).integers(10, 10 + ns.ids[0], 2_000_000))
+              else np.random.default_rng(0).integers(10, 10 + max(ns.ids) if twice else ns.ids[0], 2_000_000))
     plan = Plan(seq_len=ns.seq, fact_span=0, index_rows=0, repeat_share=ns.share,
-                repeat_reach=ns.reach or ns.window // 2, repeat_ids=ns.repeat_ids, repeat_vocab=ns.repeat_vocab,
-                lr=ns.lr, steps=ns.steps, graphs=False)
+                repeat_reach=ns.reach or ns.window // 2, repeat_ids="vocabulary" if twice else ns.repeat_ids,
+                repeat_vocab=ns.repeat_vocab, lr=ns.lr, steps=ns.steps, graphs=False)
     trainer = Trainer(args, token_map, stream, stream[:10_000], plan, "cpu")
     plain = PlainGPT(len(token_map), ns.dim) if ns.model == "plain" else None
     params = list(plain.parameters()) if plain else trainer.masters.trainable()
@@ -93,16 +93,12 @@ def main() -> None:
 
     def window(step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A window, the positions whose next token is a copy, and the count of ids it was drawn from."""
-        if ns.task == "repeats":
+        if not twice:
             x, _, copies, _ = trainer.window(step / ns.steps)
             return x, copies, ns.ids[0] if trainer.repeat_vocab is None else trainer.repeat_vocab
-        pairs, ids = -(-(ns.seq + 1) // (2 * ns.passage)), ids_at(step)
-        a = torch.from_numpy(rng.integers(10, 10 + ids, (pairs, 1, ns.passage)))
-        x = a.expand(pairs, 2, ns.passage).reshape(-1)[:ns.seq + 1]
-        # position i predicts x[i + 1]: a second copy's tokens after its first
-        starts = torch.arange(pairs)[:, None] * 2 * ns.passage + ns.passage + torch.arange(ns.passage - 1)
-        copies = starts.reshape(-1)
-        return x, copies[copies < ns.seq], ids
+        trainer.repeat_vocab = ids_at(step)
+        x, _, copies, _ = trainer.twice_window(rng)
+        return x, copies, trainer.repeat_vocab
 
     for step in range(ns.steps):
         for group in opt.param_groups:
@@ -123,7 +119,7 @@ def main() -> None:
                                                          torch.zeros(0, dtype=torch.int64), False)
             trainer._update(opt, params, loads)
         hits[ids].append(float((logits[copies].argmax(-1) == x[1:][copies]).float().mean()) if copies.numel() else 0.0)
-        if trainer.repeat_vocab is not None:
+        if ns.repeat_vocab and not twice:
             trainer.grow_repeat_vocab(hits[ids][-1])
         if (step + 1) % 25 == 0:
             accuracy = " ".join(f"{np.mean(h[-25:]):.3f}" for h in hits.values() if h)
