@@ -75,7 +75,7 @@ def main() -> None:
     args = dataclasses.replace(smoke_args(len(token_map), classes), window_size=ns.window, dim=ns.dim)
     twice = ns.task == "twice"  # the trainer's copy warm-up windows (`twice_window`) over the stream's distinct ids
     stream = (data.load_tokens(ns.data, "train") if ns.background == "text"
-              else np.random.default_rng(0).integers(10, 10 + max(ns.ids) if twice else ns.ids[0], 2_000_000))
+              else np.random.default_rng(0).integers(10, 10 + (max(ns.ids) if twice else ns.ids[0]), 2_000_000))
     plan = Plan(seq_len=ns.seq, fact_span=0, index_rows=0, repeat_share=ns.share,
                 repeat_reach=ns.reach or ns.window // 2, repeat_ids="vocabulary" if twice else ns.repeat_ids,
                 repeat_vocab=ns.repeat_vocab, lr=ns.lr, steps=ns.steps, graphs=False)

@@ -15,6 +15,7 @@ import functools
 import json
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,7 +273,7 @@ class Trainer:
             ids = torch.unique(self.train_tokens)
             self.vocabulary = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(plan.seed))]
             self.repeat_vocab = min(plan.repeat_vocab or ids.numel(), ids.numel())
-        self._copy_accs: list[float] = []  # the last steps' copy accuracies (`grow_repeat_vocab`)
+        self._copy_accs: deque[float] = deque(maxlen=REPEAT_VOCAB_STEPS)  # the last steps' (`grow_repeat_vocab`)
         self.validation = torch.from_numpy(validation.astype(np.int64))
         self.masters = Masters(Checkpoint(init), self.device) if init else init_masters(args, plan.seed, self.device)
         self.k = training_kernels(self.masters)
@@ -474,11 +475,11 @@ class Trainer:
     def grow_repeat_vocab(self, copy_acc: float) -> None:
         """Plan.repeat_vocab's curriculum, after each step: REPEAT_VOCAB_GROWTH times the ids once the copies
         among the present ones are learnt (each rank by its own windows' accuracy)."""
-        self._copy_accs = [*self._copy_accs[-(REPEAT_VOCAB_STEPS - 1):], copy_acc]
+        self._copy_accs.append(copy_acc)
         if (len(self._copy_accs) == REPEAT_VOCAB_STEPS and self.repeat_vocab < self.vocabulary.numel()
                 and sum(self._copy_accs) / REPEAT_VOCAB_STEPS >= REPEAT_VOCAB_LEARNT):
             self.repeat_vocab = min(self.vocabulary.numel(), self.repeat_vocab * REPEAT_VOCAB_GROWTH)
-            self._copy_accs = []
+            self._copy_accs.clear()
 
     def backbone_window(self, progress: float, stream: int, warm: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor], dict[str, float]]:
