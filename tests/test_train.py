@@ -310,15 +310,15 @@ def test_vocabulary_repeats_start_from_a_few_ids_and_grow_as_they_are_learnt(dat
     x, _, copies, _ = t.window(1.0)
     assert set(x[copies + 1].tolist()) <= set(t.vocabulary[:8].tolist()) and copies.numel() > 30
     for acc in [0.9] * (REPEAT_VOCAB_STEPS - 1):
-        t.grow_repeat_vocab(acc)
+        t.grow_copy_curriculum(acc)
     assert t.repeat_vocab == 8  # fewer than REPEAT_VOCAB_STEPS steps seen
-    t.grow_repeat_vocab(1.0 - REPEAT_VOCAB_LEARNT)
+    t.grow_copy_curriculum(1.0 - REPEAT_VOCAB_LEARNT)
     assert t.repeat_vocab == 8 * REPEAT_VOCAB_GROWTH
     for acc in [REPEAT_VOCAB_LEARNT - 0.01] * (3 * REPEAT_VOCAB_STEPS):
-        t.grow_repeat_vocab(acc)
+        t.grow_copy_curriculum(acc)
     assert t.repeat_vocab == 8 * REPEAT_VOCAB_GROWTH  # not learnt: no growth
     for _ in range(20 * REPEAT_VOCAB_STEPS):
-        t.grow_repeat_vocab(1.0)
+        t.grow_copy_curriculum(1.0)
     assert t.repeat_vocab == t.vocabulary.numel() == torch.unique(t.train_tokens).numel()
     t.backbone(deadline=math.inf)
     assert t.log.rows[-1]["repeat_vocab"] == t.vocabulary.numel()
@@ -326,20 +326,47 @@ def test_vocabulary_repeats_start_from_a_few_ids_and_grow_as_they_are_learnt(dat
 
 def test_copy_warmup_windows_are_passages_of_the_curriculums_ids_written_twice(data_dir):
     """Plan.copy_warmup: over its share of the phase a window is ids alone, each passage of TWICE_TOKENS written
-    twice in a row, drawn from the curriculum's first `repeat_vocab` ids, its copies the positions whose target is
-    a second copy's token after its first; after it, the text with its repeats; without vocabulary ids, refused."""
+    twice, drawn from the curriculum's first `repeat_vocab` ids, its copies the positions whose target is a second
+    copy's token after its first; after it, the text with its repeats; without vocabulary ids, refused."""
     t = trainer(data_dir, seq_len=255, repeat_share=0.3, repeat_ids="vocabulary", repeat_vocab=8, copy_warmup=0.5)
     x, answers, copies, far = t.window(0.2)
     h = TWICE_TOKENS
     assert x.numel() == 256 and answers.numel() == far.numel() == 0
     assert set(x.tolist()) <= set(t.vocabulary[:8].tolist())
-    assert all(torch.equal(x[p + h:p + 2 * h], x[p:p + h]) for p in range(0, 256, 2 * h))
+    assert all(torch.equal(x[p + h:p + 2 * h], x[p:p + h]) for p in range(0, 256, 2 * h))  # no gap at first
     expected = [p + h + i for p in range(0, 256, 2 * h) for i in range(h - 1)]
     assert copies.tolist() == expected and torch.equal(x[copies + 1], x[copies + 1 - h])
     text = t.window(0.7)[0]
     assert len(set(text.tolist()) - set(t.vocabulary[:8].tolist())) > 50  # the text, not the warm-up's ids
     with pytest.raises(ValueError, match="copy_warmup"):
         trainer(data_dir, seq_len=255, copy_warmup=0.5)
+
+
+def test_the_copy_curriculum_grows_the_ids_then_the_gap_between_a_passage_and_its_copy(data_dir):
+    """Once every id is in, the curriculum's further levels vary the copy warm-up's distance from a copy to its
+    passage (0, 1, REPEAT_VOCAB_GROWTH-fold up to half the window): no fixed offset then predicts a copy, only the
+    earlier occurrence of the current id (`twice_window`). Each copy's target follows the current id a passage
+    and a gap back; a backbone step logs the gap."""
+    t = trainer(data_dir, seq_len=2047, repeat_share=0.3, repeat_ids="vocabulary", copy_warmup=1.0, steps=1,
+                eval_every=1000)
+    levels = [t.twice_gap]
+    for _ in range(10):
+        for _ in range(REPEAT_VOCAB_STEPS):
+            t.grow_copy_curriculum(REPEAT_VOCAB_LEARNT)
+        levels.append(t.twice_gap)
+    half = t.args.window_size // 2
+    assert levels[:3] == [0, 1, REPEAT_VOCAB_GROWTH] and levels[-1] == half and sorted(levels) == levels
+    x, _, copies, _ = t.window(0.0)
+    offsets = set()
+    for c in copies.tolist():  # the passage's id and the one after it, a passage to a passage and half back
+        back = [d for d in range(TWICE_TOKENS, TWICE_TOKENS + half + 1)
+                if x[c - d] == x[c] and x[c + 1 - d] == x[c + 1]]
+        assert back, c
+        offsets.add(back[0])
+    assert len(offsets) > half // 2  # the gap varies
+    assert copies.numel() > 0.3 * x.numel()
+    t.backbone(deadline=math.inf)
+    assert t.log.rows[-1]["twice_gap"] == half
 
 
 def test_a_few_steps_lower_the_validation_nll(data_dir):

@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--share", type=float, default=0.5, help="of a window's tokens, copies")
     ap.add_argument("--task", choices=("repeats", "twice"), default="repeats")
+    ap.add_argument("--gaps", action="store_true",
+                    help="--task twice: the trainer's copy warm-up, the gap between a passage and its copy grown "
+                         "by the curriculum (Trainer.twice_gap) once the ids are copied")
     ap.add_argument("--repeat-ids", choices=("window", "vocabulary"), default="window",
                     help="--task repeats: a passage's ids drawn from the window or from the background's distinct ids")
     ap.add_argument("--repeat-vocab", type=int, default=0,
@@ -78,7 +81,8 @@ def main() -> None:
               else np.random.default_rng(0).integers(10, 10 + (max(ns.ids) if twice else ns.ids[0]), 2_000_000))
     plan = Plan(seq_len=ns.seq, fact_span=0, index_rows=0, repeat_share=ns.share,
                 repeat_reach=ns.reach or ns.window // 2, repeat_ids="vocabulary" if twice else ns.repeat_ids,
-                repeat_vocab=ns.repeat_vocab, lr=ns.lr, steps=ns.steps, graphs=False)
+                repeat_vocab=ns.repeat_vocab, copy_warmup=float(twice and ns.gaps), lr=ns.lr, steps=ns.steps,
+                graphs=False)
     trainer = Trainer(args, token_map, stream, stream[:10_000], plan, "cpu")
     plain = PlainGPT(len(token_map), ns.dim) if ns.model == "plain" else None
     params = list(plain.parameters()) if plain else trainer.masters.trainable()
@@ -119,11 +123,12 @@ def main() -> None:
                                                          torch.zeros(0, dtype=torch.int64), False)
             trainer._update(opt, params, loads)
         hits[ids].append(float((logits[copies].argmax(-1) == x[1:][copies]).float().mean()) if copies.numel() else 0.0)
-        if ns.repeat_vocab and not twice:
-            trainer.grow_repeat_vocab(hits[ids][-1])
+        if ns.repeat_vocab and not twice or ns.gaps:
+            trainer.grow_copy_curriculum(hits[ids][-1])
         if (step + 1) % 25 == 0:
             accuracy = " ".join(f"{np.mean(h[-25:]):.3f}" for h in hits.values() if h)
-            print(f"{ns.model} step {step + 1} ids {ids} loss {float(loss):.3f} copy accuracy {accuracy} "
+            gap = f" gap {trainer.twice_gap}" if ns.gaps else ""
+            print(f"{ns.model} step {step + 1} ids {ids}{gap} loss {float(loss):.3f} copy accuracy {accuracy} "
                   f"{time.time() - started:.0f} s", flush=True)
 
 

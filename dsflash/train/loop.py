@@ -42,10 +42,11 @@ BIAS_RATE = 0.005
 FACT_MIN_GAP = 64  # tokens from a recall fact's statement to its cue, at least
 REPEAT_TOKENS = (16, 64)  # a repeated passage's length, from-to (Plan.repeat_share)
 REPEAT_GAP_MIN = 8  # tokens from a passage's end to its copy, at least
-# Plan.repeat_vocab's curriculum: the id count grows REPEAT_VOCAB_GROWTH-fold once the mean copy accuracy of the
-# last REPEAT_VOCAB_STEPS steps reaches REPEAT_VOCAB_LEARNT
+# The copying curriculum (`Trainer.grow_copy_curriculum`): once the mean copy accuracy of the last
+# REPEAT_VOCAB_STEPS steps reaches REPEAT_VOCAB_LEARNT, Plan.repeat_vocab's id count grows REPEAT_VOCAB_GROWTH-fold,
+# and once it holds every id, the copy warm-up's longest gap between a passage and its copy grows the same way
 REPEAT_VOCAB_GROWTH, REPEAT_VOCAB_STEPS, REPEAT_VOCAB_LEARNT = 4, 25, 0.5
-TWICE_TOKENS = 32  # a passage of Plan.copy_warmup's windows, written twice in a row
+TWICE_TOKENS = 32  # a passage of Plan.copy_warmup's windows, written twice
 
 
 def trained_args(vocab_size: int, classes: int) -> ModelArgs:
@@ -110,8 +111,8 @@ class Plan:
     # few ids is learnt first and then carries over to more (bench/results/copy-probe-cpu-2026-12-07.txt)
     repeat_vocab: int = 0
     # of the backbone phase, from its start: windows of ids alone (with repeat_ids "vocabulary", from the
-    # curriculum's ids), each passage of TWICE_TOKENS written twice in a row -- the induction task, which the smoke
-    # model learns in ~1,000 steps where copies among text are not learnt (copy-probe-cpu-2026-12-07.txt); 0: none
+    # curriculum's ids), each passage of TWICE_TOKENS written twice, the gap between the two growing with the
+    # curriculum -- the induction task, learnt where copies among text are not (`twice_window`); 0: none
     copy_warmup: float = 0.0
     batch: int = 1  # training windows a step on each rank, their gradients averaged (`Ranks`)
     graphs: bool = True  # on a GPU, each window of a phase after its first as one CUDA graph (graph.py)
@@ -273,7 +274,9 @@ class Trainer:
             ids = torch.unique(self.train_tokens)
             self.vocabulary = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(plan.seed))]
             self.repeat_vocab = min(plan.repeat_vocab or ids.numel(), ids.numel())
-        self._copy_accs: deque[float] = deque(maxlen=REPEAT_VOCAB_STEPS)  # the last steps' (`grow_repeat_vocab`)
+        # the copy warm-up's longest gap between a passage and its copy (`twice_window`); the curriculum grows it
+        self.twice_gap = 0
+        self._copy_accs: deque[float] = deque(maxlen=REPEAT_VOCAB_STEPS)  # the last steps' (`grow_copy_curriculum`)
         self.validation = torch.from_numpy(validation.astype(np.int64))
         self.masters = Masters(Checkpoint(init), self.device) if init else init_masters(args, plan.seed, self.device)
         self.k = training_kernels(self.masters)
@@ -323,13 +326,23 @@ class Trainer:
     def twice_window(self, rng: np.random.Generator
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Plan.copy_warmup's window: seq_len + 1 ids of the curriculum's `repeat_vocab`, passages of TWICE_TOKENS
-        each written twice in a row; as `window` returns (no facts; the copies, none beyond the window)."""
+        each written twice, 0 to `twice_gap` ids between the two; as `window` returns (no facts; the copies, none
+        beyond the window). The gap's growth is what makes this induction: written twice in a row, a copy is
+        always the same distance back, and the model learns to read that offset -- which copies nothing in the
+        text (on the H100 the ids were all copied after 1,000 steps and none of the text's repeats after the
+        switch; bench/results/train-h100-copy-warmup-2026-12-07.json). With the gap varied, only finding the
+        current id earlier in the window says where to copy from."""
         n, half = self.plan.seq_len + 1, TWICE_TOKENS
-        pairs = -(-n // (2 * half))
-        passages = self.vocabulary[torch.from_numpy(rng.integers(0, self.repeat_vocab, (pairs, 1, half)))]
-        x = passages.expand(pairs, 2, half).reshape(-1)[:n]
-        # position i predicts x[i + 1]: a second copy's tokens after its first
-        copies = (torch.arange(pairs)[:, None] * 2 * half + half + torch.arange(half - 1)).reshape(-1)
+        pieces, copies, at = [], [], 0
+        while at < n:
+            gap = int(rng.integers(0, self.twice_gap + 1))
+            ids = self.vocabulary[torch.from_numpy(rng.integers(0, self.repeat_vocab, half + gap))]
+            pieces += [ids, ids[:half]]  # the passage, the gap's ids, the passage again
+            second = at + half + gap
+            copies.extend(range(second, second + half - 1))  # position i predicts x[i + 1]
+            at = second + half
+        x = torch.cat(pieces)[:n]
+        copies = torch.tensor(copies, dtype=torch.int64)
         none = torch.zeros(0, dtype=torch.int64, device=self.device)
         return x.to(self.device), none, copies[copies < n - 1].to(self.device), none
 
@@ -464,7 +477,9 @@ class Trainer:
                    "lr": lr, "picks": "attention" if warm else "indexer", **mean_rows(logged)}
             if self.repeat_vocab is not None:
                 row["repeat_vocab"] = self.repeat_vocab
-                self.grow_repeat_vocab(row.get("copy_acc", 0.0))
+                if p.copy_warmup:
+                    row["twice_gap"] = self.twice_gap
+                self.grow_copy_curriculum(row.get("copy_acc", 0.0))
             if self.ranks.rank == 0:  # the log holds rank 0's windows
                 if step % p.eval_every == 0:
                     row["val_loss"] = self.nll(self.validation, p.eval_windows)
@@ -472,14 +487,21 @@ class Trainer:
         self._captured.clear()  # the phase's graphs, and their memory
         return step
 
-    def grow_repeat_vocab(self, copy_acc: float) -> None:
-        """Plan.repeat_vocab's curriculum, after each step: REPEAT_VOCAB_GROWTH times the ids once the copies
-        among the present ones are learnt (each rank by its own windows' accuracy)."""
+    def grow_copy_curriculum(self, copy_acc: float) -> None:
+        """The copying curriculum, after each step (each rank by its own windows' accuracy): once the copies of the
+        present level are learnt, REPEAT_VOCAB_GROWTH times the ids (Plan.repeat_vocab) and, with all of them,
+        the copy warm-up's longest gap (`twice_gap`: 0, 1, then REPEAT_VOCAB_GROWTH-fold up to half the window,
+        the text's repeats' first reach)."""
         self._copy_accs.append(copy_acc)
-        if (len(self._copy_accs) == REPEAT_VOCAB_STEPS and self.repeat_vocab < self.vocabulary.numel()
-                and sum(self._copy_accs) / REPEAT_VOCAB_STEPS >= REPEAT_VOCAB_LEARNT):
+        if len(self._copy_accs) < REPEAT_VOCAB_STEPS or sum(self._copy_accs) / REPEAT_VOCAB_STEPS < REPEAT_VOCAB_LEARNT:
+            return
+        if self.repeat_vocab < self.vocabulary.numel():
             self.repeat_vocab = min(self.vocabulary.numel(), self.repeat_vocab * REPEAT_VOCAB_GROWTH)
-            self._copy_accs.clear()
+        elif self.plan.copy_warmup and self.twice_gap < self.args.window_size // 2:
+            self.twice_gap = min(self.args.window_size // 2, max(1, self.twice_gap * REPEAT_VOCAB_GROWTH))
+        else:
+            return
+        self._copy_accs.clear()
 
     def backbone_window(self, progress: float, stream: int, warm: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor], dict[str, float]]:
