@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--reach", type=int, default=0,
                     help="--task repeats: the longest gap from a passage to its copy (default: half the window; "
                          "beyond the window, copies are read from the compressed entries)")
+    ap.add_argument("--copy-warmup", type=float, default=0.0,
+                    help="--task repeats with --repeat-ids vocabulary: the trainer's copy warm-up (Plan.copy_warmup, "
+                         "its gap grown by the curriculum) over this share of the steps, then the repeats")
     ap.add_argument("--background", choices=("ids", "text"), default="ids",
                     help="windows of random ids (--ids of them) or of the train text")
     ns = ap.parse_args()
@@ -81,8 +84,8 @@ def main() -> None:
               else np.random.default_rng(0).integers(10, 10 + (max(ns.ids) if twice else ns.ids[0]), 2_000_000))
     plan = Plan(seq_len=ns.seq, fact_span=0, index_rows=0, repeat_share=ns.share,
                 repeat_reach=ns.reach or ns.window // 2, repeat_ids="vocabulary" if twice else ns.repeat_ids,
-                repeat_vocab=ns.repeat_vocab, copy_warmup=float(twice and ns.gaps), lr=ns.lr, steps=ns.steps,
-                graphs=False)
+                repeat_vocab=ns.repeat_vocab, copy_warmup=float(ns.gaps) if twice else ns.copy_warmup, lr=ns.lr,
+                steps=ns.steps, graphs=False)
     trainer = Trainer(args, token_map, stream, stream[:10_000], plan, "cpu")
     plain = PlainGPT(len(token_map), ns.dim) if ns.model == "plain" else None
     params = list(plain.parameters()) if plain else trainer.masters.trainable()
@@ -128,6 +131,9 @@ def main() -> None:
         if (step + 1) % 25 == 0:
             accuracy = " ".join(f"{np.mean(h[-25:]):.3f}" for h in hits.values() if h)
             gap = f" gap {trainer.twice_gap}" if ns.gaps else ""
+            if ns.copy_warmup:
+                warm = (step + 1) / ns.steps <= ns.copy_warmup
+                gap = f" gap {trainer.twice_gap} ({'warm-up' if warm else 'repeats'})"
             print(f"{ns.model} step {step + 1} ids {ids}{gap} loss {float(loss):.3f} copy accuracy {accuracy} "
                   f"{time.time() - started:.0f} s", flush=True)
 
