@@ -346,17 +346,18 @@ def test_the_copy_curriculum_grows_the_ids_then_the_gap_between_a_passage_and_it
     """Once every id is in, the curriculum's further levels vary the copy warm-up's distance from a copy to its
     passage (0, 1, REPEAT_VOCAB_GROWTH-fold up to half the window): no fixed offset then predicts a copy, only the
     earlier occurrence of the current id (`twice_window`). Each copy's target follows the current id a passage
-    and a gap back; a backbone step logs the gap."""
+    and a gap back. Once the last level is learnt the warm-up ends, before its share of the phase; a backbone step
+    logs the gap and whether it warmed up."""
     t = trainer(data_dir, seq_len=2047, repeat_share=0.3, repeat_ids="vocabulary", copy_warmup=1.0, steps=1,
                 eval_every=1000)
+    half = t.args.window_size // 2
     levels = [t.twice_gap]
-    for _ in range(10):
+    while t.twice_gap < half and len(levels) < 10:
         for _ in range(REPEAT_VOCAB_STEPS):
             t.grow_copy_curriculum(REPEAT_VOCAB_LEARNT)
         levels.append(t.twice_gap)
-    half = t.args.window_size // 2
     assert levels[:3] == [0, 1, REPEAT_VOCAB_GROWTH] and levels[-1] == half and sorted(levels) == levels
-    x, _, copies, _ = t.window(0.0)
+    x, _, copies, _ = t.window(0.5)
     offsets = set()
     for c in copies.tolist():  # the passage's id and the one after it, a passage to a passage and half back
         back = [d for d in range(TWICE_TOKENS, TWICE_TOKENS + half + 1)
@@ -366,7 +367,13 @@ def test_the_copy_curriculum_grows_the_ids_then_the_gap_between_a_passage_and_it
     assert len(offsets) > half // 2  # the gap varies
     assert copies.numel() > 0.3 * x.numel()
     t.backbone(deadline=math.inf)
-    assert t.log.rows[-1]["twice_gap"] == half
+    assert t.log.rows[-1]["twice_gap"] == half and t.log.rows[-1]["warm_up"] == 1
+    assert t.warming
+    for _ in range(REPEAT_VOCAB_STEPS):
+        t.grow_copy_curriculum(1.0)
+    assert t.twice_gap == half  # the last level learnt: the warm-up ends
+    t.twice_window = lambda rng: pytest.fail("a warm-up window after the warm-up's last level")
+    assert t.window(0.5)[0].numel() == 2048 and not t.warming
 
 
 def test_a_few_steps_lower_the_validation_nll(data_dir):

@@ -112,7 +112,8 @@ class Plan:
     repeat_vocab: int = 0
     # of the backbone phase, from its start: windows of ids alone (with repeat_ids "vocabulary", from the
     # curriculum's ids), each passage of TWICE_TOKENS written twice, the gap between the two growing with the
-    # curriculum -- the induction task, learnt where copies among text are not (`twice_window`); 0: none
+    # curriculum -- the induction task, learnt where copies among text are not (`twice_window`); it ends sooner
+    # once the curriculum's last level is learnt (`grow_copy_curriculum`); 0: none
     copy_warmup: float = 0.0
     batch: int = 1  # training windows a step on each rank, their gradients averaged (`Ranks`)
     graphs: bool = True  # on a GPU, each window of a phase after its first as one CUDA graph (graph.py)
@@ -276,6 +277,7 @@ class Trainer:
             self.repeat_vocab = min(plan.repeat_vocab or ids.numel(), ids.numel())
         # the copy warm-up's longest gap between a passage and its copy (`twice_window`); the curriculum grows it
         self.twice_gap = 0
+        self.warming = plan.copy_warmup > 0  # until the warm-up's share of the phase or its last level is done
         self._copy_accs: deque[float] = deque(maxlen=REPEAT_VOCAB_STEPS)  # the last steps' (`grow_copy_curriculum`)
         self.validation = torch.from_numpy(validation.astype(np.int64))
         self.masters = Masters(Checkpoint(init), self.device) if init else init_masters(args, plan.seed, self.device)
@@ -312,7 +314,8 @@ class Trainer:
         targets a repeat copies, and of those the ones whose passage lies beyond the attention window. Drawn
         from `self.streams[stream]`."""
         rng = self.streams[stream].rng
-        if progress < self.plan.copy_warmup:
+        self.warming = self.warming and progress < self.plan.copy_warmup
+        if self.warming:
             return self.twice_window(rng)
         start = int(rng.integers(0, self.train_tokens.numel() - self.plan.seq_len - 1))
         x = self.train_tokens[start:start + self.plan.seq_len + 1].clone()
@@ -478,7 +481,7 @@ class Trainer:
             if self.repeat_vocab is not None:
                 row["repeat_vocab"] = self.repeat_vocab
                 if p.copy_warmup:
-                    row["twice_gap"] = self.twice_gap
+                    row["twice_gap"], row["warm_up"] = self.twice_gap, int(self.warming)
                 self.grow_copy_curriculum(row.get("copy_acc", 0.0))
             if self.ranks.rank == 0:  # the log holds rank 0's windows
                 if step % p.eval_every == 0:
@@ -491,15 +494,17 @@ class Trainer:
         """The copying curriculum, after each step (each rank by its own windows' accuracy): once the copies of the
         present level are learnt, REPEAT_VOCAB_GROWTH times the ids (Plan.repeat_vocab) and, with all of them,
         the copy warm-up's longest gap (`twice_gap`: 0, 1, then REPEAT_VOCAB_GROWTH-fold up to half the window,
-        the text's repeats' first reach)."""
+        the text's repeats' first reach); once that is learnt too, the warm-up ends: the text's time is not spent
+        on windows that have nothing more to teach."""
         self._copy_accs.append(copy_acc)
         if len(self._copy_accs) < REPEAT_VOCAB_STEPS or sum(self._copy_accs) / REPEAT_VOCAB_STEPS < REPEAT_VOCAB_LEARNT:
             return
         if self.repeat_vocab < self.vocabulary.numel():
             self.repeat_vocab = min(self.vocabulary.numel(), self.repeat_vocab * REPEAT_VOCAB_GROWTH)
-        elif self.plan.copy_warmup and self.twice_gap < self.args.window_size // 2:
+        elif self.warming and self.twice_gap < self.args.window_size // 2:
             self.twice_gap = min(self.args.window_size // 2, max(1, self.twice_gap * REPEAT_VOCAB_GROWTH))
         else:
+            self.warming = False
             return
         self._copy_accs.clear()
 
