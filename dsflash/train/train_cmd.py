@@ -187,8 +187,8 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="of the backbone phase, from its start: windows of random ids only, each passage "
                              "written twice (the induction task; needs --repeat-ids vocabulary, whose "
                              "--repeat-vocab curriculum it follows; with every id learnt, the curriculum grows the "
-                             "gap between a passage and its copy from 0 to half the window, and the warm-up ends once the last "
-                             "gap is learnt)")
+                             "gap between a passage and its copy from 0 to half the window, and the warm-up "
+                             "ends once the last gap is learnt)")
     parser.add_argument("--batch", type=int, default=Plan.batch,
                         help="training windows a step on each rank, their gradients averaged")
     parser.add_argument("--ranks", type=int, default=1,
