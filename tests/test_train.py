@@ -342,22 +342,29 @@ def test_copy_warmup_windows_are_passages_of_the_curriculums_ids_written_twice(d
         trainer(data_dir, seq_len=255, copy_warmup=0.5)
 
 
-def test_the_copy_curriculum_grows_the_ids_then_the_gap_between_a_passage_and_its_copy(data_dir):
-    """Once every id is in, the curriculum's further levels vary the copy warm-up's distance from a copy to its
-    passage (0, 1, REPEAT_VOCAB_GROWTH-fold up to half the window): no fixed offset then predicts a copy, only the
-    earlier occurrence of the current id (`twice_window`). Each copy's target follows the current id a passage
-    and a gap back. Once the last level is learnt the warm-up ends, before its share of the phase; a backbone step
-    logs the gap and whether it warmed up."""
-    t = trainer(data_dir, seq_len=2047, repeat_share=0.3, repeat_ids="vocabulary", copy_warmup=1.0, steps=1,
-                eval_every=1000)
-    half = t.args.window_size // 2
-    levels = [t.twice_gap]
-    while t.twice_gap < half and len(levels) < 10:
+def test_the_copy_curriculum_grows_the_gap_between_a_passage_and_its_copy_then_the_ids(data_dir):
+    """Among the first ids, the curriculum's levels vary the copy warm-up's distance from a copy to its passage (0,
+    1, REPEAT_VOCAB_GROWTH-fold up to half the window): no fixed offset then predicts a copy, only the earlier
+    occurrence of the current id (`twice_window`). Each copy's target follows the current id a passage and a gap
+    back. Then the ids grow; once every id is learnt the warm-up ends, before its share of the phase; a backbone
+    step logs the gap and whether it warmed up."""
+    t = trainer(data_dir, seq_len=2047, repeat_share=0.3, repeat_ids="vocabulary", repeat_vocab=16, copy_warmup=1.0,
+                steps=1, eval_every=1000)
+    half, every = t.args.window_size // 2, t.vocabulary.numel()
+    levels = [(t.twice_gap, t.repeat_vocab)]
+    while t.warming and len(levels) < 20:
         for _ in range(REPEAT_VOCAB_STEPS):
             t.grow_copy_curriculum(REPEAT_VOCAB_LEARNT)
-        levels.append(t.twice_gap)
-    assert levels[:3] == [0, 1, REPEAT_VOCAB_GROWTH] and levels[-1] == half and sorted(levels) == levels
+        levels.append((t.twice_gap, t.repeat_vocab))
+    gaps, ids = zip(*levels, strict=True)
+    assert gaps[:3] == (0, 1, REPEAT_VOCAB_GROWTH) and ids[:3] == (16, 16, 16)
+    top = gaps.index(half)  # every gap before a second id
+    assert set(ids[:top + 1]) == {16} and ids[top + 1] == 16 * REPEAT_VOCAB_GROWTH and ids[-1] == every
+    assert sorted(gaps) == list(gaps) and sorted(ids) == list(ids) and levels[-1] == levels[-2]
+    assert not t.warming  # the last level learnt: the warm-up ends before its share of the phase
+    t.warming, t.repeat_vocab = True, 16
     x, _, copies, _ = t.window(0.5)
+    assert len(set(x.tolist())) <= 16
     offsets = set()
     for c in copies.tolist():  # the passage's id and the one after it, a passage to a passage and half back
         back = [d for d in range(TWICE_TOKENS, TWICE_TOKENS + half + 1)
@@ -368,12 +375,9 @@ def test_the_copy_curriculum_grows_the_ids_then_the_gap_between_a_passage_and_it
     assert copies.numel() > 0.3 * x.numel()
     t.backbone(deadline=math.inf)
     assert t.log.rows[-1]["twice_gap"] == half and t.log.rows[-1]["warm_up"] == 1
-    assert t.warming
-    for _ in range(REPEAT_VOCAB_STEPS):
-        t.grow_copy_curriculum(1.0)
-    assert t.twice_gap == half  # the last level learnt: the warm-up ends
-    t.twice_window = lambda rng: pytest.fail("a warm-up window after the warm-up's last level")
-    assert t.window(0.5)[0].numel() == 2048 and not t.warming
+    t.twice_window = lambda rng: pytest.fail("a warm-up window after the warm-up")
+    t.warming = False
+    assert t.window(0.5)[0].numel() == 2048
 
 
 def test_a_few_steps_lower_the_validation_nll(data_dir):

@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--task", choices=("repeats", "twice"), default="repeats")
     ap.add_argument("--gaps", action="store_true",
                     help="--task twice: the trainer's copy warm-up, the gap between a passage and its copy grown "
-                         "by the curriculum (Trainer.twice_gap) once the ids are copied")
+                         "by the curriculum (Trainer.twice_gap) as the copies are learnt")
     ap.add_argument("--repeat-ids", choices=("window", "vocabulary"), default="window",
                     help="--task repeats: a passage's ids drawn from the window or from the background's distinct ids")
     ap.add_argument("--repeat-vocab", type=int, default=0,
@@ -132,8 +132,7 @@ def main() -> None:
             accuracy = " ".join(f"{np.mean(h[-25:]):.3f}" for h in hits.values() if h)
             gap = f" gap {trainer.twice_gap}" if ns.gaps else ""
             if ns.copy_warmup:
-                warm = (step + 1) / ns.steps <= ns.copy_warmup
-                gap = f" gap {trainer.twice_gap} ({'warm-up' if warm else 'repeats'})"
+                gap = f" gap {trainer.twice_gap} ({'warm-up' if trainer.warming else 'repeats'})"
             print(f"{ns.model} step {step + 1} ids {ids}{gap} loss {float(loss):.3f} copy accuracy {accuracy} "
                   f"{time.time() - started:.0f} s", flush=True)
 

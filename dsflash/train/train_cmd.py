@@ -185,10 +185,9 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{REPEAT_VOCAB_LEARNT * 100:.0f}%% of their targets (0: all from the start)")
     parser.add_argument("--copy-warmup", type=float, default=Plan.copy_warmup,
                         help="of the backbone phase, from its start: windows of random ids only, each passage "
-                             "written twice (the induction task; needs --repeat-ids vocabulary, whose "
-                             "--repeat-vocab curriculum it follows; with every id learnt, the curriculum grows the "
-                             "gap between a passage and its copy from 0 to half the window, and the warm-up "
-                             "ends once the last gap is learnt)")
+                             "written twice (the induction task; needs --repeat-ids vocabulary): among the "
+                             "--repeat-vocab ids, the curriculum grows the gap between a passage and its copy from "
+                             "0 to half the window, then the ids; the warm-up ends once every id is learnt)")
     parser.add_argument("--batch", type=int, default=Plan.batch,
                         help="training windows a step on each rank, their gradients averaged")
     parser.add_argument("--ranks", type=int, default=1,
