@@ -2,6 +2,7 @@
 reference on the exported checkpoint, a few steps that lower the NLL, and the saved checkpoint loading and
 decoding (DSpark output equal to plain decoding) through the engine."""
 
+import dataclasses
 import json
 import math
 
@@ -73,10 +74,12 @@ def data_dir(tmp_path_factory):
     return d
 
 
-def trainer(data_dir, **plan) -> Trainer:
+def trainer(data_dir, window_size: int | None = None, **plan) -> Trainer:
     token_map, classes = data.load_engram_map(data_dir)
-    return Trainer(smoke_args(len(token_map), classes), token_map, data.load_tokens(data_dir, "train"),
-                   data.load_tokens(data_dir, "validation"), Plan(**plan), "cpu")
+    args = smoke_args(len(token_map), classes)
+    args = dataclasses.replace(args, window_size=window_size) if window_size else args
+    return Trainer(args, token_map, data.load_tokens(data_dir, "train"), data.load_tokens(data_dir, "validation"),
+                   Plan(**plan), "cpu")
 
 
 def test_splits_hold_out_whole_documents_by_name():
@@ -331,7 +334,8 @@ def test_copy_warmup_windows_are_passages_of_the_curriculums_ids_written_twice(d
     t = trainer(data_dir, seq_len=255, repeat_share=0.3, repeat_ids="vocabulary", repeat_vocab=8, copy_warmup=0.5)
     x, answers, copies, far = t.window(0.2)
     h = TWICE_TOKENS
-    assert x.numel() == 256 and answers.numel() == far.numel() == 0
+    assert x.numel() == 256 and answers.numel() == 0
+    assert torch.equal(far, copies)  # TWICE_TOKENS back: beyond the smoke model's window
     assert set(x.tolist()) <= set(t.vocabulary[:8].tolist())
     assert all(torch.equal(x[p + h:p + 2 * h], x[p:p + h]) for p in range(0, 256, 2 * h))  # no gap at first
     expected = [p + h + i for p in range(0, 256, 2 * h) for i in range(h - 1)]
@@ -342,29 +346,32 @@ def test_copy_warmup_windows_are_passages_of_the_curriculums_ids_written_twice(d
         trainer(data_dir, seq_len=255, copy_warmup=0.5)
 
 
-def test_the_copy_curriculum_grows_the_gap_between_a_passage_and_its_copy_then_the_ids(data_dir):
+def test_the_copy_curriculum_grows_the_gap_between_a_passage_and_its_copy_then_the_ids_then_the_gap(data_dir):
     """Among the first ids, the curriculum's levels vary the copy warm-up's distance from a copy to its passage (0,
     1, REPEAT_VOCAB_GROWTH-fold up to half the window): no fixed offset then predicts a copy, only the earlier
     occurrence of the current id (`twice_window`). Each copy's target follows the current id a passage and a gap
-    back. Then the ids grow; once every id is learnt the warm-up ends, before its share of the phase; a backbone
-    step logs the gap and whether it warmed up."""
-    t = trainer(data_dir, seq_len=2047, repeat_share=0.3, repeat_ids="vocabulary", repeat_vocab=16, copy_warmup=1.0,
-                steps=1, eval_every=1000)
+    back. Then the ids grow; with every id the gap grows on beyond the window to the repeats' reach, those copies
+    reported as far; once that is learnt the warm-up ends, before its share of the phase; a backbone step logs the
+    gap and whether it warmed up."""
+    t = trainer(data_dir, window_size=64, seq_len=2047, repeat_share=0.3, repeat_ids="vocabulary", repeat_vocab=16,
+                copy_warmup=1.0, repeat_reach=600, steps=1, eval_every=1000)
     half, every = t.args.window_size // 2, t.vocabulary.numel()
     levels = [(t.twice_gap, t.repeat_vocab)]
-    while t.warming and len(levels) < 20:
+    while t.warming and len(levels) < 30:
         for _ in range(REPEAT_VOCAB_STEPS):
             t.grow_copy_curriculum(REPEAT_VOCAB_LEARNT)
         levels.append((t.twice_gap, t.repeat_vocab))
     gaps, ids = zip(*levels, strict=True)
     assert gaps[:3] == (0, 1, REPEAT_VOCAB_GROWTH) and ids[:3] == (16, 16, 16)
-    top = gaps.index(half)  # every gap before a second id
-    assert set(ids[:top + 1]) == {16} and ids[top + 1] == 16 * REPEAT_VOCAB_GROWTH and ids[-1] == every
-    assert sorted(gaps) == list(gaps) and sorted(ids) == list(ids) and levels[-1] == levels[-2]
+    top = gaps.index(half)  # every gap to half the window before a second id
+    assert set(ids[:top + 1]) == {16} and ids[top + 1] == 16 * REPEAT_VOCAB_GROWTH and set(gaps[top:]) > {half}
+    assert ids.index(every) < gaps.index(half * REPEAT_VOCAB_GROWTH)  # beyond the window only with every id
+    assert gaps[-1] == 600 and ids[-1] == every and levels[-1] == levels[-2]
+    assert sorted(gaps) == list(gaps) and sorted(ids) == list(ids)
     assert not t.warming  # the last level learnt: the warm-up ends before its share of the phase
-    t.warming, t.repeat_vocab = True, 16
-    x, _, copies, _ = t.window(0.5)
-    assert len(set(x.tolist())) <= 16
+    t.warming, t.repeat_vocab, t.twice_gap = True, 16, half
+    x, _, copies, far = t.window(0.5)
+    assert len(set(x.tolist())) <= 16 and far.numel() == 0
     offsets = set()
     for c in copies.tolist():  # the passage's id and the one after it, a passage to a passage and half back
         back = [d for d in range(TWICE_TOKENS, TWICE_TOKENS + half + 1)
@@ -373,8 +380,18 @@ def test_the_copy_curriculum_grows_the_gap_between_a_passage_and_its_copy_then_t
         offsets.add(back[0])
     assert len(offsets) > half // 2  # the gap varies
     assert copies.numel() > 0.3 * x.numel()
+    t.twice_gap = 2 * TWICE_TOKENS  # a copy from 32 to 96 back: beyond the 64-token window half the time
+    x, _, copies, far = t.window(0.5)
+    far, copies = set(far.tolist()), copies.tolist()
+    assert 0 < len(far) < len(copies)
+    for first in range(0, len(copies) - TWICE_TOKENS + 2, TWICE_TOKENS - 1):  # each copy's targets, whole
+        c = copies[first]
+        run = x[c:c + TWICE_TOKENS]
+        back = next(d for d in range(TWICE_TOKENS, c + 1) if torch.equal(x[c - d:c - d + TWICE_TOKENS], run))
+        assert {(back > t.args.window_size) == (i in far) for i in copies[first:first + TWICE_TOKENS - 1]} == {True}
+    t.twice_gap = 600
     t.backbone(deadline=math.inf)
-    assert t.log.rows[-1]["twice_gap"] == half and t.log.rows[-1]["warm_up"] == 1
+    assert t.log.rows[-1]["twice_gap"] == 600 and t.log.rows[-1]["warm_up"] == 1
     t.twice_window = lambda rng: pytest.fail("a warm-up window after the warm-up")
     t.warming = False
     assert t.window(0.5)[0].numel() == 2048

@@ -44,7 +44,8 @@ REPEAT_TOKENS = (16, 64)  # a repeated passage's length, from-to (Plan.repeat_sh
 REPEAT_GAP_MIN = 8  # tokens from a passage's end to its copy, at least
 # The copying curriculum (`Trainer.grow_copy_curriculum`): once the mean copy accuracy of the last
 # REPEAT_VOCAB_STEPS steps reaches REPEAT_VOCAB_LEARNT, the copy warm-up's longest gap between a passage and its
-# copy grows REPEAT_VOCAB_GROWTH-fold, and once it reaches half the window, Plan.repeat_vocab's id count does
+# copy grows REPEAT_VOCAB_GROWTH-fold, and once it reaches half the window, Plan.repeat_vocab's id count does, and
+# then the gap again, to Plan.repeat_reach
 REPEAT_VOCAB_GROWTH, REPEAT_VOCAB_STEPS, REPEAT_VOCAB_LEARNT = 4, 25, 0.5
 TWICE_TOKENS = 32  # a passage of Plan.copy_warmup's windows, written twice
 
@@ -329,25 +330,27 @@ class Trainer:
     def twice_window(self, rng: np.random.Generator
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Plan.copy_warmup's window: seq_len + 1 ids of the curriculum's `repeat_vocab`, passages of TWICE_TOKENS
-        each written twice, 0 to `twice_gap` ids between the two; as `window` returns (no facts; the copies, none
-        beyond the window). The gap's growth is what makes this induction: written twice in a row, a copy is
-        always the same distance back, and the model learns to read that offset -- which copies nothing in the
-        text (on the H100 the ids were all copied after 1,000 steps and none of the text's repeats after the
-        switch; bench/results/train-h100-copy-warmup-2026-12-07.json). With the gap varied, only finding the
-        current id earlier in the window says where to copy from."""
+        each written twice, 0 to `twice_gap` ids between the two; as `window` returns (no facts; the copies, and
+        of those the ones more than a window after their source). The gap's growth is what makes this induction:
+        written twice in a row, a copy is always the same distance back, and the model learns to read that offset
+        -- which copies nothing in the text (on the H100 the ids were all copied after 1,000 steps and none of the
+        text's repeats after the switch; bench/results/train-h100-copy-warmup-2026-12-07.json). With the gap
+        varied, only finding the current id earlier in the window says where to copy from."""
         n, half = self.plan.seq_len + 1, TWICE_TOKENS
-        pieces, copies, at = [], [], 0
+        pieces, copies, far, at = [], [], [], 0
         while at < n:
             gap = int(rng.integers(0, self.twice_gap + 1))
             ids = self.vocabulary[torch.from_numpy(rng.integers(0, self.repeat_vocab, half + gap))]
             pieces += [ids, ids[:half]]  # the passage, the gap's ids, the passage again
             second = at + half + gap
             copies.extend(range(second, second + half - 1))  # position i predicts x[i + 1]
+            if half + gap > self.args.window_size:
+                far.extend(range(second, second + half - 1))
             at = second + half
         x = torch.cat(pieces)[:n]
-        copies = torch.tensor(copies, dtype=torch.int64)
+        copies, far = (torch.tensor(rows, dtype=torch.int64) for rows in (copies, far))
         none = torch.zeros(0, dtype=torch.int64, device=self.device)
-        return x.to(self.device), none, copies[copies < n - 1].to(self.device), none
+        return x.to(self.device), none, copies[copies < n - 1].to(self.device), far[far < n - 1].to(self.device)
 
     def repeat_gap_max(self, progress: float) -> int:
         """The copying curriculum: the longest gap grows geometrically from inside the attention window to
@@ -494,16 +497,20 @@ class Trainer:
         """The copying curriculum, after each step (each rank by its own windows' accuracy): once the copies of the
         present level are learnt, the copy warm-up's longest gap grows (`twice_gap`: 0, 1, then
         REPEAT_VOCAB_GROWTH-fold up to half the window, the text's repeats' first reach), among the first ids;
-        then REPEAT_VOCAB_GROWTH times the ids (Plan.repeat_vocab); once every id is learnt the warm-up ends: the
-        text's time is not spent on windows that have nothing more to teach. The gap comes first: among 64 ids the
-        smoke model learnt every gap to 64 (0.87-0.91 of the copies), where with every id a plain model stayed at
-        the gap of 1 for 30,000 steps (bench/results/copy-probe-gaps-cpu-2026-12-07.txt)."""
+        then REPEAT_VOCAB_GROWTH times the ids (Plan.repeat_vocab); with every id, the gap again, beyond the window
+        to Plan.repeat_reach (at most half a window of seq_len: copies read from the compressed entries the
+        indexer picks); once that is learnt the warm-up ends: the text's time is not spent on windows that have
+        nothing more to teach. The gap comes first: among 64 ids the smoke model learnt every gap to 64
+        (0.87-0.91 of the copies), where with every id a plain model stayed at the gap of 1 for 30,000 steps
+        (bench/results/copy-probe-gaps-cpu-2026-12-07.txt)."""
         self._copy_accs.append(copy_acc)
         if len(self._copy_accs) < REPEAT_VOCAB_STEPS or sum(self._copy_accs) / REPEAT_VOCAB_STEPS < REPEAT_VOCAB_LEARNT:
             return
-        if self.warming and self.twice_gap < self.args.window_size // 2:
-            self.twice_gap = min(self.args.window_size // 2, max(1, self.twice_gap * REPEAT_VOCAB_GROWTH))
-        elif self.repeat_vocab < self.vocabulary.numel():
+        every = self.repeat_vocab >= self.vocabulary.numel()
+        reach = max(self.args.window_size // 2, min(self.plan.repeat_reach, self.plan.seq_len // 2) if every else 0)
+        if self.warming and self.twice_gap < reach:
+            self.twice_gap = min(reach, max(1, self.twice_gap * REPEAT_VOCAB_GROWTH))
+        elif not every:
             self.repeat_vocab = min(self.vocabulary.numel(), self.repeat_vocab * REPEAT_VOCAB_GROWTH)
         elif self.warming:
             self.warming = False

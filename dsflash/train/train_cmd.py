@@ -187,7 +187,8 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="of the backbone phase, from its start: windows of random ids only, each passage "
                              "written twice (the induction task; needs --repeat-ids vocabulary): among the "
                              "--repeat-vocab ids, the curriculum grows the gap between a passage and its copy from "
-                             "0 to half the window, then the ids; the warm-up ends once every id is learnt)")
+                             "0 to half the window, then the ids, then the gap to --repeat-reach; the warm-up ends "
+                             "once that is learnt)")
     parser.add_argument("--batch", type=int, default=Plan.batch,
                         help="training windows a step on each rank, their gradients averaged")
     parser.add_argument("--ranks", type=int, default=1,
