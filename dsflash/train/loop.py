@@ -343,9 +343,10 @@ class Trainer:
             ids = self.vocabulary[torch.from_numpy(rng.integers(0, self.repeat_vocab, half + gap))]
             pieces += [ids, ids[:half]]  # the passage, the gap's ids, the passage again
             second = at + half + gap
-            copies.extend(range(second, second + half - 1))  # position i predicts x[i + 1]
+            targets = range(second, second + half - 1)  # position i predicts x[i + 1]
+            copies.extend(targets)
             if half + gap > self.args.window_size:
-                far.extend(range(second, second + half - 1))
+                far.extend(targets)
             at = second + half
         x = torch.cat(pieces)[:n]
         copies, far = (torch.tensor(rows, dtype=torch.int64) for rows in (copies, far))
@@ -507,7 +508,9 @@ class Trainer:
         if len(self._copy_accs) < REPEAT_VOCAB_STEPS or sum(self._copy_accs) / REPEAT_VOCAB_STEPS < REPEAT_VOCAB_LEARNT:
             return
         every = self.repeat_vocab >= self.vocabulary.numel()
-        reach = max(self.args.window_size // 2, min(self.plan.repeat_reach, self.plan.seq_len // 2) if every else 0)
+        reach = self.args.window_size // 2
+        if every:  # beyond the window only once every id is copied
+            reach = max(reach, min(self.plan.repeat_reach, self.plan.seq_len // 2))
         if self.warming and self.twice_gap < reach:
             self.twice_gap = min(reach, max(1, self.twice_gap * REPEAT_VOCAB_GROWTH))
         elif not every:
