@@ -76,8 +76,9 @@ def test_graph_shaped_forwards_are_bit_identical_on_cpu(model_and_ids):
 
 
 def test_graph_shaped_drafts_are_bit_identical_on_cpu(model_and_ids):
-    """A DSpark draft the way its CUDA graph runs it (a whole window of context: the stages and the head on
-    device positions) gives the eager draft's tokens, logits and confidences."""
+    """A DSpark draft the way its CUDA graphs run it (a whole window of context: the context write of a
+    step's rows, the stages and the head on device positions, the Markov chain) gives the eager draft's tokens,
+    logits and confidences."""
     model, ids = model_and_ids
     window = model.args.window_size
     assert ids.numel() > window + 2
@@ -85,7 +86,8 @@ def test_graph_shaped_drafts_are_bit_identical_on_cpu(model_and_ids):
     for graphs in (None, SegmentGraphs(max_rows=cpu.ROW_TILE, capture=False)):
         state = SequenceState()
         out = model.forward(state, ids[: window + 2])
-        model.dspark.write_context(state, out.main_hidden, torch.arange(window + 2))
+        model.dspark.write_context(state, out.main_hidden[:window], 0)
+        model.dspark.write_context(state, out.main_hidden[window:], window, graphs=graphs)  # a step's 2 rows
         results.append([model.dspark.draft(state, anchor, graphs=graphs) for anchor in (5, 17)])
     for (tokens, logits, confidence), (tokens2, logits2, confidence2) in zip(*results, strict=True):
         assert tokens == tokens2 and torch.equal(logits, logits2) and torch.equal(confidence, confidence2)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dsflash.cli import main
+from dsflash.engine.graphs import SegmentGraphs
 from dsflash.engine.runner import Runner
 from dsflash.engine.sampling import SamplingParams
 from dsflash.engine.session import Engine
@@ -223,6 +224,27 @@ def test_a_session_after_an_ended_one_replays_its_graphs_with_the_same_tokens():
     before = captures(graphed)
     assert before > 0 and [run(graphed, k) for k in (0, 3)] == want
     assert captures(graphed) == before
+
+
+def test_graphed_drafts_are_bit_identical_on_cuda():
+    """DSpark drafts from CUDA graphs -- a step's context rows written by one, the stages and the head run by
+    another, the Markov chain by a third -- give the eager drafts' tokens, logits and confidences, whether a
+    key's call warms up, captures or replays (the same rows rewritten each time: the state stays put)."""
+    model = load_model(CASE, device="cuda")
+    window = model.args.window_size
+    ids = torch.randint(3, 500, (window + 3,), generator=torch.Generator().manual_seed(4)).to("cuda")
+    state = SequenceState(device="cuda")
+    hidden = model.forward(state, ids).main_hidden
+    model.dspark.write_context(state, hidden[:window], 0)
+    graphs = SegmentGraphs()
+    results = []
+    for g in (None, graphs, graphs, graphs):
+        model.dspark.write_context(state, hidden[window:], window, graphs=g)
+        results.append([model.dspark.draft(state, anchor, graphs=g) for anchor in (5, 17)])
+    assert graphs.captures == 3  # the context write, the stages and head, the chain
+    for other in results[1:]:
+        for (tokens, logits, confidence), (tokens2, logits2, confidence2) in zip(results[0], other, strict=True):
+            assert tokens == tokens2 and torch.equal(logits, logits2) and torch.equal(confidence, confidence2)
 
 
 def test_cuda_graphs_dropped_least_recently_replayed_keep_the_bits():

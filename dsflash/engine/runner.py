@@ -4,14 +4,12 @@ on the Triton backend (engine/graphs.py), one at a time."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from dsflash.config import ModelArgs
 from dsflash.engine.graphs import SegmentGraphs
-from dsflash.model.dspark import argmax_sampler
 from dsflash.model.state import SequenceState, StatePool
 from dsflash.model.transformer import ForwardOutput, Streams, Tokens, Transformer
 
@@ -50,11 +48,10 @@ class Runner:
         with self.lock:
             return self.model.forward(state, x, tail_only=tail_only, graphs=self.graphs)
 
-    def write_context(self, state: SequenceState, main_hidden: torch.Tensor, positions: torch.Tensor) -> None:
+    def write_context(self, state: SequenceState, main_hidden: torch.Tensor, first: int) -> None:
         with self.lock, self.model.on_head():
-            self.model.dspark.write_context(state, main_hidden, positions)
+            self.model.dspark.write_context(state, main_hidden, first, graphs=self.graphs)
 
-    def draft(self, state: SequenceState, anchor: int, sampler: Callable[[torch.Tensor], int] = argmax_sampler
-              ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    def draft(self, state: SequenceState, anchor: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         with self.lock, self.model.on_head():
-            return self.model.dspark.draft(state, anchor, sampler, graphs=self.graphs)
+            return self.model.dspark.draft(state, anchor, graphs=self.graphs)

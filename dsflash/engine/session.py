@@ -27,7 +27,6 @@ from dsflash.engine.images import ImageSpan, SpanKey, cache_key, span_keys, toke
 from dsflash.engine.prefix_cache import PrefixCache
 from dsflash.engine.runner import Runner
 from dsflash.model.attention import append_entries
-from dsflash.model.dspark import argmax_sampler
 from dsflash.model.load import load_model
 from dsflash.model.parallel import Sharding
 from dsflash.model.state import ROLLBACK_ROWS, PositionRing
@@ -233,14 +232,14 @@ class Session:
         self.last_logits = logits[-1]
         return logits
 
-    def draft(self, anchor: int, sampler: Callable[[torch.Tensor], int] = argmax_sampler) -> list[int]:
-        """DSpark proposals for the positions after `anchor`, which is the token at position `pos`."""
+    def draft(self, anchor: int) -> list[int]:
+        """DSpark's greedy proposals for the positions after `anchor`, which is the token at position `pos`."""
         win = self.engine.args.window_size
         first = max(self.state.dspark_pos, self.pos - win)
         if first < self.pos:
             positions = torch.arange(first, self.pos, device=self.device)
-            self.decoder.write_context(self.state, self._main_hidden.read(positions), positions)
-        return self.decoder.draft(self.state, anchor, sampler)[0][1:]
+            self.decoder.write_context(self.state, self._main_hidden.read(positions), first)
+        return self.decoder.draft(self.state, anchor)[0][1:]
 
     def cache_key(self) -> list[int]:
         """The prefix-cache key of the session's tokens (image spans by content, see engine/images.py)."""

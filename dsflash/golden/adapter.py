@@ -84,10 +84,10 @@ class GoldenEngine:
         dspark, dev = self.model.dspark, self.device
         state = SequenceState(device=dev)
         hidden = torch.from_numpy(prefill_main_hidden).to(device=dev, dtype=torch.bfloat16)
-        dspark.write_context(state, hidden, torch.arange(hidden.size(0), device=dev))
+        dspark.write_context(state, hidden, 0)
         out = []
         for anchor, row, pos in zip(anchors, ctx_rows, start_pos, strict=True):
             row = torch.from_numpy(row).to(device=dev, dtype=torch.bfloat16).unsqueeze(0)
-            dspark.write_context(state, row, torch.tensor([int(pos)], device=dev))
+            dspark.write_context(state, row, int(pos))
             out.append(dspark.draft(state, int(anchor))[1].cpu().numpy())
         return np.stack(out)

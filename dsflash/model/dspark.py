@@ -4,7 +4,6 @@ target context KV, then the shared head plus a sequential Markov correction and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -59,10 +58,6 @@ class DSparkAttention(Attention):
         return source, idx.contiguous()
 
 
-def argmax_sampler(logits: torch.Tensor) -> int:
-    return int(logits.argmax())
-
-
 class DSpark:
     def __init__(self, args: ModelArgs, w: WeightLoader, ropes: tuple[Rope, Rope], embed: torch.Tensor,
                  head: torch.Tensor):
@@ -83,25 +78,38 @@ class DSpark:
         self.markov_head = w.linear(last + "markov_head.head", widen=True)
         self.confidence = w.linear(last + "confidence_head.proj", widen=True)
 
-    def write_context(self, state, main_hidden: torch.Tensor, positions: torch.Tensor) -> None:
-        """Store the context KV of target rows (main_hidden = the taps' stream means, [N, n_taps*D])."""
-        n = positions.numel()
+    def write_context(self, state, main_hidden: torch.Tensor, first: int, graphs: Replayer | None = None) -> None:
+        """Store the context KV of the target rows at positions first, first+1, ... (main_hidden = the taps'
+        stream means, [N, n_taps*D]). With `graphs`, a decode's few rows replay one CUDA graph per row count
+        (keyed by the rings' addresses): eagerly these few rows cost more than the draft's stages."""
+        n = main_hidden.size(0)
         rows = pad_rows(main_hidden, self.k.row_tile)
-        first = int(positions[0])
         pos = torch.arange(first, first + rows.size(0), device=rows.device)
         self.stages[0].attn.rope.reserve(first + rows.size(0), rows.device)
-        main_x = self.k.rms_norm(self.k.linear(rows, self.main_proj), self.main_norm, self.args.norm_eps)
-        for block in self.stages:
-            block.attn.write_context(state, main_x, pos, n)
-        state.dspark_pos = int(positions[-1]) + 1
 
-    def draft(self, state, anchor: int, sampler: Callable[[torch.Tensor], int] = argmax_sampler,
-              graphs: Replayer | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        def write(positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            main_x = self.k.rms_norm(self.k.linear(x, self.main_proj), self.main_norm, self.args.norm_eps)
+            for block in self.stages:
+                block.attn.write_context(state, main_x, positions, n)
+            return ()
+
+        if graphs is not None and graphs.begin(rows.size(0), tuple(r.rebuilds for r in self.ropes)):
+            graphs.run(("dspark-context", n, self._rings(state)), write, pos, rows)
+        else:
+            write(pos, rows)
+        state.dspark_pos = first + n
+
+    def _rings(self, state) -> tuple[tuple[int, int], ...]:
+        """What a graph of the stages reads and writes of the state: the context rings, by address and size."""
+        return tuple((stage.attn.history(state).data.data_ptr(), stage.attn.history(state).capacity)
+                     for stage in self.stages)
+
+    def draft(self, state, anchor: int, graphs: Replayer | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """One draft round after the target row at position state.dspark_pos - 1 produced `anchor`.
         Returns ([anchor, d_1..d_B], logits [B, V] with the Markov bias added, raw confidence [B]).
         With `graphs` (the engine's store), once a whole window of context exists the stages and the head
         replay one CUDA graph per session (keyed by its context rings' addresses; one per stage when the stages'
-        routed experts are off the device); the Markov chain samples token by token, eagerly."""
+        routed experts are off the device), and the Markov chain one more."""
         a = self.args
         b = a.dspark_block_size
         p0 = state.dspark_pos
@@ -115,8 +123,7 @@ class DSpark:
         fits = store is None or store.holds(min(rows * topk, n_experts))
         if (graphs is not None and graphs.begin(rows, tuple(r.rebuilds for r in self.ropes), fits)
                 and p0 >= a.window_size):
-            rings = [stage.attn.history(state).data for stage in self.stages]
-            key = ("dspark", b, tuple((t.data_ptr(), t.size(0)) for t in rings))
+            key = ("dspark", b, self._rings(state))
             # routed experts from the expert store: a graph per stage, each stopping after its routing, the
             # stage's experts loaded into the store's slots before the next one runs them
             halts = 0 if store is None else len(self.stages)
@@ -131,19 +138,26 @@ class DSpark:
                 out = graphs.run((*key, s), fn, chunk.positions, *inputs)
                 if s < halts:
                     inputs = (*out[:6], store.slots_for(a.n_layers + s, out[6]))
-            x, logits = (t.clone() for t in out)
+            tokens, logits, confidence = graphs.run(("dspark-chain", b), self._chain, ids, *out)
+            logits, confidence = logits.clone(), confidence.clone()
         else:
-            x, logits = self._blocks(chunk, ids)
-        out, embeds = [anchor], []
-        for i in range(b):
-            e = self.markov_embed[out[-1]]
-            bias = self.k.linear(e.float().unsqueeze(0), self.markov_head)[0]
-            logits[i] += bias
+            tokens, logits, confidence = self._chain(ids, *self._blocks(chunk, ids))
+        return tokens.tolist(), logits, confidence
+
+    def _chain(self, ids: torch.Tensor, x: torch.Tensor, logits: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sequential Markov correction from the anchor ids[0], greedy (a draft only proposes: the target's
+        verify decides every token), then the confidence head. On the device, token after token, so that a
+        graph holds the chain and a draft reads its tokens back once. `logits` gets the biases in place."""
+        tok, tokens, embeds = ids[:1], [ids[:1]], []
+        for i in range(self.args.dspark_block_size):
+            e = self.markov_embed[tok]
+            logits[i] += self.k.linear(e.float(), self.markov_head)[0]
+            tok = logits[i].argmax().view(1)
+            tokens.append(tok)
             embeds.append(e)
-            out.append(sampler(logits[i]))
-        hidden = torch.cat([x[:b], torch.stack(embeds)], dim=-1).float()
-        confidence = self.k.linear(hidden, self.confidence)[:b, 0]
-        return out, logits, confidence
+        hidden = torch.cat([x[: len(embeds)], torch.cat(embeds)], dim=-1).float()
+        return torch.cat(tokens), logits, self.k.linear(hidden, self.confidence)[: len(embeds), 0]
 
     def _blocks(self, chunk: Chunk, ids: torch.Tensor | None = None, *,
                 resume: tuple[int, FfnInput, torch.Tensor, torch.Tensor] | None = None, halt: bool = False
