@@ -41,6 +41,7 @@ from dsflash.train.backend import (
 from dsflash.train.export import export_weights, stored_tensors
 from dsflash.train.indexer import attention_picks, attention_target, query_rows
 from dsflash.train.loop import (
+    FAR_VOCAB,
     REPEAT_VOCAB_GROWTH,
     REPEAT_VOCAB_LEARNT,
     REPEAT_VOCAB_STEPS,
@@ -350,9 +351,9 @@ def test_the_copy_curriculum_grows_the_gap_between_a_passage_and_its_copy_then_t
     """Among the first ids, the curriculum's levels vary the copy warm-up's distance from a copy to its passage (0,
     1, REPEAT_VOCAB_GROWTH-fold up to half the window): no fixed offset then predicts a copy, only the earlier
     occurrence of the current id (`twice_window`). Each copy's target follows the current id a passage and a gap
-    back. Then the ids grow; with every id the gap grows on beyond the window to the repeats' reach, those copies
-    reported as far; once that is learnt the warm-up ends, before its share of the phase; a backbone step logs the
-    gap and whether it warmed up."""
+    back. Then the ids grow; with every id copied, among FAR_VOCAB ids again the gap grows on beyond the window to
+    the repeats' reach, those copies reported as far, and then the ids; once that is learnt the warm-up ends, before
+    its share of the phase; a backbone step logs the gap and whether it warmed up."""
     t = trainer(data_dir, window_size=64, seq_len=2047, repeat_share=0.3, repeat_ids="vocabulary", repeat_vocab=16,
                 copy_warmup=1.0, repeat_reach=600, steps=1, eval_every=1000)
     half, every = t.args.window_size // 2, t.vocabulary.numel()
@@ -365,9 +366,12 @@ def test_the_copy_curriculum_grows_the_gap_between_a_passage_and_its_copy_then_t
     assert gaps[:3] == (0, 1, REPEAT_VOCAB_GROWTH) and ids[:3] == (16, 16, 16)
     top = gaps.index(half)  # every gap to half the window before a second id
     assert set(ids[:top + 1]) == {16} and ids[top + 1] == 16 * REPEAT_VOCAB_GROWTH and set(gaps[top:]) > {half}
-    assert ids.index(every) < gaps.index(half * REPEAT_VOCAB_GROWTH)  # beyond the window only with every id
+    beyond = ids.index(FAR_VOCAB, ids.index(every))  # every id copied within the window, then few ids again
+    assert gaps[beyond] == half and every > FAR_VOCAB
+    assert gaps[beyond + 1] == half * REPEAT_VOCAB_GROWTH and ids[beyond + 1] == FAR_VOCAB
     assert gaps[-1] == 600 and ids[-1] == every and levels[-1] == levels[-2]
-    assert sorted(gaps) == list(gaps) and sorted(ids) == list(ids)
+    assert gaps.index(600) < ids.index(every, beyond)  # the far gaps among few ids first, then the ids
+    assert sorted(gaps) == list(gaps) and all(sorted(part) == list(part) for part in (ids[:beyond], ids[beyond:]))
     assert not t.warming  # the last level learnt: the warm-up ends before its share of the phase
     t.warming, t.repeat_vocab, t.twice_gap = True, 16, half
     x, _, copies, far = t.window(0.5)

@@ -44,9 +44,10 @@ REPEAT_TOKENS = (16, 64)  # a repeated passage's length, from-to (Plan.repeat_sh
 REPEAT_GAP_MIN = 8  # tokens from a passage's end to its copy, at least
 # The copying curriculum (`Trainer.grow_copy_curriculum`): once the mean copy accuracy of the last
 # REPEAT_VOCAB_STEPS steps reaches REPEAT_VOCAB_LEARNT, the copy warm-up's longest gap between a passage and its
-# copy grows REPEAT_VOCAB_GROWTH-fold, and once it reaches half the window, Plan.repeat_vocab's id count does, and
-# then the gap again, to Plan.repeat_reach
+# copy grows REPEAT_VOCAB_GROWTH-fold, and once it reaches half the window, Plan.repeat_vocab's id count does;
+# then, among FAR_VOCAB ids again, the gap beyond the window to Plan.repeat_reach, and the ids once more
 REPEAT_VOCAB_GROWTH, REPEAT_VOCAB_STEPS, REPEAT_VOCAB_LEARNT = 4, 25, 0.5
+FAR_VOCAB = 64
 TWICE_TOKENS = 32  # a passage of Plan.copy_warmup's windows, written twice
 
 
@@ -278,6 +279,7 @@ class Trainer:
             self.repeat_vocab = min(plan.repeat_vocab or ids.numel(), ids.numel())
         # the copy warm-up's longest gap between a passage and its copy (`twice_window`); the curriculum grows it
         self.twice_gap = 0
+        self.beyond = False  # the curriculum's gap grows beyond the window (`grow_copy_curriculum`)
         self.warming = plan.copy_warmup > 0  # until the warm-up's share of the phase or its last level is done
         self._copy_accs: deque[float] = deque(maxlen=REPEAT_VOCAB_STEPS)  # the last steps' (`grow_copy_curriculum`)
         self.validation = torch.from_numpy(validation.astype(np.int64))
@@ -498,23 +500,26 @@ class Trainer:
         """The copying curriculum, after each step (each rank by its own windows' accuracy): once the copies of the
         present level are learnt, the copy warm-up's longest gap grows (`twice_gap`: 0, 1, then
         REPEAT_VOCAB_GROWTH-fold up to half the window, the text's repeats' first reach), among the first ids;
-        then REPEAT_VOCAB_GROWTH times the ids (Plan.repeat_vocab); with every id, the gap again, beyond the window
-        to Plan.repeat_reach (at most half a window of seq_len: copies read from the compressed entries the
-        indexer picks); once that is learnt the warm-up ends: the text's time is not spent on windows that have
-        nothing more to teach. The gap comes first: among 64 ids the smoke model learnt every gap to 64
-        (0.87-0.91 of the copies), where with every id a plain model stayed at the gap of 1 for 30,000 steps
-        (bench/results/copy-probe-gaps-cpu-2026-12-07.txt)."""
+        then REPEAT_VOCAB_GROWTH times the ids (Plan.repeat_vocab); then, among FAR_VOCAB ids again, the gap beyond
+        the window to Plan.repeat_reach (at most half a window of seq_len: copies read from the compressed entries
+        the indexer picks), and the ids again; once that is learnt the warm-up ends: the text's time is not spent
+        on windows that have nothing more to teach. The gap comes first, among few ids, both times: among 64 ids
+        the smoke model learnt every gap to 64 (0.87-0.91 of the copies), where with every id a plain model stayed
+        at the gap of 1 for 30,000 steps (bench/results/copy-probe-gaps-cpu-2026-12-07.txt); beyond its window it
+        learnt copies among 64 ids (far-copy-smoke-cpu-2026-12-07.txt), where the trained model with every id
+        copied 0-17 % for 1,270 steps (train-h100-far-copies-2026-12-07.md)."""
         self._copy_accs.append(copy_acc)
         if len(self._copy_accs) < REPEAT_VOCAB_STEPS or sum(self._copy_accs) / REPEAT_VOCAB_STEPS < REPEAT_VOCAB_LEARNT:
             return
         every = self.repeat_vocab >= self.vocabulary.numel()
-        reach = self.args.window_size // 2
-        if every:  # beyond the window only once every id is copied
-            reach = max(reach, min(self.plan.repeat_reach, self.plan.seq_len // 2))
-        if self.warming and self.twice_gap < reach:
-            self.twice_gap = min(reach, max(1, self.twice_gap * REPEAT_VOCAB_GROWTH))
+        near = self.args.window_size // 2
+        far = max(near, min(self.plan.repeat_reach, self.plan.seq_len // 2))
+        if self.warming and self.twice_gap < (far if self.beyond else near):
+            self.twice_gap = min(far if self.beyond else near, max(1, self.twice_gap * REPEAT_VOCAB_GROWTH))
         elif not every:
             self.repeat_vocab = min(self.vocabulary.numel(), self.repeat_vocab * REPEAT_VOCAB_GROWTH)
+        elif self.warming and not self.beyond and near < far:
+            self.beyond, self.repeat_vocab = True, min(FAR_VOCAB, self.vocabulary.numel())
         elif self.warming:
             self.warming = False
             return
