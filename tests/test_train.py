@@ -50,6 +50,7 @@ from dsflash.train.loop import (
     Trainer,
     draft_logits,
     drop_unrouted_grads,
+    greedy_chain,
     learning_rate,
     smoke_args,
 )
@@ -573,6 +574,41 @@ def test_the_saved_checkpoint_decodes_and_drafts_like_plain_decoding(data_dir, t
     assert list(decode(s, s.prefill(ids), 16, SamplingParams(), stop=set(), dspark=3, stats=fixed,
                        adaptive=False)) == outputs[0]
     assert fixed.cycles > 0 and fixed.drafted == 3 * fixed.cycles
+
+
+def test_dspark_chain_labels_each_block_with_the_targets_own_greedy_continuation(data_dir):
+    """Plan.dspark_chain (`greedy_chain`): the rows after each anchor become the target's greedy chain -- each the
+    token a forward of the rewritten window up to it predicts, as decoding verifies drafts -- every other row
+    keeps the text; a row whose chain holds gets weight 1 and its label (the final forward's greedy token) is
+    what a forward of its prefix alone predicts; the first row of a block always counts. The text agrees with
+    the greedy tokens on fewer rows than the chain holds on (without the rewrite, fewer would count)."""
+    t = trainer(data_dir, seq_len=255, dspark_chain=True)
+    x = t.window(0.5)[0][:-1]
+    b = t.args.dspark_block_size
+    anchors = torch.tensor([9, 60, 131, 200])
+    model = t.model()
+
+    def next_token(prefix: torch.Tensor) -> int:
+        return int(model.forward(TrainState(), Tokens(prefix)).logits[-1].argmax())
+
+    with torch.no_grad():
+        text_greedy = model.forward(TrainState(), Tokens(x)).logits.argmax(-1)
+        chain, out, weights = greedy_chain(model, x, anchors)
+        greedy, w = out.logits.argmax(-1), weights.view(-1, b)
+        rows = (anchors.unsqueeze(1) + torch.arange(1, b)).flatten()
+        kept = torch.ones(x.numel(), dtype=torch.bool)
+        kept[rows] = False
+        assert torch.equal(chain[kept], x[kept]) and not torch.equal(chain[rows], x[rows])
+        assert bool((w[:, 0] == 1).all()) and float(w[:, 1:].sum()) >= b
+        assert float((x[rows] == text_greedy[rows - 1]).float().mean()) < float(w[:, 1:].mean())
+        for q, row in zip(anchors.tolist(), w, strict=True):
+            for i in range(b):
+                if row[i]:
+                    assert int(greedy[q + i]) == next_token(chain[:q + i + 1]), (q, i)
+                    if i:
+                        assert int(chain[q + i]) == next_token(chain[:q + i]), (q, i)
+    loss = t.draft_loss(t.window(0.5)[0][:-1], anchors)[0]  # the trainer's DSpark step takes the chain's labels
+    assert torch.isfinite(loss)
 
 
 def test_side_by_side_blocks_draft_as_decoding_drafts(data_dir):

@@ -85,7 +85,8 @@ def _train(ns: argparse.Namespace) -> int:
     plan = Plan(seq_len=ns.seq_len, budget_s=ns.budget - SAVE_RESERVE_S, steps=ns.steps, dspark_steps=ns.dspark_steps,
                 seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows, lr=ns.lr,
                 dspark_lr=ns.lr if ns.dspark_lr is None else ns.dspark_lr, anchors=ns.anchors,
-                dspark_share=ns.dspark_share, fact_span=ns.fact_span, index_rows=ns.index_rows,
+                dspark_chain=ns.dspark_chain, dspark_share=ns.dspark_share, fact_span=ns.fact_span,
+                index_rows=ns.index_rows,
                 index_weight=ns.index_weight, attention_picks=ns.attention_picks, answer_weight=ns.answer_weight,
                 repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach,
                 repeat_ids=ns.repeat_ids, repeat_vocab=ns.repeat_vocab, copy_warmup=ns.copy_warmup,
@@ -157,6 +158,9 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchors", type=int, default=Plan.anchors,
                         help="draft blocks a DSpark window trains (the window's frozen forward costs the same "
                              "for any number)")
+    parser.add_argument("--dspark-chain", action="store_true",
+                        help="DSpark labels from the target's greedy chain after each anchor, as decoding verifies "
+                             "them (b - 1 more target forwards a window; anchors b apart)")
     parser.add_argument("--dspark-share", type=float, default=Plan.dspark_share,
                         help="of the budget, for the DSpark stages")
     parser.add_argument("--fact-span", type=int, default=Plan.fact_span,
