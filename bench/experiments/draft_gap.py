@@ -7,7 +7,10 @@ way. In a block's accepted prefix both see the same tokens, so the two agree up 
 cycle (the same cycles replayed on the teacher-forced drafts give the measured acceptance back); a gap
 beyond that is a mismatch between training and decoding.
 
-`PYTHONPATH=$PWD python3 bench/experiments/draft_gap.py [--prompts 4 --tokens 64]`
+`--drafters DIR...` scores more drafters of the same backbone (DSpark-only runs from it) teacher-forced on the same
+continuations: a comparison of drafters without decoding each.
+
+`PYTHONPATH=$PWD python3 bench/experiments/draft_gap.py [--prompts 4 --tokens 64] [--drafters RUN/checkpoint ...]`
 """
 
 import argparse
@@ -27,30 +30,17 @@ from dsflash.train.backend import Masters, TrainState, training_kernels
 from dsflash.train.loop import draft_logits
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default=str(TRAINED))
-    p.add_argument("--heldout", default=str(TRAINED / HELDOUT))
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--tokens", type=int, default=64)
-    ns = p.parse_args()
-    engine = Engine.load(ns.model)
-    with np.load(ns.heldout) as f:
-        prompts = python_prompts(f["code"], ns.prompts, ns.prompt_len)
-    ckpt = Checkpoint(ns.model)
+def teacher_forced(model_dir: str, runs: list[tuple[list[int], list[int]]], b: int, tokens: int
+                   ) -> tuple[torch.Tensor, list[int], float]:
+    """A checkpoint's drafts teacher-forced on (prompt, greedy continuation) pairs: whether each block row's draft
+    is its label ([blocks, b], an anchor at every position of each continuation), the drafts decoding's cycles
+    would accept (its first anchor the prompt's last token; each cycle's accepted drafts and the target's own
+    next token move it on), and the share of the continuations' tokens the trainer's forward predicts too."""
+    ckpt = Checkpoint(model_dir)
     masters = Masters(ckpt, "cpu")
-    b = ckpt.args.dspark_block_size
     model = Transformer(ckpt.args, masters, engram_token_map(ckpt.path, ckpt.args), kernels=training_kernels(masters))
-    stats, blocks, agree, cycles = DecodeStats(), [], [], []
-    for ids in prompts:
-        s = engine.session()
-        # b more tokens than drafted: labels for the last cycles' blocks
-        plain = list(decode(s, s.prefill(ids), ns.tokens + b, SamplingParams(), stop=set()))
-        s = engine.session()
-        drafted = list(decode(s, s.prefill(ids), ns.tokens, SamplingParams(), stop=set(), dspark=b, stats=stats,
-                              adaptive=False))
-        assert drafted == plain[:ns.tokens]
+    blocks, cycles, agree = [], [], []
+    for ids, plain in runs:
         x = torch.tensor(ids + plain)
         with torch.no_grad():
             out = model.forward(TrainState(device="cpu"), Tokens(x))
@@ -61,24 +51,50 @@ def main() -> None:
             logits, _y, _e, labels = draft_logits(model, masters, out.main_hidden, x, greedy, anchors)
         right = (logits.argmax(-1) == labels).view(-1, b)
         blocks.append(right.float())
-        # decoding's cycles: the first anchors the prefill's token (position len(ids)); each cycle's accepted
-        # drafts and the target's own next token move the anchor on
         lead = right.long().cumprod(1).sum(1)
         q = len(ids)
-        while q - len(ids) < ns.tokens - 1:
+        while q - len(ids) < tokens - 1:
             cycles.append(int(lead[q - (len(ids) - 1)]))
             q += cycles[-1] + 1
-    right = torch.cat(blocks)
-    taught = float(right.cumprod(dim=1).sum(dim=1).mean())
+    return torch.cat(blocks), cycles, float(np.mean(agree))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=str(TRAINED))
+    p.add_argument("--heldout", default=str(TRAINED / HELDOUT))
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--drafters", nargs="*", default=[],
+                   help="more checkpoints with --model's backbone (a DSpark-only run from it): their drafts "
+                        "teacher-forced on the same continuations")
+    ns = p.parse_args()
+    engine = Engine.load(ns.model)
+    with np.load(ns.heldout) as f:
+        prompts = python_prompts(f["code"], ns.prompts, ns.prompt_len)
+    b = engine.args.dspark_block_size
+    stats, runs = DecodeStats(), []
+    for ids in prompts:
+        s = engine.session()
+        # b more tokens than drafted: labels for the last cycles' blocks
+        plain = list(decode(s, s.prefill(ids), ns.tokens + b, SamplingParams(), stop=set()))
+        s = engine.session()
+        drafted = list(decode(s, s.prefill(ids), ns.tokens, SamplingParams(), stop=set(), dspark=b, stats=stats,
+                              adaptive=False))
+        assert drafted == plain[:ns.tokens]
+        runs.append((ids, plain))
     print(f"{ns.prompts} prompts x {ns.tokens} tokens, depth {b}")
-    print(f"trainer's greedy == engine's greedy on the continuation: {np.mean(agree):.4f}")
     print(f"decoding: {stats.accept_rate:.4f} of drafts accepted, {stats.tokens_per_cycle:.3f} tokens a cycle "
           f"({stats.tokens_per_cycle - 1:.3f} drafts accepted a cycle)")
-    print(f"teacher-forced, at decoding's cycle anchors: {np.mean(cycles):.3f} drafts accepted a cycle "
-          f"({len(cycles)} cycles; decoding had {stats.cycles})")
-    print(f"teacher-forced, every position: {taught:.3f} drafts accepted a block ({taught / b:.4f} of drafts); "
-          f"each slot right: {[round(float(v), 3) for v in right.mean(0)]}, "
-          f"given the slots before it: {[round(float(v), 3) for v in right.cumprod(1).mean(0)]}")
+    for model_dir in [ns.model, *ns.drafters]:
+        right, cycles, agree = teacher_forced(model_dir, runs, b, ns.tokens)
+        taught = float(right.cumprod(dim=1).sum(dim=1).mean())
+        print(f"{model_dir}: trainer's greedy == engine's on the continuations {agree:.4f}; teacher-forced, at "
+              f"decoding's cycle anchors: {np.mean(cycles):.3f} drafts accepted a cycle ({len(cycles)} cycles; "
+              f"decoding had {stats.cycles}); every position: {taught:.3f} a block "
+              f"({taught / b:.4f} of drafts); each slot right: {[round(float(v), 3) for v in right.mean(0)]}, "
+              f"given the slots before it: {[round(float(v), 3) for v in right.cumprod(1).mean(0)]}")
 
 
 if __name__ == "__main__":
