@@ -95,7 +95,7 @@ class Plan:
     dspark_lr: float = 2e-3
     warmup: int = 30
     anchors: int = 256  # DSpark blocks per step
-    # DSpark labels from the target's own greedy chain after each anchor (`draft_loss`), as decoding verifies
+    # DSpark labels from the target's own greedy chain after each anchor (`greedy_chain`), as decoding verifies
     # them, instead of its greedy token after each text position (which, past a block's first row, follows text
     # the chain would not have written)
     dspark_chain: bool = False
