@@ -93,7 +93,7 @@ class DSpark:
                 block.attn.write_context(state, main_x, positions, n)
             return ()
 
-        if graphs is not None and graphs.begin(rows.size(0), tuple(r.rebuilds for r in self.ropes)):
+        if graphs is not None and graphs.begin(rows.size(0), self._epoch()):
             graphs.run(("dspark-context", n, self._rings(state)), write, pos, rows)
         else:
             write(pos, rows)
@@ -101,8 +101,12 @@ class DSpark:
 
     def _rings(self, state) -> tuple[tuple[int, int], ...]:
         """What a graph of the stages reads and writes of the state: the context rings, by address and size."""
-        return tuple((stage.attn.history(state).data.data_ptr(), stage.attn.history(state).capacity)
-                     for stage in self.stages)
+        rings = [stage.attn.history(state).data for stage in self.stages]
+        return tuple((t.data_ptr(), t.size(0)) for t in rings)
+
+    def _epoch(self) -> tuple[int, ...]:
+        """What the stages' graphs read by address besides weights and the state: the RoPE tables' versions."""
+        return tuple(r.rebuilds for r in self.ropes)
 
     def draft(self, state, anchor: int, graphs: Replayer | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """One draft round after the target row at position state.dspark_pos - 1 produced `anchor`.
@@ -121,7 +125,7 @@ class DSpark:
         store = self.stages[0].ffn.store
         n_experts, topk = a.moe_experts(a.n_layers)
         fits = store is None or store.holds(min(rows * topk, n_experts))
-        if (graphs is not None and graphs.begin(rows, tuple(r.rebuilds for r in self.ropes), fits)
+        if (graphs is not None and graphs.begin(rows, self._epoch(), fits)
                 and p0 >= a.window_size):
             key = ("dspark", b, self._rings(state))
             # routed experts from the expert store: a graph per stage, each stopping after its routing, the

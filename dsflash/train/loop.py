@@ -518,8 +518,9 @@ class Trainer:
         every = self.repeat_vocab >= self.vocabulary.numel()
         near = self.args.window_size // 2
         far = max(near, min(self.plan.repeat_reach, self.plan.seq_len // 2))
-        if self.warming and self.twice_gap < (far if self.beyond else near):
-            self.twice_gap = min(far if self.beyond else near, max(1, self.twice_gap * REPEAT_VOCAB_GROWTH))
+        reach = far if self.beyond else near
+        if self.warming and self.twice_gap < reach:
+            self.twice_gap = min(reach, max(1, self.twice_gap * REPEAT_VOCAB_GROWTH))
         elif not every:
             self.repeat_vocab = min(self.vocabulary.numel(), self.repeat_vocab * REPEAT_VOCAB_GROWTH)
         elif self.warming and not self.beyond and near < far:
@@ -700,7 +701,7 @@ def dspark_loss(model: Transformer, masters: Masters, main_hidden: torch.Tensor,
     logits, y, embeds, labels = draft_logits(model, masters, main_hidden, x, greedy, anchors, trace)
     right = (logits.argmax(-1) == labels).float()
     confidence = model.k.linear(torch.cat([y, embeds], dim=-1).float(), model.dspark.confidence)[:, 0]
-    if weights is None:
+    if weights is None:  # the plain mean, summed as before: runs without the chain keep their bits
         loss = F.cross_entropy(logits, labels) + 0.1 * F.binary_cross_entropy_with_logits(confidence, right)
     else:
         rows = (F.cross_entropy(logits, labels, reduction="none")

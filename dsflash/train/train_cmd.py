@@ -86,9 +86,8 @@ def _train(ns: argparse.Namespace) -> int:
                 seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows, lr=ns.lr,
                 dspark_lr=ns.lr if ns.dspark_lr is None else ns.dspark_lr, anchors=ns.anchors,
                 dspark_chain=ns.dspark_chain, dspark_share=ns.dspark_share, fact_span=ns.fact_span,
-                index_rows=ns.index_rows,
-                index_weight=ns.index_weight, attention_picks=ns.attention_picks, answer_weight=ns.answer_weight,
-                repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach,
+                index_rows=ns.index_rows, index_weight=ns.index_weight, attention_picks=ns.attention_picks,
+                answer_weight=ns.answer_weight, repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach,
                 repeat_ids=ns.repeat_ids, repeat_vocab=ns.repeat_vocab, copy_warmup=ns.copy_warmup,
                 batch=ns.batch, graphs=not ns.eager)
     trainer = Trainer(args, token_map, data.load_tokens(ns.data, "train"), data.load_tokens(ns.data, "validation"),
