@@ -10,6 +10,15 @@ from PIL import Image, ImageDraw
 SERIES = (("backbone", "train_loss", (70, 110, 200)), ("backbone", "val_loss", (220, 90, 40)),
           ("dspark", "train_loss", (60, 160, 90)))
 WIDTH, HEIGHT, MARGIN = 900, 500, 60
+POINTS = 200  # a training loss is drawn as running means over ~1/POINTS of its steps: a step is one window of text
+
+
+def running_mean(series: list[tuple[int, float]]) -> tuple[list[tuple[int, float]], int]:
+    """Means of each `span` consecutive losses (span: ~len/POINTS; one text window a step is noise), at their
+    last step; and the span."""
+    span = max(1, len(series) // POINTS)
+    return [(series[i + span - 1][0], sum(v for _, v in series[i:i + span]) / span)
+            for i in range(0, len(series) - span + 1, span)], span
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -21,12 +30,19 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def write_png(rows: list[dict], path: Path) -> None:
-    """Each series' loss against its step (the phases side by side: DSpark steps follow the backbone's)."""
+    """Each series' loss against its step (the phases side by side: DSpark steps follow the backbone's), the
+    training losses as running means; series with no points left out of the legend."""
     last = max((r["step"] for r in rows if r["phase"] == "backbone"), default=0)
     points = {}
     for phase, key, colour in SERIES:
-        points[(phase, key, colour)] = [(r["step"] + (last if phase == "dspark" else 0), r[key]) for r in rows
-                                        if r["phase"] == phase and r.get(key) is not None]
+        series = [(r["step"] + (last if phase == "dspark" else 0), r[key]) for r in rows
+                  if r["phase"] == phase and r.get(key) is not None]
+        label = f"{phase} {key}"
+        if key == "train_loss" and series:
+            series, span = running_mean(series)
+            label += f" (means of {span} steps)" if span > 1 else ""
+        if series:
+            points[(label, colour)] = series
     values = [v for series in points.values() for _, v in series]
     image = Image.new("RGB", (WIDTH, HEIGHT), "white")
     draw = ImageDraw.Draw(image)
@@ -40,11 +56,11 @@ def write_png(rows: list[dict], path: Path) -> None:
             return (MARGIN + (WIDTH - 1.5 * MARGIN) * step / steps,
                     HEIGHT - MARGIN - (HEIGHT - 1.5 * MARGIN) * (v - lo) / (hi - lo))
 
-        for (_, _, colour), series in points.items():
+        for (_, colour), series in points.items():
             if len(series) > 1:
                 draw.line([xy(s, v) for s, v in series], fill=colour, width=2)
-        for i, (phase, key, colour) in enumerate(points):
-            draw.text((MARGIN + 10, MARGIN // 2 + 8 + 14 * i), f"{phase} {key}", fill=colour)
+        for i, (label, colour) in enumerate(points):
+            draw.text((MARGIN + 10, MARGIN // 2 + 8 + 14 * i), label, fill=colour)
         draw.text((4, MARGIN // 2), f"{hi:.2f}", fill="black")
         draw.text((4, HEIGHT - MARGIN - 10), f"{lo:.2f}", fill="black")
         draw.text((WIDTH - MARGIN, HEIGHT - MARGIN + 8), f"step {steps}", fill="black")
