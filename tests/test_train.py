@@ -54,7 +54,7 @@ from dsflash.train.loop import (
     learning_rate,
     smoke_args,
 )
-from dsflash.train.plot import POINTS, running_mean
+from dsflash.train.plot import POINTS, block_means
 from dsflash.train.quality import NEEDLE_WORDS
 from dsflash.train.train_cmd import main as train_main
 
@@ -548,12 +548,12 @@ def test_two_ranks_train_as_one_process_with_two_windows_a_step(data_dir, tmp_pa
     assert ranks != one
 
 
-def test_the_loss_plot_draws_training_losses_as_running_means():
+def test_the_loss_plot_draws_training_losses_as_block_meanss():
     """A step's loss is one window's: the plot draws means of consecutive steps, each at its last step."""
     series = [(step, 1.0 if step % 2 else 3.0) for step in range(1, 4 * POINTS + 1)]
-    means, span = running_mean(series)
+    means, span = block_means(series)
     assert span == 4 and len(means) == POINTS and means[0] == (4, 2.0) and {v for _, v in means} == {2.0}
-    assert running_mean(series[:7]) == (series[:7], 1)
+    assert block_means(series[:7]) == (series[:7], 1)
 
 
 @pytest.mark.slow  # ~12 s on 2 cores

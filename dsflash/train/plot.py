@@ -10,10 +10,10 @@ from PIL import Image, ImageDraw
 SERIES = (("backbone", "train_loss", (70, 110, 200)), ("backbone", "val_loss", (220, 90, 40)),
           ("dspark", "train_loss", (60, 160, 90)))
 WIDTH, HEIGHT, MARGIN = 900, 500, 60
-POINTS = 200  # a training loss is drawn as running means over ~1/POINTS of its steps: a step is one window of text
+POINTS = 200  # a training loss is drawn as the means of blocks of ~1/POINTS of its steps: a step is one window of text
 
 
-def running_mean(series: list[tuple[int, float]]) -> tuple[list[tuple[int, float]], int]:
+def block_means(series: list[tuple[int, float]]) -> tuple[list[tuple[int, float]], int]:
     """Means of each `span` consecutive losses (span: ~len/POINTS; one text window a step is noise), at their
     last step; and the span."""
     span = max(1, len(series) // POINTS)
@@ -31,15 +31,15 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 def write_png(rows: list[dict], path: Path) -> None:
     """Each series' loss against its step (the phases side by side: DSpark steps follow the backbone's), the
-    training losses as running means; series with no points left out of the legend."""
+    training losses as block means; series with no points left out of the legend."""
     last = max((r["step"] for r in rows if r["phase"] == "backbone"), default=0)
     points = {}
     for phase, key, colour in SERIES:
         series = [(r["step"] + (last if phase == "dspark" else 0), r[key]) for r in rows
                   if r["phase"] == phase and r.get(key) is not None]
         label = f"{phase} {key}"
-        if key == "train_loss" and series:
-            series, span = running_mean(series)
+        if key == "train_loss":
+            series, span = block_means(series)
             label += f" (means of {span} steps)" if span > 1 else ""
         if series:
             points[(label, colour)] = series
