@@ -586,12 +586,12 @@ def test_the_saved_checkpoint_decodes_and_drafts_like_plain_decoding(data_dir, t
 
 
 def test_dspark_chain_labels_each_block_with_the_targets_own_greedy_continuation(data_dir):
-    """Plan.dspark_chain (`greedy_chain`): the rows after each anchor become the target's greedy chain -- each the
-    token a forward of the rewritten window up to it predicts, as decoding verifies drafts -- every other row
-    keeps the text; a row whose chain holds gets weight 1 and its label (the final forward's greedy token) is
+    """Plan.dspark_labels "chain" (`greedy_chain`): the rows after each anchor become the target's greedy chain --
+    each the token a forward of the rewritten window up to it predicts, as decoding verifies drafts -- every other
+    row keeps the text; a row whose chain holds gets weight 1 and its label (the final forward's greedy token) is
     what a forward of its prefix alone predicts; the first row of a block always counts. The text agrees with
     the greedy tokens on fewer rows than the chain holds on (without the rewrite, fewer would count)."""
-    t = trainer(data_dir, seq_len=255, dspark_chain=True)
+    t = trainer(data_dir, seq_len=255, dspark_labels="chain")
     x = t.window(0.5)[0][:-1]
     b = t.args.dspark_block_size
     anchors = torch.tensor([9, 60, 131, 200])
@@ -618,6 +618,35 @@ def test_dspark_chain_labels_each_block_with_the_targets_own_greedy_continuation
                         assert int(chain[q + i]) == next_token(chain[:q + i]), (q, i)
     loss = t.draft_loss(t.window(0.5)[0][:-1], anchors)[0]  # the trainer's DSpark step takes the chain's labels
     assert torch.isfinite(loss)
+
+
+def test_agreeing_labels_are_the_chains_where_the_text_is_the_chain(data_dir):
+    """Plan.dspark_labels "agreeing" (`greedy_chain` without the rewrite): one forward, the text unchanged; a block
+    row counts while the text before it is the target's greedy chain, and there its label is the chain's (what the
+    rewriting chain gives a lone anchor); the rows after the first disagreement count for nothing. The trainer's
+    DSpark loss is the mean over those rows, so it differs from the text labels' over every row."""
+    t = trainer(data_dir, seq_len=255, dspark_labels="agreeing")
+    b = t.args.dspark_block_size
+    anchors = torch.arange(1, 255 - b, b + 1)
+    model = t.model()
+    with torch.no_grad():  # a window whose text is the chain after every other anchor (an untrained model's never is)
+        x = greedy_chain(model, t.window(0.5)[0][:-1], anchors[::2])[0]
+        same, out, weights = greedy_chain(model, x, anchors, rewrite=False)
+        greedy, w = out.logits.argmax(-1), weights.view(-1, b)
+        at = anchors.unsqueeze(1) + torch.arange(b)
+        agree = (x[at[:, 1:]] == greedy[at[:, :-1]]).float()
+        assert torch.equal(same, x) and bool((w[:, 0] == 1).all())
+        assert torch.equal(w[:, 1:], agree.cumprod(dim=1)) and 0 < float(w[:, 1:].sum()) < w[:, 1:].numel()
+        for q, row in zip(anchors.tolist(), w, strict=True):
+            if row[1]:  # a lone anchor's rewritten chain: the same labels on the rows that count
+                chain_greedy = greedy_chain(model, x, torch.tensor([q]))[1].logits.argmax(-1)
+                kept = int(row.sum())
+                assert torch.equal(chain_greedy[q:q + kept], greedy[q:q + kept]), q
+    losses = [trainer(data_dir, seq_len=255, dspark_labels=labels).draft_loss(x, anchors)[0]
+              for labels in ("agreeing", "text")]
+    assert all(torch.isfinite(v) for v in losses) and float(losses[0]) != float(losses[1])
+    with pytest.raises(ValueError, match="dspark_labels"):
+        trainer(data_dir, dspark_labels="chains")
 
 
 def test_side_by_side_blocks_draft_as_decoding_drafts(data_dir):

@@ -49,6 +49,7 @@ REPEAT_GAP_MIN = 8  # tokens from a passage's end to its copy, at least
 REPEAT_VOCAB_GROWTH, REPEAT_VOCAB_STEPS, REPEAT_VOCAB_LEARNT = 4, 25, 0.5
 FAR_VOCAB = 64
 TWICE_TOKENS = 32  # a passage of Plan.copy_warmup's windows, written twice
+DSPARK_LABELS = ("text", "agreeing", "chain")  # Plan.dspark_labels
 
 
 def trained_args(vocab_size: int, classes: int) -> ModelArgs:
@@ -95,10 +96,11 @@ class Plan:
     dspark_lr: float = 2e-3
     warmup: int = 30
     anchors: int = 256  # DSpark blocks per step
-    # DSpark labels from the target's own greedy chain after each anchor (`greedy_chain`), as decoding verifies
-    # them, instead of its greedy token after each text position (which, past a block's first row, follows text
-    # the chain would not have written)
-    dspark_chain: bool = False
+    # the DSpark rows' labels (DSPARK_LABELS): the target's greedy token after each text position ("text"; past a
+    # block's first row it follows text the chain decoding verifies would not have written), or its greedy chain
+    # after each anchor (`greedy_chain`): only the rows where the text is that chain ("agreeing"), or every row,
+    # the text rewritten to the chain ("chain")
+    dspark_labels: str = "text"
     eval_every: int = 50
     eval_windows: int = 4  # validation windows of seq_len tokens
     fact_span: int = 2048  # tokens a window holds per recall fact (its statement, then its cue and answer)
@@ -272,6 +274,8 @@ class Trainer:
         self.train_tokens = torch.from_numpy(train.astype(np.int64))
         if plan.repeat_ids not in ("text", "window", "vocabulary"):
             raise ValueError(f"repeat_ids is text, window or vocabulary, not {plan.repeat_ids!r}")
+        if plan.dspark_labels not in DSPARK_LABELS:
+            raise ValueError(f"dspark_labels is one of {', '.join(DSPARK_LABELS)}, not {plan.dspark_labels!r}")
         if plan.copy_warmup and plan.repeat_ids != "vocabulary":
             raise ValueError("copy_warmup draws its ids as repeat_ids 'vocabulary' does: set that too")
         # the distinct ids of the train text in a seeded order: a "vocabulary" repeat draws from the first
@@ -609,7 +613,7 @@ class Trainer:
         p, b = self.plan, self.args.dspark_block_size
         x = self.window(stream=stream)[0][:-1]
         # a chain's blocks must not overlap (each writes its own rows of the window): anchors b apart at least
-        starts = np.arange(1, x.numel() - b, b if p.dspark_chain else 1)
+        starts = np.arange(1, x.numel() - b, b if p.dspark_labels == "chain" else 1)
         anchors = torch.from_numpy(np.sort(self.streams[stream].rng.choice(
             starts, size=min(p.anchors, starts.size), replace=False))).to(self.device)
         loss, accepted, loads = self._run(("dspark",), self.draft_loss, "mtp.", tokens=x, anchors=anchors)
@@ -622,11 +626,12 @@ class Trainer:
         rows at the `anchors` trained to give the greedy tokens after each anchor, backward included (its loss
         over `batch`). Returns (the loss, the drafts accepted per block, the expert loads), all on the device.
 
-        With Plan.dspark_chain, the labels are the target's greedy chain after each anchor (`greedy_chain`)."""
-        model = self.model()
+        With Plan.dspark_labels "agreeing" or "chain", the labels are the target's greedy chain after each anchor
+        (`greedy_chain`)."""
+        model, labels = self.model(), self.plan.dspark_labels
         with torch.no_grad():
-            if self.plan.dspark_chain:
-                tokens, out, weights = greedy_chain(model, tokens, anchors)
+            if labels != "text":
+                tokens, out, weights = greedy_chain(model, tokens, anchors, rewrite=labels == "chain")
             else:
                 out, weights = model.forward(TrainState(device=self.device), Tokens(tokens)), None
         trace: dict = {}
@@ -671,19 +676,21 @@ def draft_logits(model: Transformer, masters: Masters, main_hidden: torch.Tensor
     return logits, y, embeds, labels
 
 
-def greedy_chain(model: Transformer, tokens: torch.Tensor, anchors: torch.Tensor
+def greedy_chain(model: Transformer, tokens: torch.Tensor, anchors: torch.Tensor, rewrite: bool = True
                  ) -> tuple[torch.Tensor, ForwardOutput, torch.Tensor]:
-    """The window `tokens` with the b - 1 rows after each anchor (blocks b apart) rewritten to the target's greedy
-    chain, a row a forward (Jacobi iteration: b forwards in all), its last forward, and each block row's weight
-    in the DSpark loss. Decoding verifies draft i against the target's token after the anchor and drafts
-    1..i-1, never after the text's next tokens, which the greedy token equals only ~40 % of the time on held-out
-    Python. A block's rewrites also change the context of the blocks after it, so a row whose chain still
-    disagrees after the last forward gets weight 0, with every row after it in its block. Call without autograd."""
+    """Labels from the target's greedy chain after each anchor: the window `tokens` (with `rewrite`, the b - 1 rows
+    after each anchor, blocks b apart, rewritten to the chain, a row a forward: Jacobi iteration, b forwards in
+    all), its last forward, and each block row's weight in the DSpark loss. Decoding verifies draft i against the
+    target's token after the anchor and drafts 1..i-1, never after the text's next tokens, which the greedy token
+    equals only ~40 % of the time on held-out Python. A row whose text before it (after the rewrite: its chain,
+    which a block's rewrites change for the blocks after it) disagrees with the greedy tokens gets weight 0, with
+    every row after it in its block. Without `rewrite`, one forward: the text's labels on the rows where the text
+    already is the chain. Call without autograd."""
     b = model.args.dspark_block_size
     at = anchors.unsqueeze(1) + torch.arange(b, device=anchors.device)
     out = model.forward(TrainState(device=tokens.device), Tokens(tokens))
     tokens = tokens.clone()
-    for _ in range(b - 1):
+    for _ in range(b - 1 if rewrite else 0):
         tokens[at[:, 1:]] = out.logits.argmax(-1)[at[:, :-1]]
         out = model.forward(TrainState(device=tokens.device), Tokens(tokens))
     agree = tokens[at[:, 1:]] == out.logits.argmax(-1)[at[:, :-1]]

@@ -23,6 +23,7 @@ from dsflash.train import data
 from dsflash.train.backend import Masters
 from dsflash.train.export import SHARD_BYTES, export_weights
 from dsflash.train.loop import (
+    DSPARK_LABELS,
     REPEAT_VOCAB_GROWTH,
     REPEAT_VOCAB_LEARNT,
     REPEAT_VOCAB_STEPS,
@@ -85,7 +86,7 @@ def _train(ns: argparse.Namespace) -> int:
     plan = Plan(seq_len=ns.seq_len, budget_s=ns.budget - SAVE_RESERVE_S, steps=ns.steps, dspark_steps=ns.dspark_steps,
                 seed=ns.seed, eval_every=ns.eval_every, eval_windows=ns.eval_windows, lr=ns.lr,
                 dspark_lr=ns.lr if ns.dspark_lr is None else ns.dspark_lr, anchors=ns.anchors,
-                dspark_chain=ns.dspark_chain, dspark_share=ns.dspark_share, fact_span=ns.fact_span,
+                dspark_labels=ns.dspark_labels, dspark_share=ns.dspark_share, fact_span=ns.fact_span,
                 index_rows=ns.index_rows, index_weight=ns.index_weight, attention_picks=ns.attention_picks,
                 answer_weight=ns.answer_weight, repeat_share=ns.repeat_share, repeat_reach=ns.repeat_reach,
                 repeat_ids=ns.repeat_ids, repeat_vocab=ns.repeat_vocab, copy_warmup=ns.copy_warmup,
@@ -157,9 +158,11 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchors", type=int, default=Plan.anchors,
                         help="draft blocks a DSpark window trains (the window's frozen forward costs the same "
                              "for any number)")
-    parser.add_argument("--dspark-chain", action="store_true",
-                        help="DSpark labels from the target's greedy chain after each anchor, as decoding verifies "
-                             "them (b - 1 more target forwards a window; anchors b apart)")
+    parser.add_argument("--dspark-labels", choices=DSPARK_LABELS, default=Plan.dspark_labels,
+                        help="the DSpark rows' labels: the target's greedy token after each text position, or its "
+                             "greedy chain after each anchor, as decoding verifies drafts -- on the rows where the "
+                             "text is that chain (agreeing: the rest left out), or on every row, the text "
+                             "rewritten to the chain (b - 1 more target forwards a window; anchors b apart)")
     parser.add_argument("--dspark-share", type=float, default=Plan.dspark_share,
                         help="of the budget, for the DSpark stages")
     parser.add_argument("--fact-span", type=int, default=Plan.fact_span,
