@@ -7,10 +7,14 @@ way. In a block's accepted prefix both see the same tokens, so the two agree up 
 cycle (the same cycles replayed on the teacher-forced drafts give the measured acceptance back); a gap
 beyond that is a mismatch between training and decoding.
 
+`--cuts C...` replays the cycles with drafts cut at the first row whose confidence head is under C (ds4's
+`--dspark-confidence`): accepted drafts a cycle against drafted ones.
+
 `--drafters DIR...` scores more drafters of the same backbone (DSpark-only runs from it) teacher-forced on the same
 continuations: a comparison of drafters without decoding each.
 
-`PYTHONPATH=$PWD python3 bench/experiments/draft_gap.py [--prompts 4 --tokens 64] [--drafters RUN/checkpoint ...]`
+`PYTHONPATH=$PWD python3 bench/experiments/draft_gap.py [--prompts 4 --tokens 64] [--cuts 0.2 0.3 ...]
+[--drafters RUN/checkpoint ...]`
 """
 
 import argparse
@@ -30,16 +34,16 @@ from dsflash.train.backend import Masters, TrainState, training_kernels
 from dsflash.train.loop import draft_logits
 
 
-def teacher_forced(model_dir: str, runs: list[tuple[list[int], list[int]]], b: int, tokens: int
-                   ) -> tuple[torch.Tensor, list[int], float]:
-    """A checkpoint's drafts teacher-forced on (prompt, greedy continuation) pairs: whether each block row's draft
-    is its label ([blocks, b], an anchor at every position of each continuation), the drafts decoding's cycles
-    would accept (its first anchor the prompt's last token; each cycle's accepted drafts and the target's own
-    next token move it on), and the share of the continuations' tokens the trainer's forward predicts too."""
+def teacher_forced(model_dir: str, runs: list[tuple[list[int], list[int]]], b: int
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """A checkpoint's drafts teacher-forced on (prompt, greedy continuation) pairs, an anchor at every position of
+    each continuation from the prompt's last token: per pair, whether each block row's draft is its label and the
+    confidence head's sigmoid there ([anchors, b] each), and the share of the continuations' tokens the trainer's
+    forward predicts too."""
     ckpt = Checkpoint(model_dir)
     masters = Masters(ckpt, "cpu")
     model = Transformer(ckpt.args, masters, engram_token_map(ckpt.path, ckpt.args), kernels=training_kernels(masters))
-    blocks, cycles, agree = [], [], []
+    rights, confidences, agree = [], [], []
     for ids, plain in runs:
         x = torch.tensor(ids + plain)
         with torch.no_grad():
@@ -48,15 +52,29 @@ def teacher_forced(model_dir: str, runs: list[tuple[list[int], list[int]]], b: i
             # the trainer's forward gives the engine's greedy tokens where the continuation was decoded
             agree.append(float((greedy[len(ids) - 1:-1] == x[len(ids):]).float().mean()))
             anchors = torch.arange(len(ids) - 1, x.numel() - b)
-            logits, _y, _e, labels = draft_logits(model, masters, out.main_hidden, x, greedy, anchors)
-        right = (logits.argmax(-1) == labels).view(-1, b)
-        blocks.append(right.float())
+            logits, y, embeds, labels = draft_logits(model, masters, out.main_hidden, x, greedy, anchors)
+            confidence = model.k.linear(torch.cat([y, embeds], dim=-1).float(), model.dspark.confidence)[:, 0]
+        rights.append((logits.argmax(-1) == labels).view(-1, b))
+        confidences.append(torch.sigmoid(confidence).view(-1, b))
+    return rights, confidences, float(np.mean(agree))
+
+
+def cycles(rights: list[torch.Tensor], confidences: list[torch.Tensor], tokens: int, cut: float = 0.0
+           ) -> list[tuple[int, int]]:
+    """Decoding's cycles replayed on teacher-forced drafts, (drafted, accepted) each: the first anchor is the first
+    token decoded (the prefill's logits gave it: row 1 of `teacher_forced`'s); a cycle drafts a block's rows up to
+    the first whose confidence is under `cut`, accepts them up to the first wrong one, and the target's own next
+    token moves the anchor on past the accepted ones."""
+    out = []
+    for right, confidence in zip(rights, confidences, strict=True):
         lead = right.long().cumprod(1).sum(1)
-        q = len(ids)
-        while q - len(ids) < tokens - 1:
-            cycles.append(int(lead[q - (len(ids) - 1)]))
-            q += cycles[-1] + 1
-    return torch.cat(blocks), cycles, float(np.mean(agree))
+        drafted = (confidence >= cut).long().cumprod(1).sum(1)
+        q = 1
+        while q < tokens:
+            k = int(drafted[q])
+            out.append((k, min(int(lead[q]), k)))
+            q += out[-1][1] + 1
+    return out
 
 
 def main() -> None:
@@ -66,6 +84,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--cuts", type=float, nargs="*", default=[],
+                   help="confidence cuts to replay --model's cycles with (a cycle drafts the rows up to the first "
+                        "whose confidence head's sigmoid is under the cut), and its calibration by tenths")
     p.add_argument("--drafters", nargs="*", default=[],
                    help="more checkpoints with --model's backbone (a DSpark-only run from it): their drafts "
                         "teacher-forced on the same continuations")
@@ -88,14 +109,28 @@ def main() -> None:
     print(f"decoding: {stats.accept_rate:.4f} of drafts accepted, {stats.tokens_per_cycle:.3f} tokens a cycle "
           f"({stats.tokens_per_cycle - 1:.3f} drafts accepted a cycle)")
     for model_dir in [ns.model, *ns.drafters]:
-        right, cycles, agree = teacher_forced(model_dir, runs, b, ns.tokens)
+        rights, confidences, agree = teacher_forced(model_dir, runs, b)
+        right, replayed = torch.cat(rights).float(), cycles(rights, confidences, ns.tokens)
         taught = float(right.cumprod(dim=1).sum(dim=1).mean())
         print(f"{model_dir}: trainer's greedy == engine's on the continuations {agree:.4f}; teacher-forced, at "
-              f"decoding's cycle anchors: {np.mean(cycles):.3f} drafts accepted a cycle ({len(cycles)} cycles; "
-              f"decoding had {stats.cycles}); every position: {taught:.3f} a block "
+              f"decoding's cycle anchors: {np.mean([a for _, a in replayed]):.3f} drafts accepted a cycle "
+              f"({len(replayed)} cycles; decoding had {stats.cycles}); every position: {taught:.3f} a block "
               f"({taught / b:.4f} of drafts); each slot right: {[round(float(v), 3) for v in right.mean(0)]}, "
               f"given the slots before it: {[round(float(v), 3) for v in right.cumprod(1).mean(0)]}")
-
+        if model_dir != ns.model or not ns.cuts:
+            continue
+        confidence = torch.cat(confidences)
+        for lo in np.arange(0.0, 1.0, 0.1):
+            rows = (confidence >= lo) & (confidence < lo + 0.1)
+            print(f"  confidence {lo:.1f}-{lo + 0.1:.1f}: {int(rows.sum())} rows, {float(right[rows].mean()):.3f} right"
+                  if rows.any() else f"  confidence {lo:.1f}-{lo + 0.1:.1f}: no rows")
+        for cut in ns.cuts:
+            replayed = cycles(rights, confidences, ns.tokens, cut)
+            drafted, accepted = (sum(v) for v in zip(*replayed, strict=True))
+            depths = np.bincount([k for k, _ in replayed], minlength=b + 1).tolist()
+            print(f"  cut {cut:.2f}: {drafted / len(replayed):.3f} drafted and {accepted / len(replayed):.3f} "
+                  f"accepted a cycle ({accepted / max(drafted, 1):.3f} of drafts), {len(replayed)} cycles by drafts "
+                  f"{depths}")
 
 if __name__ == "__main__":
     main()
