@@ -21,16 +21,17 @@ from dsflash.train.train_cmd import main as train_main
 from tests.test_train import data_dir  # noqa: F401 (the fixture)
 
 # the trained model's bounds, set from its measured values with a small margin (None: not measured yet)
-# (the shipped model of 2026-12-07, run 12: run B's backbone -- run 11 of 2026-12-04, then on the H100 the copy
+# (the shipped model of 2026-12-07, run 13: run B's backbone -- run 11 of 2026-12-04, then on the H100 the copy
 # warm-up with the gap first (bench/results/train-h100-gapfirst-warmup-2026-12-07.json), the repeats' reach to
-# 4,096, facts and 1,581 DSpark steps -- and its DSpark stages 3,798 more steps on the CPU
-# (bench/results/train-cpu-run12-dspark-2026-12-07.json). CPU reference on a 2-core AMD EPYC: test NLL 3.556,
-# DSpark acceptance at a fixed depth 4 27.3 % (2.10 tokens a cycle), needles 0 of 5; run B before it: 3.556,
-# 25.4 %, 0 of 5; run 11: 3.642, 21.2 % (23.8 % on an Intel Xeon), 0 of 5). Acceptance moves with the CPU: torch's
-# kernels for another instruction set sum in another order, and greedy near-ties follow -- the margin covers the
-# 2.6 points seen between the two
+# 4,096, facts and 1,581 DSpark steps -- its DSpark stages 3,798 more steps on the CPU (run 12,
+# bench/results/train-cpu-run12-dspark-2026-12-07.json), then 610 on the chain's agreeing labels (run 13,
+# bench/results/dspark-agreeing-cpu-2026-12-07.txt). CPU reference on a 2-core AMD EPYC: test NLL 3.556, DSpark
+# acceptance at a fixed depth 4 30.4 % (2.23 tokens a cycle), needles 0 of 5; run 12: 3.556, 27.3 %, 0 of 5; run B:
+# 3.556, 25.4 %, 0 of 5; run 11: 3.642, 21.2 % (23.8 % on an Intel Xeon), 0 of 5). Acceptance moves with the CPU:
+# torch's kernels for another instruction set sum in another order, and greedy near-ties follow -- the margin
+# covers the 2.6 points seen between the two
 TEST_NLL_MAX: float | None = 3.65  # nats per token on the shipped sample (16K test-split tokens), CPU reference
-ACCEPT_MIN: float | None = 0.24  # DSpark acceptance on held-out Python at depth 4 (aim >= 0.5)
+ACCEPT_MIN: float | None = 0.27  # DSpark acceptance on held-out Python at depth 4 (aim >= 0.5)
 # of the 5 needles, 1500 tokens back (12 windows, 750 ratio-2 groups): unset while the shipped model recalls
 # none (it copies within its window, bench/results/induction-gapfirst-runB-cpu-2026-12-07.md, not from 1,500
 # tokens back): test_trained_model_recalls_needles is a strict xfail
