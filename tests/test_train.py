@@ -548,7 +548,7 @@ def test_two_ranks_train_as_one_process_with_two_windows_a_step(data_dir, tmp_pa
     assert ranks != one
 
 
-def test_the_loss_plot_draws_training_losses_as_block_meanss():
+def test_the_loss_plot_draws_training_losses_as_block_means():
     """A step's loss is one window's: the plot draws means of consecutive steps, each at its last step."""
     series = [(step, 1.0 if step % 2 else 3.0) for step in range(1, 4 * POINTS + 1)]
     means, span = block_means(series)
@@ -642,8 +642,7 @@ def test_agreeing_labels_are_the_chains_where_the_text_is_the_chain(data_dir):
                 chain_greedy = greedy_chain(model, x, torch.tensor([q]))[1].logits.argmax(-1)
                 kept = int(row.sum())
                 assert torch.equal(chain_greedy[q:q + kept], greedy[q:q + kept]), q
-    losses = [trainer(data_dir, seq_len=255, dspark_labels=labels).draft_loss(x, anchors)[0]
-              for labels in ("agreeing", "text")]
+    losses = [run.draft_loss(x, anchors)[0] for run in (t, trainer(data_dir, seq_len=255, dspark_labels="text"))]
     assert all(torch.isfinite(v) for v in losses) and float(losses[0]) != float(losses[1])
     with pytest.raises(ValueError, match="dspark_labels"):
         trainer(data_dir, dspark_labels="chains")
