@@ -74,6 +74,11 @@ def partly_right_drafter(session, prompt_len: int, plain: list[int], k: int = 4)
     return draft
 
 
+def proc_status(pid: int) -> dict[str, str]:
+    """A process's /proc status (Linux), each field's text by its name (Threads, VmRSS in kB, SigIgn, ...)."""
+    return dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+
+
 def free_port() -> int:
     import socket
 

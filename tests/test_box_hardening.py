@@ -21,7 +21,7 @@ from dsflash.engine.session import ContextLengthError, Engine
 from dsflash.numerics import numerics_version
 from dsflash.split.link import BoxRefused, BoxUnavailable, box_half
 from dsflash.split.protocol import HEADER, MAGIC, VERSION, Frame, FrameType, read_frame, tokens_body
-from tests.conftest import after_plan, free_port
+from tests.conftest import after_plan, free_port, proc_status
 from tests.test_split import (
     CASE,
     ROOT,
@@ -73,12 +73,9 @@ def append(request: int, session: int, ids: list[int], keep: int = 0, chunk: int
                  tokens_body(ids)).encode()
 
 
-def proc_status(b: BoxProcess, field: str) -> int:
+def box_status(b: BoxProcess, field: str) -> int:
     """A number from the box process's /proc status (Threads; VmRSS in kB)."""
-    for line in open(f"/proc/{b.proc.pid}/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
+    return int(proc_status(b.proc.pid)[field].split()[0])
 
 
 def wait_until(condition, timeout: float) -> bool:
@@ -153,7 +150,7 @@ def test_deeply_nested_meta_and_an_empty_append_get_named_errors(local):
 
 def test_silent_truncated_and_stalled_connections_are_closed_after_their_timeouts(local):
     with running(flags=("--handshake-timeout", "2", "--idle-timeout", "3", "--read-timeout", "2")) as b:
-        threads = proc_status(b, "Threads")
+        threads = box_status(b, "Threads")
         t0 = time.monotonic()
         idle = [raw_connect(b.port) for _ in range(40)]  # connect, say nothing
         truncated = raw_connect(b.port)  # a HELLO header announcing 100 bytes, then 10 of them
@@ -163,14 +160,14 @@ def test_silent_truncated_and_stalled_connections_are_closed_after_their_timeout
         stalled = raw_connect(b.port)  # authenticated, then a header announcing 200 MiB and 10 bytes of it
         assert hello(stalled, local.identity).type == FrameType.WELCOME
         stalled.sendall(HEADER.pack(MAGIC, VERSION, int(FrameType.APPEND), 0, 2, 200 << 20) + b"x" * 10)
-        assert proc_status(b, "Threads") >= threads + 40
+        assert box_status(b, "Threads") >= threads + 40
         for sock in [truncated, stalled, silent, *idle]:
             f = read_frame(sock)  # raw_connect's 10 s socket timeout: the box never answering fails here
             assert f.type == FrameType.ERROR and f.meta["code"] == "timeout", f.meta
             assert_closed(sock)
             sock.close()
         assert 1.5 < time.monotonic() - t0 < 3 + 4  # the longest timeout, and slack for a loaded machine
-        assert wait_until(lambda: proc_status(b, "Threads") <= threads, 5), "connection threads left behind"
+        assert wait_until(lambda: box_status(b, "Threads") <= threads, 5), "connection threads left behind"
         assert same_prefill(split_engine(b, deadline=5), local, prompt(12, seed=5))
 
 
@@ -309,7 +306,7 @@ def test_the_box_refuses_a_history_past_its_context_limit(local):
         assert (e.value.requested, e.value.limit) == (300, 128)
         ids = prompt(20, seed=9)
         assert torch.equal(s.prefill(ids), local.session().prefill(ids))  # the same session goes on
-        rss = proc_status(b, "VmRSS")
+        rss = box_status(b, "VmRSS")
         with raw_connect(b.port) as sock:
             assert hello(sock, local.identity).type == FrameType.WELCOME
             body = torch.full((8_400_000,), 5, dtype=torch.int32).numpy().tobytes()
@@ -317,7 +314,7 @@ def test_the_box_refuses_a_history_past_its_context_limit(local):
                                body).encode())
             f = read_frame(sock)
             assert (f.meta["code"], f.meta["requested"], f.meta["limit"]) == ("context_length", 8_400_000, 128)
-        assert proc_status(b, "VmRSS") - rss < 100 << 10  # kB: the frame's bytes are all it cost
+        assert box_status(b, "VmRSS") - rss < 100 << 10  # kB: the frame's bytes are all it cost
 
 
 def test_sessions_and_queued_requests_of_a_connection_are_bounded(local):

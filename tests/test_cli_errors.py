@@ -12,11 +12,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, after_plan, free_port, start_server
+from tests.conftest import ROOT, after_plan, free_port, proc_status, start_server
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 CLI = [sys.executable, "-m", "dsflash.cli"]
@@ -102,11 +101,10 @@ def signal_masks(pid: int) -> str:
     """The kernel's signal masks of a process (Linux): whether SIGINT (bit 2) is ignored, caught, blocked or
     pending -- what tells a lost Ctrl-C from a slow one."""
     try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        status = proc_status(pid)
     except OSError as e:
         return f"signal masks unreadable ({e})"
-    masks = ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
-    return ", ".join(line.replace("\t", " ") for line in lines if line[:6] in masks)
+    return ", ".join(f"{mask} {status[mask]}" for mask in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
 
 
 def test_ctrl_c_stops_a_reply_and_keeps_the_conversation(keyed):

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import after_plan, free_port, read_metrics, start_server
+from tests.conftest import after_plan, free_port, proc_status, read_metrics, start_server
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -345,8 +345,7 @@ def test_mixed_hostile_load_gives_no_5xx_and_keeps_memory_flat(ckpt):
     statuses: list[int] = []
 
     def rss() -> float:
-        with open(f"/proc/{proc.pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return int(proc_status(proc.pid)["VmRSS"].split()[0]) / 1024
 
     def ask(path: str, **kw) -> None:
         try:
